@@ -1,0 +1,46 @@
+# rollout-server: every target sets itself up from a fresh machine.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 50051
+MODEL ?= tiny-flux
+STUBS := clients/rollout/v1/rollout_pb2.py
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test demo proto lint bench clean
+
+serve: $(STAMP) $(STUBS)
+	$(VENV)/bin/rollout-server serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: $(STAMP) $(STUBS)
+	$(PY) -m pytest -q
+
+demo: $(STAMP) $(STUBS)
+	$(PY) examples/demo.py --out demo-output
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I protos --python_out=clients --pyi_out=clients \
+		--grpc_python_out=clients protos/rollout/v1/rollout.proto
+
+$(STUBS): protos/rollout/v1/rollout.proto $(STAMP)
+	$(MAKE) proto
+
+lint: $(STAMP) $(STUBS)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	npx --yes @bufbuild/buf@1.75.0 lint
+
+bench: $(STAMP) $(STUBS)
+	$(PY) bench/stream_overhead.py
+
+# torch goes first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==26.3 setuptools==80.9.0
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) demo-output clients/rollout/v1/*_pb2*.py* .pytest_cache .ruff_cache

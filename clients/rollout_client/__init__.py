@@ -1,0 +1,13 @@
+"""Python client for rollout-server: typed streaming events, trajectories, and log-prob replay.
+
+Imports torch, safetensors and grpc, never diffusers: a trainer can use it with any model code.
+"""
+
+from rollout_client.client import RolloutClient
+from rollout_client.events import Finished, Image, Started, Step
+from rollout_client.replay import replay_log_probs
+from rollout_client.trajectory import Trajectory, collect
+
+__all__ = [
+    "Finished", "Image", "RolloutClient", "Started", "Step", "Trajectory", "collect", "replay_log_probs",
+]

@@ -1,0 +1,113 @@
+"""Typed rollout events with decoded torch tensors, reassembled from the raw message stream."""
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout.v1 import rollout_pb2
+from rollout_client import codec
+
+
+@dataclass
+class Started:
+    """Resolved parameters, seeds, schedule, env and (when selected) x_0."""
+
+    request_id: str
+    message: rollout_pb2.RolloutStarted  # tensor bytes stripped
+    # env[branch][prompt_index] -> {kwarg: tensor or JSON value}, exactly as the transformer got it.
+    env: dict[str, list[dict[str, Any]]]
+    x0: torch.Tensor | None
+
+
+@dataclass
+class Step:
+    """One denoising step x_i -> x_{i+1}."""
+
+    request_id: str
+    message: rollout_pb2.RolloutStep  # tensor bytes stripped
+    index: int
+    stochastic: bool
+    log_probs: torch.Tensor | None  # float32 [B] when stochastic
+    x_next: torch.Tensor | None
+    debug: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Image:
+    """A decoded PNG image of one sample."""
+
+    request_id: str
+    sample_index: int
+    png: bytes
+
+
+@dataclass
+class Finished:
+    """Timings and memory."""
+
+    request_id: str
+    message: rollout_pb2.RolloutFinished
+
+
+Event = Started | Step | Image | Finished
+
+
+def _read_payload(first: bytes, following: int, responses: Iterator[rollout_pb2.RolloutResponse]) -> bytes:
+    pieces = [first]
+    for expected in range(1, following + 1):
+        response = next(responses)
+        if response.WhichOneof("event") != "chunk" or response.chunk.index != expected:
+            raise ValueError(f"stream out of order: expected payload chunk {expected}, got {response}")
+        pieces.append(response.chunk.data)
+    return b"".join(pieces)
+
+
+def _tensors(message_tensors: rollout_pb2.Tensors, responses) -> dict[str, torch.Tensor]:
+    data = message_tensors.data
+    buffer = _read_payload(data, message_tensors.following_chunks, responses)
+    message_tensors.ClearField("data")
+    return codec.decode(buffer)
+
+
+def _env(tensors: dict[str, torch.Tensor], env_json: str) -> dict[str, list[dict[str, Any]]]:
+    """Rebuild env[branch][prompt] from the env tensors and the JSON values (``{"tensor": name}``
+    entries refer to a tensor sent once for several entries)."""
+    nested: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("env/"):
+            _, branch, p, key = name.split("/", 3)
+            nested.setdefault(branch, {}).setdefault(int(p), {})[key] = tensor
+    for branch, per_prompt in json.loads(env_json or "{}").items():
+        for p, values in per_prompt.items():
+            for key, value in values.items():
+                if isinstance(value, dict) and set(value) == {"tensor"}:
+                    value = tensors.get(value["tensor"])  # absent in manifest-only mode
+                nested.setdefault(branch, {}).setdefault(int(p), {})[key] = value
+    return {branch: [per_prompt[p] for p in sorted(per_prompt)] for branch, per_prompt in nested.items()}
+
+
+def decode_stream(responses: Iterable[rollout_pb2.RolloutResponse]) -> Iterator[Event]:
+    """Turn raw RolloutResponse messages into typed events, reassembling split payloads."""
+    responses = iter(responses)
+    for response in responses:
+        kind = response.WhichOneof("event")
+        rid = response.request_id
+        if kind == "started":
+            tensors = _tensors(response.started.tensors, responses)
+            yield Started(rid, response.started, _env(tensors, response.started.env_json), tensors.get("x_0"))
+        elif kind == "step":
+            step = response.step
+            tensors = _tensors(step.tensors, responses)
+            log_probs = torch.tensor(list(step.log_probs), dtype=torch.float32) if step.stochastic else None
+            x_next = tensors.pop("x_next", None)
+            yield Step(rid, step, step.index, step.stochastic, log_probs, x_next, tensors)
+        elif kind == "image":
+            png = _read_payload(response.image.png, response.image.following_chunks, responses)
+            yield Image(rid, response.image.sample_index, png)
+        elif kind == "finished":
+            yield Finished(rid, response.finished)
+        else:
+            raise ValueError(f"unexpected message {kind!r} outside a payload")

@@ -1,0 +1,64 @@
+"""Per-sample seeds and the noise derivation rule.
+
+The server owns the noise, and every draw is reproducible from a sample's 64-bit seed alone:
+
+* per-sample seeds: explicit in the request, or derived from a base seed as
+  ``seed_k = splitmix64(base_seed + k)`` for the k-th sample (prompt-major), modulo 2**64;
+* noise stream ``j`` of a sample (``j = 0`` is the initial latent x_0, ``j = i + 1`` the eps of step i)
+  comes from ``torch.Generator("cpu").manual_seed(noise_seed(seed, j))`` with
+  ``noise_seed(seed, j) = splitmix64(seed ^ splitmix64(j))``;
+* each draw is ``torch.randn(latent_shape, generator=g, dtype=torch.float32)`` at the full
+  (unsharded) shape of one sample's latent, on the CPU, then moved to the device.
+
+So a sample's noise depends on neither the batch it ran in, nor which steps were stochastic, nor the
+device, nor the sequence-parallel degree; a trainer can regenerate any eps with ``step_noise``.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+MASK64 = (1 << 64) - 1
+NOISE_RULE = (
+    "seed_k = splitmix64(base_seed + k); stream j (0 = x_0, i + 1 = eps of step i) = "
+    "torch.randn(latent_shape, float32) from torch.Generator('cpu').manual_seed("
+    "splitmix64(seed ^ splitmix64(j)))"
+)
+
+
+def splitmix64(value: int) -> int:
+    """The SplitMix64 finaliser (Steele, Lea and Flood, 2014): a bijective 64-bit mixer."""
+    z = (value + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def derive_seeds(base_seed: int, count: int) -> list[int]:
+    """Per-sample seeds from a base seed: ``splitmix64(base_seed + k)`` for k in range(count)."""
+    return [splitmix64((base_seed + k) & MASK64) for k in range(count)]
+
+
+def noise_seed(seed: int, stream: int) -> int:
+    """Generator seed of noise stream ``stream`` (0 = x_0, i + 1 = eps of step i) of one sample."""
+    return splitmix64(seed ^ splitmix64(stream))
+
+
+def draw(seeds: Sequence[int], stream: int, latent_shape: Sequence[int]) -> torch.Tensor:
+    """Stack one float32 draw of ``latent_shape`` per sample seed: shape [len(seeds), *latent_shape]."""
+    generator = torch.Generator("cpu")
+    draws = []
+    for seed in seeds:
+        generator.manual_seed(noise_seed(seed, stream))
+        draws.append(torch.randn(tuple(latent_shape), generator=generator, dtype=torch.float32))
+    return torch.stack(draws)
+
+
+def initial_noise(seeds: Sequence[int], latent_shape: Sequence[int]) -> torch.Tensor:
+    """x_0 of each sample, float32 [B, *latent_shape] on the CPU."""
+    return draw(seeds, 0, latent_shape)
+
+
+def step_noise(seeds: Sequence[int], step: int, latent_shape: Sequence[int]) -> torch.Tensor:
+    """eps of step ``step`` of each sample, float32 [B, *latent_shape] on the CPU."""
+    return draw(seeds, step + 1, latent_shape)

@@ -1,0 +1,180 @@
+"""One sample's trajectory, gathered from a rollout stream, with save/load as one safetensors file."""
+
+import io
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image as PILImage
+from safetensors.torch import load_file, save_file
+
+from rollout.v1 import rollout_pb2
+from rollout_client.events import Event, Finished, Image, Started, Step
+
+SAMPLER_NAMES = {
+    rollout_pb2.SAMPLER_TYPE_FLOW_SDE: "FLOW_SDE",
+    rollout_pb2.SAMPLER_TYPE_DANCE: "DANCE",
+    rollout_pb2.SAMPLER_TYPE_CPS: "CPS",
+    rollout_pb2.SAMPLER_TYPE_ODE: "ODE",
+}
+
+
+@dataclass
+class Trajectory:
+    """Everything a trainer needs to replay one sample.
+
+    ``latents[j]`` is x_j (float32 [T + 1, ...]); latents the stream did not carry are NaN and
+    ``latent_mask[j]`` is False. ``log_probs[i]`` is NaN where step i is not stochastic.
+    """
+
+    request_id: str
+    sample_index: int
+    prompt_index: int
+    prompt: str
+    seed: int
+    sampler_type: str
+    noise_level: float
+    log_prob_constants: bool
+    sigmas: torch.Tensor  # float32 [T + 1]
+    timesteps: torch.Tensor  # float32 [T + 1]
+    stochastic: torch.Tensor  # bool [T]
+    latents: torch.Tensor  # [T + 1, ...] in the streamed latent dtype's values, as float32
+    latent_mask: torch.Tensor  # bool [T + 1]
+    log_probs: torch.Tensor  # float32 [T]
+    env: dict[str, dict[str, Any]]  # branch -> kwargs (batched entries with leading dim 1)
+    transformer_call: dict[str, Any]  # model_dtype, timestep_divisor, guidance_rule, ...
+    policy_version: int
+    image_png: bytes | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.stochastic)
+
+    def image(self) -> PILImage.Image | None:
+        return PILImage.open(io.BytesIO(self.image_png)) if self.image_png else None
+
+    def save(self, path: str | Path) -> None:
+        """Write tensors, env and metadata to one safetensors file (the PNG goes beside it)."""
+        tensors = {
+            "sigmas": self.sigmas,
+            "timesteps": self.timesteps,
+            "stochastic": self.stochastic.to(torch.uint8),
+            "latents": self.latents,
+            "latent_mask": self.latent_mask.to(torch.uint8),
+            "log_probs": self.log_probs,
+        }
+        values: dict[str, dict[str, Any]] = {}
+        for branch, env in self.env.items():
+            for key, value in env.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"env/{branch}/{key}"] = value.contiguous()
+                else:
+                    values.setdefault(branch, {})[key] = value
+        scalars = {k: getattr(self, k) for k in (
+            "request_id", "sample_index", "prompt_index", "prompt", "seed", "sampler_type", "noise_level",
+            "log_prob_constants", "policy_version",
+        )}
+        metadata = {"trajectory": json.dumps(scalars), "env_values": json.dumps(values),
+                    "transformer_call": json.dumps(self.transformer_call)}
+        save_file(tensors, str(path), metadata=metadata)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trajectory":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata()
+        tensors = load_file(str(path))
+        env: dict[str, dict[str, Any]] = json.loads(metadata["env_values"])
+        for name in [n for n in tensors if n.startswith("env/")]:
+            _, branch, key = name.split("/", 2)
+            env.setdefault(branch, {})[key] = tensors.pop(name)
+        return cls(
+            **json.loads(metadata["trajectory"]),
+            sigmas=tensors["sigmas"],
+            timesteps=tensors["timesteps"],
+            stochastic=tensors["stochastic"].bool(),
+            latents=tensors["latents"],
+            latent_mask=tensors["latent_mask"].bool(),
+            log_probs=tensors["log_probs"],
+            env=env,
+            transformer_call=json.loads(metadata["transformer_call"]),
+        )
+
+
+def collect(events: Iterable[Event]) -> list[Trajectory]:
+    """Gather a whole rollout stream into one Trajectory per sample (prompt-major order)."""
+    started: Started | None = None
+    latents: torch.Tensor | None = None
+    log_probs = mask = None
+    images: dict[int, bytes] = {}
+    finished = False
+    for event in events:
+        if isinstance(event, Started):
+            started = event
+            message = event.message
+            num_samples, num_steps = len(message.seeds), len(message.stochastic)
+            latents = torch.full((num_samples, num_steps + 1, *message.layout.shape), float("nan"))
+            mask = torch.zeros(num_steps + 1, dtype=torch.bool)
+            log_probs = torch.full((num_samples, num_steps), float("nan"))
+            if event.x0 is not None:
+                latents[:, 0] = event.x0.float()
+                mask[0] = True
+        elif isinstance(event, Step):
+            if event.x_next is not None:
+                latents[:, event.index + 1] = event.x_next.float()
+                mask[event.index + 1] = True
+            if event.log_probs is not None:
+                log_probs[:, event.index] = event.log_probs
+        elif isinstance(event, Image):
+            images[event.sample_index] = event.png
+        elif isinstance(event, Finished):
+            finished = True
+    if started is None or not finished:
+        raise ValueError("incomplete rollout stream: no started or no finished event")
+    return _trajectories(started, latents, mask, log_probs, images)
+
+
+def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Trajectory]:
+    message = started.message
+    resolved = message.resolved
+    call = message.transformer_call
+    transformer_call = {
+        "transformer_class": call.transformer_class,
+        "model_dtype": call.model_dtype,
+        "timestep_divisor": call.timestep_divisor,
+        "guidance_rule": call.guidance_rule,
+        "guidance_rule_scale": call.guidance_rule_scale,
+        "batched_env_keys": list(call.batched_env_keys),
+    }
+    sigmas = torch.tensor(list(message.sigmas), dtype=torch.float32)
+    timesteps = torch.tensor(list(message.timesteps), dtype=torch.float32)
+    stochastic = torch.tensor(list(message.stochastic), dtype=torch.bool)
+    trajectories = []
+    for k, (seed, p) in enumerate(zip(message.seeds, message.prompt_indices, strict=True)):
+        trajectories.append(
+            Trajectory(
+                request_id=started.request_id,
+                sample_index=k,
+                prompt_index=p,
+                prompt=resolved.prompts[p],
+                seed=seed,
+                sampler_type=SAMPLER_NAMES[resolved.sampler],
+                noise_level=resolved.noise_level,
+                log_prob_constants=message.log_prob_constants,
+                sigmas=sigmas,
+                timesteps=timesteps,
+                stochastic=stochastic,
+                latents=latents[k],
+                latent_mask=mask.clone(),
+                log_probs=log_probs[k],
+                env={branch: per_prompt[p] for branch, per_prompt in started.env.items()},
+                transformer_call=transformer_call,
+                policy_version=message.policy_version,
+                image_png=images.get(k),
+            )
+        )
+    return trajectories

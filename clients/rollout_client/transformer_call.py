@@ -1,0 +1,63 @@
+"""How a velocity is computed from the transformer and the frozen env: the one rule that the server
+runs and that a trainer replays.
+
+For each env branch (``positive``, and ``negative`` with true CFG)::
+
+    v_branch = transformer(hidden_states=x.to(model_dtype),
+                           timestep=(full([B], timestep, float32) / timestep_divisor).to(model_dtype),
+                           **env[branch])[0].float()
+
+then the guidance rule combines the branches in float32:
+
+* ``none``: v = v_positive
+* ``true_cfg``: v = v_negative + scale * (v_positive - v_negative)
+"""
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+GUIDANCE_RULES = ("none", "true_cfg")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def call_transformer(
+    transformer: torch.nn.Module,
+    x: torch.Tensor,
+    timestep: float,
+    env: Mapping[str, Any],
+    model_dtype: torch.dtype,
+    timestep_divisor: float,
+) -> torch.Tensor:
+    """One branch's velocity, float32, for the batch ``x`` [B, ...]."""
+    fed_timestep = torch.full((x.shape[0],), timestep, dtype=torch.float32, device=x.device)
+    fed_timestep = (fed_timestep / timestep_divisor).to(model_dtype)
+    output = transformer(hidden_states=x.to(model_dtype), timestep=fed_timestep, **env)
+    return (output[0] if isinstance(output, tuple) else output.sample).float()
+
+
+def apply_guidance(rule: str, scale: float, velocities: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Combine branch velocities (float32) by the guidance rule."""
+    if rule == "none":
+        return velocities["positive"]
+    if rule == "true_cfg":
+        positive, negative = velocities["positive"], velocities["negative"]
+        return negative + scale * (positive - negative)
+    raise ValueError(f"unknown guidance rule {rule!r}; expected one of {GUIDANCE_RULES}")
+
+
+def stack_envs(envs: Iterable[Mapping[str, Any]], batched_keys: Iterable[str]) -> dict[str, Any]:
+    """Batch per-sample envs: batched tensors concatenate along dim 0, batched lists concatenate,
+    shared (and absent, None) entries are taken from the first env."""
+    envs = list(envs)
+    batched = set(batched_keys)
+    stacked = {}
+    for key, first in envs[0].items():
+        if key not in batched or first is None:
+            stacked[key] = first
+        elif isinstance(first, torch.Tensor):
+            stacked[key] = torch.cat([env[key] for env in envs])
+        else:
+            stacked[key] = [item for env in envs for item in env[key]]
+    return stacked

@@ -1,0 +1,3 @@
+from rollout_server.cli import main
+
+main()

@@ -1,0 +1,52 @@
+"""``rollout-server serve``: start the gRPC server on a model preset or a local diffusers folder."""
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from rollout_server.limits import Limits
+from rollout_server.server import ServerOptions, serve
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rollout-server", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    s = commands.add_parser("serve", help="serve rollouts over gRPC")
+    s.add_argument("--model", default="tiny-flux", help="preset name (tiny-flux, small-flux) or a diffusers folder")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
+    s.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    s.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    s.add_argument("--cache-dir", type=Path, default=None, help="where presets are built (default: ~/.cache)")
+    s.add_argument("--grace-seconds", type=float, default=10.0, help="time running rollouts get at shutdown")
+    s.add_argument("--max-message-bytes", type=int, default=Limits.max_message_bytes)
+    s.add_argument("--max-batch-size", type=int, default=Limits.max_batch_size, help="samples per forward")
+    s.add_argument("--max-samples", type=int, default=Limits.max_samples, help="samples per request")
+    s.add_argument("--max-queued", type=int, default=Limits.max_queued_requests)
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    limits = Limits(
+        max_samples=args.max_samples,
+        max_batch_size=args.max_batch_size,
+        max_message_bytes=args.max_message_bytes,
+        max_queued_requests=args.max_queued,
+    )
+    options = ServerOptions(
+        model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+        grace_seconds=args.grace_seconds, limits=limits, cache_dir=args.cache_dir,
+    )
+    asyncio.run(serve(options))
+
+
+if __name__ == "__main__":
+    main()

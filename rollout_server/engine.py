@@ -1,0 +1,182 @@
+"""The rollout engine: one worker thread that owns the model and runs admitted rollouts in order.
+
+A rollout runs on the worker: prompt encoding -> sampler loop (hooks stream every step) -> decoding.
+Messages go back through ``emit``, which blocks while the client is slow to read (backpressure) and
+raises ``RolloutCancelled`` once the caller has gone away, so the rollout stops at its next step.
+"""
+
+import logging
+import resource
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from rollout.v1 import rollout_pb2
+from rollout_client import noise
+from rollout_client.transformer_call import apply_guidance, call_transformer, stack_envs
+from rollout_server.families.base import FamilyAdapter
+from rollout_server.sampler import RolloutCancelled, SamplerPlan, sample, stochastic_steps
+from rollout_server.stream import LATENT_DTYPES, StreamEncoder, env_payload, latents_sent
+from rollout_server.validation import SAMPLER_NAMES
+
+log = logging.getLogger("rollout_server.engine")
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class Overloaded(Exception):
+    """Too many rollouts are queued or running."""
+
+
+class RolloutEngine:
+    """Runs rollouts on the loaded model, one at a time, with bounded admission."""
+
+    def __init__(self, adapter: FamilyAdapter, model_name: str, max_queued: int, max_batch_size: int,
+                 max_message_bytes: int):
+        self.adapter = adapter
+        self.model_name = model_name
+        self.max_queued = max_queued
+        self.max_batch_size = max_batch_size
+        self.max_message_bytes = max_message_bytes
+        self.policy_version = 0
+        self._admitted = 0
+        self._lock = threading.Lock()
+        # One worker owns the model: rollouts run one after another, in admission order.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-worker")
+
+    def admit(self) -> None:
+        """Reserve a place for one rollout, or raise Overloaded."""
+        with self._lock:
+            if self._admitted >= self.max_queued:
+                raise Overloaded(f"{self._admitted} rollouts queued or running (limit {self.max_queued})")
+            self._admitted += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._admitted -= 1
+
+    def _velocity_fn(self, request, prompt_indices, conditioning, timesteps):
+        """velocity(x, i): the transformer over micro-batches, both branches, guidance applied."""
+        adapter = self.adapter
+        branches = list(conditioning.envs)
+        rule = "none" if branches == ["positive"] else adapter.guidance_rule_with_negative
+        batches = []
+        for start in range(0, len(prompt_indices), self.max_batch_size):
+            rows = slice(start, start + self.max_batch_size)
+            envs = {
+                branch: stack_envs([conditioning.envs[branch][p] for p in prompt_indices[rows]],
+                                   conditioning.batched_keys)
+                for branch in branches
+            }
+            batches.append((rows, envs))
+
+        def velocity(x: torch.Tensor, i: int) -> torch.Tensor:
+            t = timesteps[i].item()
+            outputs = []
+            for rows, envs in batches:
+                per_branch = {
+                    branch: call_transformer(adapter.transformer, x[rows], t, env, adapter.dtype,
+                                             adapter.timestep_divisor)
+                    for branch, env in envs.items()
+                }
+                outputs.append(apply_guidance(rule, request.true_cfg_scale, per_branch))
+            return torch.cat(outputs)
+
+        return velocity, rule
+
+    @torch.inference_mode()
+    def execute(self, request: rollout_pb2.RolloutRequest, emit: Callable, cancelled: Callable[[], bool],
+                admitted_at: float) -> None:
+        """Run one resolved request on the worker thread, emitting its whole stream."""
+        if cancelled():
+            raise RolloutCancelled(f"request {request.request_id} was cancelled while queued")
+        adapter = self.adapter
+        started_at = time.perf_counter()
+        prompts = list(request.prompts)
+        group = request.samples_per_prompt
+        prompt_indices = [k // group for k in range(len(prompts) * group)]
+        true_cfg = request.true_cfg_scale > 1.0
+        conditioning = adapter.encode_prompts(
+            prompts, request.negative_prompt if true_cfg else None, request.guidance_scale,
+            request.height, request.width,
+        )
+        encoded_at = time.perf_counter()
+
+        sigmas, timesteps = adapter.schedule(request.num_steps, request.height, request.width)
+        sampler_type = SAMPLER_NAMES[request.sampler]
+        stochastic = stochastic_steps(sampler_type, sigmas, request.noise_level, list(request.stochastic_steps))
+        latent_shape = adapter.latent_shape(request.height, request.width)
+        velocity, rule = self._velocity_fn(request, prompt_indices, conditioning, timesteps)
+
+        env_tensors, env_json = env_payload(conditioning.envs)
+        started = rollout_pb2.RolloutStarted(
+            resolved=request,
+            seeds=request.seeds,
+            prompt_indices=prompt_indices,
+            sigmas=sigmas.tolist(),
+            timesteps=timesteps.tolist(),
+            stochastic=stochastic,
+            log_prob_constants=request.log_prob_constants,
+            layout=rollout_pb2.LatentLayout(
+                shape=latent_shape, packing=adapter.latent_packing(), height=request.height, width=request.width
+            ),
+            transformer_call=rollout_pb2.TransformerCall(
+                transformer_class=type(adapter.transformer).__name__,
+                model_dtype=DTYPE_NAMES[adapter.dtype],
+                timestep_divisor=adapter.timestep_divisor,
+                timestep_rule=adapter.timestep_rule,
+                guidance_rule=rule,
+                guidance_rule_scale=request.true_cfg_scale,
+                branches=list(conditioning.envs),
+                batched_env_keys=conditioning.batched_keys,
+            ),
+            model=self.model_name,
+            family=adapter.family,
+            policy_version=self.policy_version,
+            env_json=env_json,
+            noise_rule=noise.NOISE_RULE,
+        )
+        encoder = StreamEncoder(
+            request=request,
+            started=started,
+            env_tensors=env_tensors,
+            sent=latents_sent(request.latents, stochastic),
+            emit=emit,
+            max_message_bytes=self.max_message_bytes,
+        )
+        plan = SamplerPlan(
+            sampler_type=sampler_type,
+            sigmas=sigmas,
+            stochastic=stochastic,
+            noise_level=request.noise_level,
+            log_prob_constants=request.log_prob_constants,
+            latent_dtype=LATENT_DTYPES[request.latent_dtype],
+            seeds=list(request.seeds),
+            latent_shape=latent_shape,
+            device=adapter.device,
+        )
+        final = sample(plan, velocity, encoder, cancelled)
+        denoised_at = time.perf_counter()
+
+        if request.images:
+            for k, image in enumerate(adapter.decode(final, request.height, request.width)):
+                encoder.on_image(k, image)
+        finished_at = time.perf_counter()
+        encoder.on_finish(
+            rollout_pb2.RolloutFinished(
+                encode_seconds=encoded_at - started_at,
+                denoise_seconds=denoised_at - encoded_at,
+                decode_seconds=finished_at - denoised_at,
+                total_seconds=finished_at - admitted_at,
+                queue_seconds=started_at - admitted_at,
+                peak_memory_bytes=peak_memory_bytes(adapter.device),
+            )
+        )
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

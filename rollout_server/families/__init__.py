@@ -1,0 +1,31 @@
+"""Model families: detect a diffusers folder's family from its ``model_index.json`` and load it."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from rollout_server.families.base import FamilyAdapter
+from rollout_server.families.flux import FluxAdapter
+
+ADAPTERS: dict[str, type[FamilyAdapter]] = {adapter.pipeline_class: adapter for adapter in (FluxAdapter,)}
+
+
+class UnsupportedModel(Exception):
+    """The folder holds a pipeline no adapter supports."""
+
+
+def detect(folder: Path) -> type[FamilyAdapter]:
+    """The adapter class for the pipeline named in ``folder/model_index.json``."""
+    index = Path(folder) / "model_index.json"
+    pipeline_class = json.loads(index.read_text()).get("_class_name")
+    if pipeline_class not in ADAPTERS:
+        supported = ", ".join(sorted(ADAPTERS))
+        raise UnsupportedModel(
+            f"{index}: pipeline class {pipeline_class!r} is not supported (supported: {supported})"
+        )
+    return ADAPTERS[pipeline_class]
+
+
+def load(folder: Path, device: torch.device, dtype: torch.dtype) -> FamilyAdapter:
+    return detect(folder)(folder, device, dtype)

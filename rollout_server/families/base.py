@@ -1,0 +1,91 @@
+"""The model-family adapter interface: everything model-specific lives behind it.
+
+An adapter loads a local diffusers folder and knows the family's schedule, prompt encoding (the
+frozen env), latent layout, transformer-call conventions and decoding. The sampler, the engine and
+the server never import a model class.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from PIL import Image
+
+
+@dataclass(frozen=True)
+class FamilyDefaults:
+    """Request defaults that follow the family's usual settings."""
+
+    height: int
+    width: int
+    num_steps: int
+    guidance_scale: float
+    true_cfg_scale: float
+    noise_level: float
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """The frozen transformer kwargs per branch and prompt.
+
+    ``envs[branch][p]`` holds every ``forward()`` keyword argument besides ``hidden_states`` and
+    ``timestep`` for prompt p; entries named in ``batched_keys`` have a leading batch dimension of 1
+    (or are one-element lists) and are concatenated to batch samples, the rest are shared.
+    """
+
+    envs: dict[str, list[dict[str, Any]]]
+    batched_keys: tuple[str, ...]
+
+
+class FamilyAdapter(ABC):
+    """A loaded pipeline of one model family."""
+
+    family: ClassVar[str]
+    pipeline_class: ClassVar[str]
+    timestep_divisor: ClassVar[float]
+    timestep_rule: ClassVar[str]
+    guidance_rule_with_negative: ClassVar[str] = "true_cfg"
+
+    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
+        self.folder = folder
+        self.device = device
+        self.dtype = dtype
+
+    @property
+    @abstractmethod
+    def transformer(self) -> torch.nn.Module:
+        """The denoising transformer (the policy)."""
+
+    @property
+    @abstractmethod
+    def side_multiple(self) -> int:
+        """Height and width must be multiples of this many pixels."""
+
+    @abstractmethod
+    def defaults(self) -> FamilyDefaults:
+        """The family's usual request settings."""
+
+    @abstractmethod
+    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigmas, timesteps), each T + 1 float32 values on the CPU with the terminal 0 included,
+        exactly as the family's own diffusers scheduler sets them up."""
+
+    @abstractmethod
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """One sample's latent shape as the transformer consumes it."""
+
+    @abstractmethod
+    def latent_packing(self) -> str:
+        """A readable description of how latents are packed."""
+
+    @abstractmethod
+    def encode_prompts(
+        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, height: int, width: int
+    ) -> Conditioning:
+        """Encode each prompt (and the negative prompt, for true CFG) into the frozen env."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
+        """Decode final latents [B, ...] into images."""

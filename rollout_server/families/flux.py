@@ -1,0 +1,115 @@
+"""FLUX.1 (``FluxPipeline``): packed 2x2 latents, dynamic-shift schedule, embedded guidance, true CFG.
+
+The transformer is called exactly as ``FluxPipeline.__call__`` does, with the timestep divided by
+1000, and its kwargs (the env) are ``encoder_hidden_states``, ``pooled_projections``, ``guidance``
+(guidance-distilled models only), ``txt_ids``, ``img_ids``, ``joint_attention_kwargs`` and
+``return_dict``.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+from PIL import Image
+
+from rollout_server.families.base import Conditioning, FamilyAdapter, FamilyDefaults
+
+MAX_SEQUENCE_LENGTH = 512
+
+
+class FluxAdapter(FamilyAdapter):
+    family = "flux"
+    pipeline_class = "FluxPipeline"
+    timestep_divisor = 1000.0
+    timestep_rule = "timestep / 1000"
+
+    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
+        super().__init__(folder, device, dtype)
+        self.pipe = FluxPipeline.from_pretrained(folder, dtype=dtype).to(device)
+        self.pipe.set_progress_bar_config(disable=True)
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def side_multiple(self) -> int:
+        return self.pipe.vae_scale_factor * 2
+
+    def defaults(self) -> FamilyDefaults:
+        # FLUX.1-dev's usual settings; the pipeline's default side is default_sample_size * 8.
+        side = self.pipe.default_sample_size * self.pipe.vae_scale_factor
+        return FamilyDefaults(
+            height=side, width=side, num_steps=28, guidance_scale=3.5, true_cfg_scale=1.0, noise_level=0.7
+        )
+
+    def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        scale = self.pipe.vae_scale_factor * 2
+        return height // scale, width // scale
+
+    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols = self._latent_grid(height, width)
+        config = self.pipe.scheduler.config
+        mu = calculate_shift(
+            rows * cols,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        # A private scheduler per call: set_timesteps mutates it and requests may overlap.
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+        retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        timesteps = torch.cat([scheduler.timesteps.float().cpu(), torch.zeros(1)])
+        return scheduler.sigmas.to(torch.float32).cpu(), timesteps
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        rows, cols = self._latent_grid(height, width)
+        return (rows * cols, self.pipe.transformer.config.in_channels)
+
+    def latent_packing(self) -> str:
+        return "flux 2x2 patches: [(H/16) * (W/16), 4 * vae_latent_channels], row-major over the grid"
+
+    @torch.no_grad()
+    def encode_prompts(
+        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, height: int, width: int
+    ) -> Conditioning:
+        rows, cols = self._latent_grid(height, width)
+        img_ids = self.pipe._prepare_latent_image_ids(1, rows, cols, self.device, self.dtype)
+        branches = {"positive": prompts}
+        if negative_prompt is not None:
+            branches["negative"] = [negative_prompt] * len(prompts)
+        envs = {}
+        for branch, texts in branches.items():
+            unique = sorted(set(texts), key=texts.index)
+            embeds, pooled, txt_ids = self.pipe.encode_prompt(
+                prompt=unique, prompt_2=None, device=self.device, max_sequence_length=MAX_SEQUENCE_LENGTH
+            )
+            by_text = {text: row for row, text in enumerate(unique)}
+            envs[branch] = [self._env(embeds, pooled, txt_ids, img_ids, by_text[t], guidance_scale) for t in texts]
+        batched = ("encoder_hidden_states", "pooled_projections", "guidance")
+        return Conditioning(envs=envs, batched_keys=batched)
+
+    def _env(self, embeds, pooled, txt_ids, img_ids, row: int, guidance_scale: float) -> dict:
+        guidance = None
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance = torch.full([1], guidance_scale, device=self.device, dtype=torch.float32)
+        return {
+            "encoder_hidden_states": embeds[row : row + 1],
+            "pooled_projections": pooled[row : row + 1],
+            "guidance": guidance,
+            "txt_ids": txt_ids,
+            "img_ids": img_ids,
+            "joint_attention_kwargs": None,
+            "return_dict": False,
+        }
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
+        vae = self.pipe.vae
+        spatial = self.pipe._unpack_latents(latents.to(vae.dtype), height, width, self.pipe.vae_scale_factor)
+        spatial = spatial / vae.config.scaling_factor + vae.config.shift_factor
+        images = vae.decode(spatial, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(images, output_type="pil")

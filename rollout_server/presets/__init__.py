@@ -1,0 +1,104 @@
+"""Named model presets: seeded diffusers pipelines built locally on first use, never downloaded.
+
+A preset is built once into `<cache>/models/<name>-<fingerprint>`. The fingerprint covers the builder source
+and the library versions that shape the saved files, so editing a builder or upgrading diffusers/transformers
+yields a fresh folder instead of silently reusing a stale one.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+
+from rollout_server.families.base import FamilyDefaults
+
+from .flux import build_flux_preset
+
+logger = logging.getLogger(__name__)
+
+PRESETS: dict[str, Callable[[Path], None]] = {
+    "tiny-flux": functools.partial(build_flux_preset, size="tiny"),
+    "small-flux": functools.partial(build_flux_preset, size="small"),
+}
+
+_BUILDER_SOURCES = ("flux.py", "tokenizers.py")
+_FINGERPRINTED_PACKAGES = ("diffusers", "transformers", "tokenizers", "sentencepiece", "torch")
+
+
+def default_cache_dir() -> Path:
+    """`$ROLLOUT_SERVER_CACHE` if set, else `~/.cache/rollout-server`."""
+    if env := os.environ.get("ROLLOUT_SERVER_CACHE"):
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "rollout-server"
+
+
+@functools.cache
+def preset_fingerprint() -> str:
+    """Short hash of the preset builders' source and the versions of the libraries they call."""
+    digest = hashlib.sha256()
+    for name in _BUILDER_SOURCES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    for package in _FINGERPRINTED_PACKAGES:
+        digest.update(f"{package}=={version(package)}\n".encode())
+    return digest.hexdigest()[:12]
+
+
+def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
+    """Returns a folder holding a diffusers pipeline (with `model_index.json`) for a preset name or a path.
+
+    Presets are built into `cache_dir` (default: `default_cache_dir()`) on first use.
+    """
+    if name_or_path in PRESETS:
+        return _build_preset_once(name_or_path, Path(cache_dir) if cache_dir else default_cache_dir())
+    path = Path(name_or_path).expanduser()
+    if (path / "model_index.json").is_file():
+        return path
+    if path.is_dir():
+        raise ValueError(f"{path} is not a diffusers pipeline folder: it has no model_index.json")
+    raise FileNotFoundError(
+        f"{name_or_path!r} is neither a known preset ({', '.join(PRESETS)}) nor an existing model folder"
+    )
+
+
+def _build_preset_once(name: str, cache_dir: Path) -> Path:
+    """Builds into a temporary sibling and renames it into place, so readers never see a partial preset.
+
+    When two processes race, both build, one rename wins and the loser discards its copy.
+    """
+    models_dir = cache_dir / "models"
+    target = models_dir / f"{name}-{preset_fingerprint()}"
+    if (target / "model_index.json").is_file():
+        return target
+
+    models_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("Building model preset %r into %s", name, target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=models_dir))
+    try:
+        PRESETS[name](staging)
+        staging.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+# Tiny presets run on a laptop CPU: small images and few steps unless the request says otherwise.
+PRESET_DEFAULTS: dict[str, dict[str, int]] = {
+    "tiny-flux": {"height": 128, "width": 128, "num_steps": 10},
+    "small-flux": {"height": 256, "width": 256, "num_steps": 10},
+}
+
+
+def defaults_for(name_or_path: str, family_defaults: FamilyDefaults) -> FamilyDefaults:
+    """The family's usual defaults, with a preset's own overrides."""
+    return dataclasses.replace(family_defaults, **PRESET_DEFAULTS.get(name_or_path, {}))

@@ -1,0 +1,192 @@
+"""Seeded, randomly initialised FLUX.1-dev-shaped pipelines for tests and benchmarks.
+
+Every component is the real diffusers/transformers class with FLUX.1-dev's structure (guidance embedding,
+2x2 latent packing, 8x VAE downsampling, CLIP pooled + T5 sequence conditioning, dynamic-shift flow-matching
+scheduler); only the widths, depths and vocabularies are shrunk. Weights are random but seeded, so a preset
+always produces the same files and the same images.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
+
+from .tokenizers import write_clip_tokenizer, write_t5_tokenizer
+
+
+@dataclass(frozen=True)
+class FluxPresetConfig:
+    """The knobs that differ between presets; everything else is copied from FLUX.1-dev.
+
+    Tokenizer vocabulary sizes stay below what the embedded corpus supports (about 1540 CLIP tokens and 484
+    SentencePiece pieces), so the configured sizes are the real ones.
+    """
+
+    num_layers: int
+    num_single_layers: int
+    num_attention_heads: int
+    attention_head_dim: int
+    axes_dims_rope: tuple[int, int, int]
+    latent_channels: int
+    vae_block_out_channels: tuple[int, int, int, int]
+    vae_norm_num_groups: int
+    vae_layers_per_block: int
+    clip_hidden_size: int
+    clip_layers: int
+    clip_heads: int
+    clip_vocab_size: int
+    t5_d_model: int
+    t5_layers: int
+    t5_heads: int
+    t5_vocab_size: int
+
+
+FLUX_PRESET_CONFIGS = {
+    "tiny": FluxPresetConfig(
+        num_layers=1,
+        num_single_layers=1,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        axes_dims_rope=(4, 6, 6),
+        latent_channels=4,
+        vae_block_out_channels=(16, 16, 16, 16),
+        vae_norm_num_groups=8,
+        vae_layers_per_block=1,
+        clip_hidden_size=32,
+        clip_layers=2,
+        clip_heads=2,
+        clip_vocab_size=768,
+        t5_d_model=32,
+        t5_layers=2,
+        t5_heads=2,
+        t5_vocab_size=256,
+    ),
+    "small": FluxPresetConfig(
+        num_layers=2,
+        num_single_layers=4,
+        num_attention_heads=5,
+        attention_head_dim=64,
+        axes_dims_rope=(16, 24, 24),
+        latent_channels=16,
+        vae_block_out_channels=(32, 64, 128, 128),
+        vae_norm_num_groups=32,
+        vae_layers_per_block=1,
+        clip_hidden_size=128,
+        clip_layers=4,
+        clip_heads=4,
+        clip_vocab_size=1536,
+        t5_d_model=256,
+        t5_layers=4,
+        t5_heads=4,
+        t5_vocab_size=480,
+    ),
+}
+
+# FLUX.1-dev's scheduler config, verbatim: the timestep shift depends on the image token count.
+FLUX_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
+
+
+def build_flux_preset(folder: Path, size: str) -> None:
+    """Builds the `size` ("tiny" or "small") preset and saves it as a float32 FluxPipeline into `folder`."""
+    cfg = FLUX_PRESET_CONFIGS[size]
+    folder = Path(folder)
+    write_clip_tokenizer(folder / "tokenizer", cfg.clip_vocab_size)
+    write_t5_tokenizer(folder / "tokenizer_2", cfg.t5_vocab_size)
+    tokenizer = CLIPTokenizer.from_pretrained(folder / "tokenizer")
+    tokenizer_2 = T5TokenizerFast.from_pretrained(folder / "tokenizer_2")
+
+    # A fixed seed per component keeps each one stable when another component's config changes.
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * cfg.latent_channels,  # latents are packed into 2x2 patches
+        num_layers=cfg.num_layers,
+        num_single_layers=cfg.num_single_layers,
+        attention_head_dim=cfg.attention_head_dim,
+        num_attention_heads=cfg.num_attention_heads,
+        joint_attention_dim=cfg.t5_d_model,
+        pooled_projection_dim=cfg.clip_hidden_size,
+        guidance_embeds=True,
+        axes_dims_rope=cfg.axes_dims_rope,
+    )
+
+    torch.manual_seed(1)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=cfg.vae_block_out_channels,
+        layers_per_block=cfg.vae_layers_per_block,
+        act_fn="silu",
+        latent_channels=cfg.latent_channels,
+        norm_num_groups=cfg.vae_norm_num_groups,
+        sample_size=1024,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        force_upcast=True,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=True,
+    )
+
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=cfg.clip_hidden_size,
+            intermediate_size=4 * cfg.clip_hidden_size,
+            projection_dim=cfg.clip_hidden_size,
+            num_hidden_layers=cfg.clip_layers,
+            num_attention_heads=cfg.clip_heads,
+            max_position_embeddings=tokenizer.model_max_length,
+            hidden_act="quick_gelu",
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+
+    torch.manual_seed(3)
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=cfg.t5_d_model,
+            d_kv=cfg.t5_d_model // cfg.t5_heads,
+            d_ff=int(2.5 * cfg.t5_d_model),  # t5-v1_1-xxl: 4096 -> 10240
+            num_layers=cfg.t5_layers,
+            num_heads=cfg.t5_heads,
+            feed_forward_proj="gated-gelu",
+            tie_word_embeddings=False,
+            pad_token_id=tokenizer_2.pad_token_id,
+            eos_token_id=tokenizer_2.eos_token_id,
+        )
+    )
+
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)

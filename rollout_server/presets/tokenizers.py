@@ -1,0 +1,173 @@
+"""Real CLIP and T5 tokenizers trained locally on a small embedded corpus.
+
+The presets must never touch a model hub, so instead of downloading the FLUX tokenizers we train tokenizers
+with the same algorithms and file conventions (byte-level BPE for CLIP, SentencePiece unigram for T5) on the
+caption-like text below. Training is deterministic, so the files are byte-identical across builds.
+"""
+
+import io
+import json
+from collections import Counter
+from itertools import pairwise
+from pathlib import Path
+
+import sentencepiece as spm
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import CLIPTokenizer, T5TokenizerFast
+
+CORPUS = """\
+A photo of a red fox sitting in the snow, 4k, highly detailed.
+An oil painting of a lighthouse on a rocky cliff at sunset!
+Two cats sleeping on a blue sofa next to a window while rain falls outside.
+A bowl of ramen with eggs, noodles and green onions; studio lighting.
+The quick brown fox jumps over the lazy dog 123 times.
+Café-style latte art in a white cup, top view, 35mm photograph.
+A watercolor map of an old city with narrow streets and tiny bridges.
+Portrait of an elderly woman smiling, soft window light, film grain.
+A futuristic train crossing a desert at night under a sky full of stars.
+Close-up of a honeybee on a yellow sunflower, macro lens, shallow depth of field.
+Three wooden boats floating on a calm lake surrounded by pine trees.
+A child flying a kite on a windy beach in autumn.
+A steaming cup of coffee next to an open book and a pair of glasses.
+An astronaut riding a horse on the moon, digital art, trending on artstation.
+A cozy cabin in the mountains covered with fresh snow, warm light in the windows.
+A golden retriever puppy playing with a tennis ball in the garden.
+A neon sign that says "open 24/7" reflected in a puddle on a dark street.
+A bustling market in Marrakesh with spices, lanterns and colorful fabrics.
+A minimalist logo of a mountain and a river, flat vector, two colors.
+An ancient stone temple hidden in a dense jungle, mist rising at dawn.
+A robot painting a self-portrait in a sunny studio, whimsical illustration.
+A plate of sushi with salmon, tuna and avocado on a black slate board.
+A snowy owl perched on a fence post, looking straight at the camera.
+A vintage red car parked in front of a small diner in 1957.
+A field of purple lavender under a cloudy summer sky in Provence.
+A stack of pancakes with blueberries, maple syrup and a pat of butter.
+Aerial view of a winding river through a green valley, drone shot.
+A medieval knight in shining armor holding a sword and a round shield.
+A glass jar filled with fireflies glowing in the dark forest.
+A cyberpunk city skyline at dusk with flying cars and giant holograms.
+A tabby cat wearing a tiny wizard hat, reading a spell book.
+Fresh bread and cheese on a rustic wooden table by the kitchen window.
+A polar bear swimming under the ice, sunlight streaming through the water.
+A sailboat on rough seas during a storm, dramatic waves, oil on canvas.
+A colorful hot air balloon festival over the hills at sunrise.
+A portrait of a young man with curly hair and freckles, 85mm, f/1.8.
+A bonsai tree on a wooden shelf, soft natural light, white background.
+An underwater coral reef with clownfish, turtles and bright blue water.
+A chalkboard with mathematical equations: e = mc^2 and a^2 + b^2 = c^2.
+A pixel art castle on a floating island, 16-bit video game style.
+A violin resting on sheet music beside a burning candle.
+Rainy streets of Tokyo at night, umbrellas, reflections and glowing signs.
+A hand-drawn sketch of a hummingbird drinking nectar from a flower.
+A modern kitchen with marble counters, copper pots and hanging plants.
+A giraffe eating leaves from a tall acacia tree on the savanna.
+A bright yellow taxi driving across a bridge in New York City.
+An empty wooden pier stretching into the fog on a quiet morning.
+A bouquet of roses, tulips and daisies in a blue ceramic vase.
+A lonely tree on a hill under the milky way, long exposure photography.
+A dragon made of clouds soaring above a mountain range.
+Children building a sandcastle while seagulls fly overhead.
+A bicycle leaning against a brick wall covered with ivy.
+A scientist looking through a microscope in a clean white laboratory.
+A festival of lanterns floating on a river, thousands of warm lights.
+A chocolate cake with strawberries, cream and a single birthday candle.
+An isometric 3D render of a tiny office with desks, computers and plants.
+A wolf howling at the full moon on a frozen lake, blue tones.
+A street musician playing guitar for a small crowd in the evening.
+Autumn leaves in red, orange and gold falling on a park bench.
+A hyperrealistic close-up of a human eye with a galaxy in the iris.
+"""
+
+CLIP_EOW = "</w>"
+CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
+
+
+def _clip_word_counts(lines: list[str]) -> Counter[tuple[str, ...]]:
+    """Splits the corpus exactly like CLIPTokenizer does, so every trained merge is reachable at runtime."""
+    backend = CLIPTokenizer().backend_tokenizer
+    counts: Counter[tuple[str, ...]] = Counter()
+    for line in lines:
+        for word, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)):
+            counts[(*word[:-1], word[-1] + CLIP_EOW)] += 1
+    return counts
+
+
+def _train_bpe_merges(counts: Counter[tuple[str, ...]], num_merges: int) -> list[tuple[str, str]]:
+    """Classic BPE training; ties are broken on the pair itself so the result never depends on hash order."""
+    words = dict(counts)
+    merges: list[tuple[str, str]] = []
+    while len(merges) < num_merges:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, freq in words.items():
+            for pair in pairwise(word):
+                pairs[pair] += freq
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        merged_words = {}
+        for word, freq in words.items():
+            symbols, i = [], 0
+            while i < len(word):
+                if word[i : i + 2] == best:
+                    symbols.append(best[0] + best[1])
+                    i += 2
+                else:
+                    symbols.append(word[i])
+                    i += 1
+            merged_words[tuple(symbols)] = freq
+        words = merged_words
+    return merges
+
+
+def write_clip_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Writes a byte-level BPE CLIP tokenizer with at most `vocab_size` tokens (vocab.json, merges.txt).
+
+    The vocabulary follows OpenAI CLIP's layout: the 256 byte symbols, the same symbols with `</w>`, one token
+    per merge, then the two special tokens. Having every byte in the vocabulary means any text (unseen words,
+    digits, emoji) tokenizes without unknown tokens.
+    """
+    byte_symbols = sorted(ByteLevel.alphabet())  # code point order == CLIP's bytes_to_unicode order
+    num_merges = vocab_size - 2 * len(byte_symbols) - 2
+    merges = _train_bpe_merges(_clip_word_counts(CORPUS.splitlines()), num_merges)
+    tokens = byte_symbols + [s + CLIP_EOW for s in byte_symbols] + ["".join(m) for m in merges]
+    vocab = {token: i for i, token in enumerate([*tokens, CLIP_BOS, CLIP_EOS])}
+
+    # transformers 5 only saves tokenizer.json; vocab.json + merges.txt keep the layout FLUX.1-dev ships.
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    merges_text = "".join(f"{a} {b}\n" for a, b in merges)
+    (folder / "merges.txt").write_text("#version: 0.2\n" + merges_text, encoding="utf-8")
+    CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77).save_pretrained(folder)
+
+
+def write_t5_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Writes a SentencePiece unigram T5 tokenizer (spiece.model, tokenizer.json) like google/t5-v1_1.
+
+    `vocab_size` is a soft limit: the small corpus supports only so many pieces. T5's 100 `<extra_id_*>`
+    sentinels are appended on top, as in the original.
+    """
+    model = io.BytesIO()
+    spm.set_random_generator_seed(0)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.splitlines()),
+        model_writer=model,
+        model_type="unigram",
+        vocab_size=vocab_size,
+        hard_vocab_limit=False,
+        character_coverage=1.0,
+        required_chars="".join(map(chr, range(33, 127))),  # all printable ASCII, even if unseen in CORPUS
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        pad_piece="<pad>",
+        eos_piece="</s>",
+        unk_piece="<unk>",
+        num_threads=1,
+        minloglevel=2,
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "spiece.model").write_bytes(model.getvalue())
+    # Loading from spiece.model runs transformers' own SentencePiece conversion; saving adds tokenizer.json.
+    T5TokenizerFast.from_pretrained(folder, model_max_length=512).save_pretrained(folder)

@@ -1,0 +1,111 @@
+"""The model-agnostic sampler loop: noise, velocity, fp32 step, log-prob, hooks.
+
+The sampler knows no model. It gets a ``velocity(x, i)`` callable (the family adapter's transformer
+call with guidance) and a ``SamplerPlan``; it owns the noise (``rollout_client.noise``) and the step
+math (``rollout_client.steps``), and tells hooks what happened. Hooks observe; they never change
+numbers.
+
+The streamed log-prob scores exactly the streamed x_{i+1}: when latents are kept in float32,
+x_{i+1} = mean + sd * eps and the residual is sd * eps, computed from the full noise tensor; when the
+latent dtype is bf16/fp16 the state is rounded after every step and the residual is
+round(x_{i+1}) - mean, the bytes the trainer will score.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollout_client import noise, steps
+
+
+class RolloutCancelled(Exception):
+    """The caller went away or its deadline expired; the rollout stops at the next step."""
+
+
+@dataclass(frozen=True)
+class SamplerPlan:
+    """Everything the loop needs besides the model."""
+
+    sampler_type: str
+    sigmas: torch.Tensor  # float32 [T + 1], terminal 0 included
+    stochastic: Sequence[bool]  # [T]: the step draws noise and is scored
+    noise_level: float
+    log_prob_constants: bool
+    latent_dtype: torch.dtype  # the sampler state is rounded to it after every step
+    seeds: Sequence[int]
+    latent_shape: Sequence[int]  # one sample's latent as the transformer consumes it
+    device: torch.device
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.sigmas) - 1
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a hook sees of step i (tensors on the sampler's device, float32)."""
+
+    index: int
+    stochastic: bool
+    x_next: torch.Tensor
+    log_probs: torch.Tensor | None  # [B] when stochastic
+    sd: torch.Tensor  # 0-d; 0 when not stochastic
+    eps: torch.Tensor | None
+    mean: torch.Tensor
+    velocity: torch.Tensor
+
+
+class SamplerHooks:
+    """Observers of a rollout; the default methods do nothing."""
+
+    def on_start(self, x0: torch.Tensor) -> None:
+        """Called once with x_0 [B, ...], before the first step."""
+
+    def on_step(self, record: StepRecord) -> None:
+        """Called after every step."""
+
+
+def stochastic_steps(sampler_type: str, sigmas: torch.Tensor, noise_level: float, requested) -> list[bool]:
+    """Which steps draw noise: the requested ones (all when ``requested`` is empty) whose sd > 0."""
+    num_steps = len(sigmas) - 1
+    chosen = set(requested) if requested else set(range(num_steps))
+    return [
+        i in chosen and steps.noise_std(sampler_type, sigmas, i, noise_level).item() > 0
+        for i in range(num_steps)
+    ]
+
+
+def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if dtype == torch.float32 else x.to(dtype).float()
+
+
+def sample(
+    plan: SamplerPlan,
+    velocity: Callable[[torch.Tensor, int], torch.Tensor],
+    hooks: SamplerHooks,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> torch.Tensor:
+    """Run the trajectory x_0 -> x_T and return x_T (float32 [B, ...])."""
+    x = _round(noise.initial_noise(plan.seeds, plan.latent_shape), plan.latent_dtype).to(plan.device)
+    hooks.on_start(x)
+    for i in range(plan.num_steps):
+        if cancelled():
+            raise RolloutCancelled(f"cancelled before step {i}")
+        v = velocity(x, i)
+        stochastic = plan.stochastic[i]
+        kind = plan.sampler_type if stochastic else "ODE"
+        mean = steps.transition_mean(kind, x, v, plan.sigmas, i, plan.noise_level)
+        sd = steps.noise_std(kind, plan.sigmas, i, plan.noise_level)
+        eps = log_probs = None
+        if stochastic:
+            eps = noise.step_noise(plan.seeds, i, plan.latent_shape).to(plan.device)
+            scaled_noise = sd.to(plan.device) * eps
+            x_next = _round(mean + scaled_noise, plan.latent_dtype)
+            residual = scaled_noise if plan.latent_dtype == torch.float32 else x_next - mean
+            log_probs = steps.log_prob(residual, sd, plan.log_prob_constants)
+        else:
+            x_next = _round(mean, plan.latent_dtype)
+        hooks.on_step(StepRecord(i, stochastic, x_next, log_probs, sd, eps, mean, v))
+        x = x_next
+    return x

@@ -1,0 +1,119 @@
+"""The gRPC front end: RolloutService, standard health checking and reflection, graceful shutdown."""
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+import rollout_server
+from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_server import families, presets
+from rollout_server.engine import DTYPE_NAMES, RolloutEngine
+from rollout_server.limits import Limits
+from rollout_server.service import RolloutService
+from rollout_server.validation import SAMPLER_NAMES, ServingContext, defaults_proto
+
+log = logging.getLogger("rollout_server")
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    model: str = "tiny-flux"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    device: str = "cpu"
+    dtype: str = "float32"
+    grace_seconds: float = 10.0
+    limits: Limits = Limits()
+    cache_dir: Path | None = None
+
+
+def versions() -> dict[str, str]:
+    packages = ("torch", "diffusers", "transformers", "grpcio", "protobuf", "safetensors")
+    return {"rollout-server": rollout_server.__version__, **{name: version(name) for name in packages}}
+
+
+def build_service(options: ServerOptions) -> RolloutService:
+    """Load the model and assemble the servicer (no network yet)."""
+    folder = presets.resolve_model(options.model, options.cache_dir)
+    device, dtype = torch.device(options.device), {v: k for k, v in DTYPE_NAMES.items()}[options.dtype]
+    adapter = families.load(folder, device, dtype)
+    limits = options.limits
+    engine = RolloutEngine(adapter, options.model, limits.max_queued_requests, limits.max_batch_size,
+                           limits.max_message_bytes)
+    serving = ServingContext(defaults=presets.defaults_for(options.model, adapter.defaults()),
+                             side_multiple=adapter.side_multiple, limits=limits)
+    info = rollout_pb2.GetServerInfoResponse(
+        model=options.model,
+        model_path=str(folder),
+        family=adapter.family,
+        pipeline_class=adapter.pipeline_class,
+        dtype=options.dtype,
+        device=str(device),
+        sp_degree=1,
+        sampler_types=list(SAMPLER_NAMES),
+        defaults=defaults_proto(serving),
+        limits=limits.to_proto(adapter.side_multiple),
+        versions=versions(),
+    )
+    return RolloutService(engine, serving, info)
+
+
+class RolloutServer:
+    """A running gRPC server: ``await start()``, then ``await stop()`` (or wait for a signal)."""
+
+    def __init__(self, service: RolloutService, host: str, port: int, grace_seconds: float):
+        self.service = service
+        self.grace_seconds = grace_seconds
+        max_message = service.engine.max_message_bytes
+        self.server = grpc.aio.server(
+            options=[("grpc.max_send_message_length", max_message), ("grpc.so_reuseport", 0)]
+        )
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(service, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self) -> None:
+        """Health goes NOT_SERVING, new rollouts get UNAVAILABLE, running ones get the grace period."""
+        self.service.shutting_down = True
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(self.grace_seconds)
+        self.service.engine.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def serve_until_signal(self) -> None:
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stopping.set)
+        await stopping.wait()
+        log.info("shutting down (grace %.0f s)", self.grace_seconds)
+        await self.stop()
+
+
+async def serve(options: ServerOptions) -> None:
+    service = build_service(options)
+    server = RolloutServer(service, options.host, options.port, options.grace_seconds)
+    await server.start()
+    info = service.server_info
+    log.info("serving %s (%s, %s on %s) at %s", info.model, info.family, info.dtype, info.device, server.address)
+    await server.serve_until_signal()

@@ -1,0 +1,156 @@
+"""Hook events -> RolloutResponse messages: safetensors payloads, manifests, size-bounded chunks.
+
+``StreamEncoder`` is the sampler hook that feeds a rollout's gRPC stream. It decides which tensors
+each event carries (latent selection, debug tensors, manifest-only mode) and cuts every payload so
+that no message exceeds the server's message limit.
+"""
+
+import io
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout.v1 import rollout_pb2
+from rollout_client import codec
+from rollout_server.sampler import SamplerHooks, StepRecord
+
+LATENT_DTYPES = {
+    rollout_pb2.TENSOR_DTYPE_FLOAT32: torch.float32,
+    rollout_pb2.TENSOR_DTYPE_BFLOAT16: torch.bfloat16,
+    rollout_pb2.TENSOR_DTYPE_FLOAT16: torch.float16,
+}
+DEBUG_NAMES = {
+    rollout_pb2.DEBUG_TENSOR_EPS: "eps",
+    rollout_pb2.DEBUG_TENSOR_MEAN: "mean",
+    rollout_pb2.DEBUG_TENSOR_SD: "sd",
+    rollout_pb2.DEBUG_TENSOR_VELOCITY: "velocity",
+}
+# Room for a message's fields other than its payload bytes, and for protobuf framing.
+_FRAMING_BYTES = 1024
+
+
+def latents_sent(selection: int, stochastic: list[bool]) -> list[bool]:
+    """For each latent x_0 .. x_T, whether the selection streams it."""
+    num_steps = len(stochastic)
+    if selection == rollout_pb2.LATENT_SELECTION_ALL:
+        return [True] * (num_steps + 1)
+    if selection == rollout_pb2.LATENT_SELECTION_FINAL_ONLY:
+        return [j == num_steps for j in range(num_steps + 1)]
+    if selection == rollout_pb2.LATENT_SELECTION_AROUND_STOCHASTIC:
+        # x_j is an input (j < T) or an output (j > 0) of a stochastic step.
+        return [
+            (j < num_steps and stochastic[j]) or (j > 0 and stochastic[j - 1]) for j in range(num_steps + 1)
+        ]
+    return [False] * (num_steps + 1)
+
+
+def env_payload(envs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, torch.Tensor], str]:
+    """Split the per-prompt env into named tensors and a JSON document of the other values.
+
+    A tensor that several entries share (the negative prompt's embedding, the position ids) is sent
+    once; the other entries name it in the JSON as ``{"tensor": "<name>"}``.
+    """
+    tensors, values, seen = {}, {}, {}
+    for branch, per_prompt in envs.items():
+        for p, env in enumerate(per_prompt):
+            for key, value in env.items():
+                name = f"env/{branch}/{p}/{key}"
+                if isinstance(value, torch.Tensor):
+                    identity = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
+                    if identity not in seen:
+                        seen[identity], tensors[name] = name, value
+                        continue
+                    value = {"tensor": seen[identity]}
+                values.setdefault(branch, {}).setdefault(str(p), {})[key] = value
+    return tensors, json.dumps(values, sort_keys=True)
+
+
+def png_bytes(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@dataclass
+class StreamEncoder(SamplerHooks):
+    """Encodes a rollout's events and hands each message to ``emit`` (which may block: backpressure)."""
+
+    request: rollout_pb2.RolloutRequest  # resolved
+    started: rollout_pb2.RolloutStarted  # everything but tensors
+    env_tensors: dict[str, torch.Tensor]
+    sent: list[bool]
+    emit: Callable[[rollout_pb2.RolloutResponse], None]
+    max_message_bytes: int
+    tensor_bytes: int = 0
+
+    @property
+    def _latent_dtype(self) -> torch.dtype:
+        return LATENT_DTYPES[self.request.latent_dtype]
+
+    def _send(self, response: rollout_pb2.RolloutResponse, payload_owner, field: str, data: bytes) -> None:
+        """Send ``response`` with ``data`` in ``payload_owner.<field>``, cut into size-bounded messages."""
+        response.request_id = self.request.request_id
+        room = self.max_message_bytes - response.ByteSize() - _FRAMING_BYTES
+        chunk_size = self.max_message_bytes - len(self.request.request_id) - _FRAMING_BYTES
+        first, rest = codec.split(data, room, chunk_size)
+        setattr(payload_owner, field, first)
+        payload_owner.following_chunks = len(rest)
+        self.emit(response)
+        for index, piece in enumerate(rest, start=1):
+            chunk = rollout_pb2.PayloadChunk(index=index, data=piece)
+            self.emit(rollout_pb2.RolloutResponse(request_id=self.request.request_id, chunk=chunk))
+
+    def _send_tensors(self, response, tensors_message: rollout_pb2.Tensors, tensors: dict) -> None:
+        manifest, buffer = codec.encode(tensors)
+        tensors_message.manifest.extend(manifest)
+        tensors_message.total_bytes = len(buffer) if tensors else 0
+        self.tensor_bytes += len(buffer) if tensors else 0
+        self._send(response, tensors_message, "data", b"" if self.request.manifest_only or not tensors else buffer)
+
+    def on_start(self, x0: torch.Tensor) -> None:
+        tensors = dict(self.env_tensors)
+        if self.sent[0]:
+            tensors["x_0"] = x0.to(self._latent_dtype)
+        response = rollout_pb2.RolloutResponse()
+        response.started.CopyFrom(self.started)
+        self._send_tensors(response, response.started.tensors, tensors)
+
+    def on_step(self, record: StepRecord) -> None:
+        batch = record.x_next.shape[0]
+        step = rollout_pb2.RolloutStep(
+            index=record.index,
+            sigma=self.started.sigmas[record.index],
+            sigma_next=self.started.sigmas[record.index + 1],
+            timestep=self.started.timesteps[record.index],
+            stochastic=record.stochastic,
+            noise_std=record.sd.item(),
+        )
+        if record.log_probs is not None:
+            step.log_probs.extend(record.log_probs.tolist())
+        tensors = {}
+        if self.sent[record.index + 1]:
+            tensors["x_next"] = record.x_next.to(self._latent_dtype)
+        debug = {DEBUG_NAMES[d] for d in self.request.debug_tensors}
+        if "eps" in debug and record.eps is not None:
+            tensors["eps"] = record.eps
+        if "mean" in debug:
+            tensors["mean"] = record.mean
+        if "sd" in debug:
+            tensors["sd"] = record.sd.expand(batch).float()
+        if "velocity" in debug:
+            tensors["velocity"] = record.velocity
+        response = rollout_pb2.RolloutResponse(step=step)
+        self._send_tensors(response, response.step.tensors, tensors)
+
+    def on_image(self, sample_index: int, image) -> None:
+        response = rollout_pb2.RolloutResponse(
+            image=rollout_pb2.RolloutImage(sample_index=sample_index, width=image.width, height=image.height)
+        )
+        self._send(response, response.image, "png", png_bytes(image))
+
+    def on_finish(self, finished: rollout_pb2.RolloutFinished) -> None:
+        finished.tensor_bytes = self.tensor_bytes
+        self.emit(rollout_pb2.RolloutResponse(request_id=self.request.request_id, finished=finished))

@@ -1,0 +1,184 @@
+"""Request validation: turn a RolloutRequest into a fully resolved one, or name every bad field.
+
+Every problem is collected (not just the first) and reported as a google.rpc.BadRequest field
+violation, so a trainer sees at once everything that is wrong with its request.
+"""
+
+import math
+import secrets
+import uuid
+from dataclasses import dataclass
+
+from rollout.v1 import rollout_pb2
+from rollout_client import noise, steps
+from rollout_server.families.base import FamilyDefaults
+from rollout_server.limits import Limits
+
+SAMPLER_NAMES = {
+    rollout_pb2.SAMPLER_TYPE_FLOW_SDE: "FLOW_SDE",
+    rollout_pb2.SAMPLER_TYPE_DANCE: "DANCE",
+    rollout_pb2.SAMPLER_TYPE_CPS: "CPS",
+    rollout_pb2.SAMPLER_TYPE_ODE: "ODE",
+}
+LATENT_SELECTIONS = {
+    rollout_pb2.LATENT_SELECTION_ALL,
+    rollout_pb2.LATENT_SELECTION_AROUND_STOCHASTIC,
+    rollout_pb2.LATENT_SELECTION_FINAL_ONLY,
+    rollout_pb2.LATENT_SELECTION_NONE,
+}
+LATENT_DTYPES = {
+    rollout_pb2.TENSOR_DTYPE_FLOAT32,
+    rollout_pb2.TENSOR_DTYPE_BFLOAT16,
+    rollout_pb2.TENSOR_DTYPE_FLOAT16,
+}
+DEBUG_TENSORS = {
+    rollout_pb2.DEBUG_TENSOR_EPS,
+    rollout_pb2.DEBUG_TENSOR_MEAN,
+    rollout_pb2.DEBUG_TENSOR_SD,
+    rollout_pb2.DEBUG_TENSOR_VELOCITY,
+}
+
+
+class InvalidRequest(Exception):
+    """One or more request fields are invalid: ``violations`` is a list of (field, description)."""
+
+    def __init__(self, violations: list[tuple[str, str]]):
+        self.violations = violations
+        super().__init__("invalid request: " + "; ".join(f"{field}: {what}" for field, what in violations))
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """What validation needs to know about the loaded model."""
+
+    defaults: FamilyDefaults
+    side_multiple: int
+    limits: Limits
+
+
+def defaults_proto(context: ServingContext) -> rollout_pb2.RolloutRequest:
+    """The defaults applied to unset request fields, as GetServerInfo reports them."""
+    d = context.defaults
+    return rollout_pb2.RolloutRequest(
+        samples_per_prompt=1,
+        height=d.height,
+        width=d.width,
+        num_steps=d.num_steps,
+        guidance_scale=d.guidance_scale,
+        true_cfg_scale=d.true_cfg_scale,
+        sampler=rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
+        noise_level=d.noise_level,
+        latents=rollout_pb2.LATENT_SELECTION_ALL,
+        latent_dtype=rollout_pb2.TENSOR_DTYPE_FLOAT32,
+        images=True,
+    )
+
+
+def _finite_in(value: float, low: float, high: float) -> bool:
+    return math.isfinite(value) and low <= value <= high
+
+
+def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rollout_pb2.RolloutRequest:
+    """Validate ``request`` and return a copy with every default filled in and explicit seeds."""
+    limits = context.limits
+    bad: list[tuple[str, str]] = []
+    resolved = rollout_pb2.RolloutRequest()
+    resolved.CopyFrom(defaults_proto(context))
+    resolved.MergeFrom(request)
+    # MergeFrom appends repeated fields: take the request's own.
+    del resolved.seeds[:], resolved.stochastic_steps[:], resolved.debug_tensors[:]
+
+    request_id = request.request_id or uuid.uuid4().hex[:16]
+    if len(request_id) > limits.max_request_id_chars or not request_id.isprintable():
+        bad.append(("request_id", f"must be printable and at most {limits.max_request_id_chars} characters"))
+    resolved.request_id = request_id
+
+    if not request.prompts:
+        bad.append(("prompts", "at least one prompt is required"))
+    for i, prompt in enumerate(request.prompts):
+        if not prompt.strip():
+            bad.append((f"prompts[{i}]", "must not be empty"))
+        elif len(prompt) > limits.max_prompt_chars:
+            bad.append((f"prompts[{i}]", f"longer than {limits.max_prompt_chars} characters ({len(prompt)})"))
+
+    group = resolved.samples_per_prompt
+    total = group * len(request.prompts)
+    if group < 1:
+        bad.append(("samples_per_prompt", "must be at least 1"))
+    elif total > limits.max_samples:
+        bad.append(
+            ("samples_per_prompt", f"prompts x samples_per_prompt = {total} exceeds {limits.max_samples}")
+        )
+
+    if request.seeds:
+        if request.HasField("base_seed"):
+            bad.append(("base_seed", "give either seeds or base_seed, not both"))
+        if len(request.seeds) != total:
+            bad.append(("seeds", f"expected {total} seeds (one per sample), got {len(request.seeds)}"))
+        elif len(set(request.seeds)) != len(request.seeds):
+            bad.append(("seeds", "seeds must be distinct: equal seeds draw identical noise"))
+        resolved.seeds.extend(request.seeds)
+    else:
+        if not request.HasField("base_seed"):
+            resolved.base_seed = secrets.randbits(64)
+        if 0 < total <= limits.max_samples:
+            resolved.seeds.extend(noise.derive_seeds(resolved.base_seed, total))
+
+    for field in ("height", "width"):
+        side = getattr(resolved, field)
+        if not 0 < side <= limits.max_side:
+            bad.append((field, f"must be in [1, {limits.max_side}] pixels, got {side}"))
+        elif side % context.side_multiple:
+            bad.append((field, f"must be a multiple of {context.side_multiple}, got {side}"))
+
+    num_steps = resolved.num_steps
+    if not 0 < num_steps <= limits.max_steps:
+        bad.append(("num_steps", f"must be in [1, {limits.max_steps}], got {num_steps}"))
+
+    if not _finite_in(resolved.guidance_scale, 0.0, 100.0):
+        bad.append(("guidance_scale", f"must be finite and in [0, 100], got {resolved.guidance_scale}"))
+    if not _finite_in(resolved.true_cfg_scale, 1.0, 100.0):
+        bad.append(("true_cfg_scale", f"must be finite and in [1, 100], got {resolved.true_cfg_scale}"))
+    elif request.negative_prompt and resolved.true_cfg_scale <= 1.0:
+        bad.append(("negative_prompt", "is only used with true_cfg_scale > 1"))
+    if len(request.negative_prompt) > limits.max_prompt_chars:
+        bad.append(("negative_prompt", f"longer than {limits.max_prompt_chars} characters"))
+
+    if request.sampler == rollout_pb2.SAMPLER_TYPE_UNSPECIFIED:
+        resolved.sampler = rollout_pb2.SAMPLER_TYPE_FLOW_SDE
+    elif request.sampler not in SAMPLER_NAMES:
+        bad.append(("sampler", f"unknown sampler type {request.sampler}"))
+    if not _finite_in(resolved.noise_level, 0.0, limits.max_noise_level):
+        bad.append(("noise_level", f"must be in [0, {limits.max_noise_level}], got {resolved.noise_level}"))
+
+    chosen = list(request.stochastic_steps)
+    if chosen:
+        if resolved.sampler == rollout_pb2.SAMPLER_TYPE_ODE:
+            bad.append(("stochastic_steps", "the ODE sampler has no stochastic steps"))
+        elif any(i >= num_steps for i in chosen):
+            bad.append(("stochastic_steps", f"indices must be < num_steps ({num_steps})"))
+        elif any(b <= a for a, b in zip(chosen, chosen[1:], strict=False)):
+            bad.append(("stochastic_steps", "indices must be strictly increasing"))
+        resolved.stochastic_steps.extend(chosen)
+    if not request.HasField("log_prob_constants"):
+        resolved.log_prob_constants = steps.DEFAULT_LOG_PROB_CONSTANTS[SAMPLER_NAMES.get(resolved.sampler, "ODE")]
+
+    if request.latents == rollout_pb2.LATENT_SELECTION_UNSPECIFIED:
+        resolved.latents = rollout_pb2.LATENT_SELECTION_ALL
+    elif request.latents not in LATENT_SELECTIONS:
+        bad.append(("latents", f"unknown latent selection {request.latents}"))
+    if request.latent_dtype == rollout_pb2.TENSOR_DTYPE_UNSPECIFIED:
+        resolved.latent_dtype = rollout_pb2.TENSOR_DTYPE_FLOAT32
+    elif request.latent_dtype not in LATENT_DTYPES:
+        bad.append(("latent_dtype", f"unknown tensor dtype {request.latent_dtype}"))
+
+    debug = list(request.debug_tensors)
+    if any(d not in DEBUG_TENSORS for d in debug):
+        bad.append(("debug_tensors", "unknown or unspecified debug tensor"))
+    elif len(set(debug)) != len(debug):
+        bad.append(("debug_tensors", "each debug tensor may be listed once"))
+    resolved.debug_tensors.extend(debug)
+
+    if bad:
+        raise InvalidRequest(bad)
+    return resolved

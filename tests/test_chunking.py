@@ -1,0 +1,79 @@
+"""Every message stays under the server's limit; larger payloads are split and reassembled exactly."""
+
+import pytest
+import torch
+from conftest import start_server
+
+from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_client import Image, RolloutClient, Started, Step, collect
+from rollout_client.events import decode_stream
+
+LIMIT = 16 * 1024
+REQUEST = {
+    "prompts": ["a red fox", "a blue bird"], "samples_per_prompt": 2, "base_seed": 21, "height": 128,
+    "width": 128, "num_steps": 3, "true_cfg_scale": 2.0, "negative_prompt": "blurry",
+    "debug_tensors": [rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_MEAN],
+}
+
+
+@pytest.fixture(scope="module")
+def small_message_server(tiny_flux_folder, cache_dir, tmp_path_factory):
+    process = start_server(
+        cache_dir, tmp_path_factory.mktemp("logs") / "small.log", "--max-message-bytes", str(LIMIT)
+    )
+    yield process
+    process.stop()
+
+
+def test_messages_stay_under_the_limit_and_reassemble(small_message_server, client):
+    import grpc
+
+    with grpc.insecure_channel(small_message_server.address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        info = stub.GetServerInfo(rollout_pb2.GetServerInfoRequest())
+        assert info.limits.max_message_bytes == LIMIT
+        messages = list(stub.Rollout(rollout_pb2.RolloutRequest(**REQUEST), timeout=120))
+    assert max(m.ByteSize() for m in messages) <= LIMIT
+    kinds = [m.WhichOneof("event") for m in messages]
+    assert kinds.count("chunk") > 0, "the env and the images must have been split"
+    assert kinds.count("started") == 1 and kinds.count("finished") == 1 and kinds[-1] == "finished"
+
+    chunked = list(decode_stream(messages))
+    whole = list(client.stream(rollout_pb2.RolloutRequest(**REQUEST)))
+    assert [type(e) for e in chunked] == [type(e) for e in whole]
+    for a, b in zip(chunked, whole, strict=True):
+        if isinstance(a, Started):
+            assert torch.equal(a.x0, b.x0)
+            for branch in ("positive", "negative"):
+                for env_a, env_b in zip(a.env[branch], b.env[branch], strict=True):
+                    assert env_a.keys() == env_b.keys()
+                    for key, value in env_a.items():
+                        assert torch.equal(value, env_b[key]) if isinstance(value, torch.Tensor) else value == env_b[key]
+        elif isinstance(a, Step):
+            assert torch.equal(a.log_probs, b.log_probs) and torch.equal(a.debug["eps"], b.debug["eps"])
+            torch.testing.assert_close(a.x_next, b.x_next, atol=1e-6, rtol=0)
+        elif isinstance(a, Image):
+            assert a.sample_index == b.sample_index and a.png[:8] == b"\x89PNG\r\n\x1a\n"
+    trajectories = collect(chunked)
+    assert [t.seed for t in trajectories] == list(chunked[0].message.seeds)
+
+
+def test_shared_env_tensors_are_sent_once(client):
+    """The negative prompt's embedding and the position ids travel once, referenced by the others."""
+    events = list(client.stream(rollout_pb2.RolloutRequest(**{**REQUEST, "images": False})))
+    started = events[0]
+    names = [t.name for t in started.message.tensors.manifest]
+    assert sum(name.endswith("/img_ids") for name in names) == 1
+    assert sum(name.startswith("env/negative/") and name.endswith("encoder_hidden_states") for name in names) == 1
+    negatives = started.env["negative"]
+    assert torch.equal(negatives[0]["encoder_hidden_states"], negatives[1]["encoder_hidden_states"])
+    assert not torch.equal(
+        started.env["positive"][0]["encoder_hidden_states"], started.env["positive"][1]["encoder_hidden_states"]
+    )
+
+
+def test_chunked_stream_collects_into_trajectories(small_message_server):
+    """The client library reads a chunked stream to the end, images included."""
+    with RolloutClient(small_message_server.address, timeout=120) as small_client:
+        trajectories = small_client.rollout(prompts=["a fox"], samples_per_prompt=2, base_seed=1, num_steps=2)
+    assert len(trajectories) == 2 and all(t.image() is not None for t in trajectories)
