@@ -13,7 +13,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rollout-server", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     s = commands.add_parser("serve", help="serve rollouts over gRPC")
-    s.add_argument("--model", default="tiny-flux", help="preset name (tiny-flux, small-flux) or a diffusers folder")
+    s.add_argument(
+        "--model", default="tiny-flux", help="preset name (tiny-flux, small-flux) or a diffusers folder"
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
     s.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
@@ -42,8 +44,14 @@ def main(argv=None) -> None:
         max_queued_requests=args.max_queued,
     )
     options = ServerOptions(
-        model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-        grace_seconds=args.grace_seconds, limits=limits, cache_dir=args.cache_dir,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+        grace_seconds=args.grace_seconds,
+        limits=limits,
+        cache_dir=args.cache_dir,
     )
     asyncio.run(serve(options))
 

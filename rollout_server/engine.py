@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,16 @@ log = logging.getLogger("rollout_server.engine")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+@dataclass(frozen=True)
+class PreparedRollout:
+    """A request made ready to sample: the plan, the velocity and the started event."""
+
+    plan: SamplerPlan
+    velocity: Callable[[torch.Tensor, int], torch.Tensor]
+    started: rollout_pb2.RolloutStarted  # without tensors
+    env_tensors: dict[str, torch.Tensor]
+
+
 class Overloaded(Exception):
     """Too many rollouts are queued or running."""
 
@@ -33,8 +44,14 @@ class Overloaded(Exception):
 class RolloutEngine:
     """Runs rollouts on the loaded model, one at a time, with bounded admission."""
 
-    def __init__(self, adapter: FamilyAdapter, model_name: str, max_queued: int, max_batch_size: int,
-                 max_message_bytes: int):
+    def __init__(
+        self,
+        adapter: FamilyAdapter,
+        model_name: str,
+        max_queued: int,
+        max_batch_size: int,
+        max_message_bytes: int,
+    ):
         self.adapter = adapter
         self.model_name = model_name
         self.max_queued = max_queued
@@ -66,8 +83,9 @@ class RolloutEngine:
         for start in range(0, len(prompt_indices), self.max_batch_size):
             rows = slice(start, start + self.max_batch_size)
             envs = {
-                branch: stack_envs([conditioning.envs[branch][p] for p in prompt_indices[rows]],
-                                   conditioning.batched_keys)
+                branch: stack_envs(
+                    [conditioning.envs[branch][p] for p in prompt_indices[rows]], conditioning.batched_keys
+                )
                 for branch in branches
             }
             batches.append((rows, envs))
@@ -77,8 +95,9 @@ class RolloutEngine:
             outputs = []
             for rows, envs in batches:
                 per_branch = {
-                    branch: call_transformer(adapter.transformer, x[rows], t, env, adapter.dtype,
-                                             adapter.timestep_divisor)
+                    branch: call_transformer(
+                        adapter.transformer, x[rows], t, env, adapter.dtype, adapter.timestep_divisor
+                    )
                     for branch, env in envs.items()
                 }
                 outputs.append(apply_guidance(rule, request.true_cfg_scale, per_branch))
@@ -87,29 +106,37 @@ class RolloutEngine:
         return velocity, rule
 
     @torch.inference_mode()
-    def execute(self, request: rollout_pb2.RolloutRequest, emit: Callable, cancelled: Callable[[], bool],
-                admitted_at: float) -> None:
-        """Run one resolved request on the worker thread, emitting its whole stream."""
-        if cancelled():
-            raise RolloutCancelled(f"request {request.request_id} was cancelled while queued")
+    def prepare(self, request: rollout_pb2.RolloutRequest) -> "PreparedRollout":
+        """Encode the prompts and set up the schedule, the plan and the velocity for ``request``."""
         adapter = self.adapter
-        started_at = time.perf_counter()
-        prompts = list(request.prompts)
         group = request.samples_per_prompt
-        prompt_indices = [k // group for k in range(len(prompts) * group)]
+        prompt_indices = [k // group for k in range(len(request.prompts) * group)]
         true_cfg = request.true_cfg_scale > 1.0
         conditioning = adapter.encode_prompts(
-            prompts, request.negative_prompt if true_cfg else None, request.guidance_scale,
-            request.height, request.width,
+            list(request.prompts),
+            request.negative_prompt if true_cfg else None,
+            request.guidance_scale,
+            request.height,
+            request.width,
         )
-        encoded_at = time.perf_counter()
-
         sigmas, timesteps = adapter.schedule(request.num_steps, request.height, request.width)
         sampler_type = SAMPLER_NAMES[request.sampler]
-        stochastic = stochastic_steps(sampler_type, sigmas, request.noise_level, list(request.stochastic_steps))
+        stochastic = stochastic_steps(
+            sampler_type, sigmas, request.noise_level, list(request.stochastic_steps)
+        )
         latent_shape = adapter.latent_shape(request.height, request.width)
         velocity, rule = self._velocity_fn(request, prompt_indices, conditioning, timesteps)
-
+        plan = SamplerPlan(
+            sampler_type=sampler_type,
+            sigmas=sigmas,
+            stochastic=stochastic,
+            noise_level=request.noise_level,
+            log_prob_constants=request.log_prob_constants,
+            latent_dtype=LATENT_DTYPES[request.latent_dtype],
+            seeds=list(request.seeds),
+            latent_shape=latent_shape,
+            device=adapter.device,
+        )
         env_tensors, env_json = env_payload(conditioning.envs)
         started = rollout_pb2.RolloutStarted(
             resolved=request,
@@ -120,7 +147,10 @@ class RolloutEngine:
             stochastic=stochastic,
             log_prob_constants=request.log_prob_constants,
             layout=rollout_pb2.LatentLayout(
-                shape=latent_shape, packing=adapter.latent_packing(), height=request.height, width=request.width
+                shape=latent_shape,
+                packing=adapter.latent_packing(),
+                height=request.height,
+                width=request.width,
             ),
             transformer_call=rollout_pb2.TransformerCall(
                 transformer_class=type(adapter.transformer).__name__,
@@ -138,30 +168,35 @@ class RolloutEngine:
             env_json=env_json,
             noise_rule=noise.NOISE_RULE,
         )
+        return PreparedRollout(plan, velocity, started, env_tensors)
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        request: rollout_pb2.RolloutRequest,
+        emit: Callable,
+        cancelled: Callable[[], bool],
+        admitted_at: float,
+    ) -> None:
+        """Run one resolved request on the worker thread, emitting its whole stream."""
+        if cancelled():
+            raise RolloutCancelled(f"request {request.request_id} was cancelled while queued")
+        started_at = time.perf_counter()
+        prepared = self.prepare(request)
+        encoded_at = time.perf_counter()
         encoder = StreamEncoder(
             request=request,
-            started=started,
-            env_tensors=env_tensors,
-            sent=latents_sent(request.latents, stochastic),
+            started=prepared.started,
+            env_tensors=prepared.env_tensors,
+            sent=latents_sent(request.latents, prepared.plan.stochastic),
             emit=emit,
             max_message_bytes=self.max_message_bytes,
         )
-        plan = SamplerPlan(
-            sampler_type=sampler_type,
-            sigmas=sigmas,
-            stochastic=stochastic,
-            noise_level=request.noise_level,
-            log_prob_constants=request.log_prob_constants,
-            latent_dtype=LATENT_DTYPES[request.latent_dtype],
-            seeds=list(request.seeds),
-            latent_shape=latent_shape,
-            device=adapter.device,
-        )
-        final = sample(plan, velocity, encoder, cancelled)
+        final = sample(prepared.plan, prepared.velocity, encoder, cancelled)
         denoised_at = time.perf_counter()
 
         if request.images:
-            for k, image in enumerate(adapter.decode(final, request.height, request.width)):
+            for k, image in enumerate(self.adapter.decode(final, request.height, request.width)):
                 encoder.on_image(k, image)
         finished_at = time.perf_counter()
         encoder.on_finish(
@@ -171,7 +206,7 @@ class RolloutEngine:
                 decode_seconds=finished_at - denoised_at,
                 total_seconds=finished_at - admitted_at,
                 queue_seconds=started_at - admitted_at,
-                peak_memory_bytes=peak_memory_bytes(adapter.device),
+                peak_memory_bytes=peak_memory_bytes(self.adapter.device),
             )
         )
 

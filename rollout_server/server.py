@@ -47,10 +47,14 @@ def build_service(options: ServerOptions) -> RolloutService:
     device, dtype = torch.device(options.device), {v: k for k, v in DTYPE_NAMES.items()}[options.dtype]
     adapter = families.load(folder, device, dtype)
     limits = options.limits
-    engine = RolloutEngine(adapter, options.model, limits.max_queued_requests, limits.max_batch_size,
-                           limits.max_message_bytes)
-    serving = ServingContext(defaults=presets.defaults_for(options.model, adapter.defaults()),
-                             side_multiple=adapter.side_multiple, limits=limits)
+    engine = RolloutEngine(
+        adapter, options.model, limits.max_queued_requests, limits.max_batch_size, limits.max_message_bytes
+    )
+    serving = ServingContext(
+        defaults=presets.defaults_for(options.model, adapter.defaults()),
+        side_multiple=adapter.side_multiple,
+        limits=limits,
+    )
     info = rollout_pb2.GetServerInfoResponse(
         model=options.model,
         model_path=str(folder),
@@ -81,7 +85,11 @@ class RolloutServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             self.server,
         )
         self.port = self.server.add_insecure_port(f"{host}:{port}")
@@ -115,5 +123,7 @@ async def serve(options: ServerOptions) -> None:
     server = RolloutServer(service, options.host, options.port, options.grace_seconds)
     await server.start()
     info = service.server_info
-    log.info("serving %s (%s, %s on %s) at %s", info.model, info.family, info.dtype, info.device, server.address)
+    log.info(
+        "serving %s (%s, %s on %s) at %s", info.model, info.family, info.dtype, info.device, server.address
+    )
     await server.serve_until_signal()

@@ -34,7 +34,9 @@ def bad_request_status(error: InvalidRequest) -> status_pb2.Status:
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, engine: RolloutEngine, serving: ServingContext, server_info: rollout_pb2.GetServerInfoResponse):
+    def __init__(
+        self, engine: RolloutEngine, serving: ServingContext, server_info: rollout_pb2.GetServerInfoResponse
+    ):
         self.engine = engine
         self.serving = serving
         self.server_info = server_info
@@ -75,7 +77,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                         future.cancel()
                         raise RolloutCancelled(f"request {request_id} was cancelled") from None
 
-        work = loop.run_in_executor(self.engine.executor, self.engine.execute, resolved, emit, cancel.is_set, admitted_at)
+        work = loop.run_in_executor(
+            self.engine.executor, self.engine.execute, resolved, emit, cancel.is_set, admitted_at
+        )
         work.add_done_callback(lambda _: self.engine.release())
         samples, steps = len(resolved.seeds), resolved.num_steps
         outcome = "OK"
@@ -101,11 +105,16 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             outcome = "INTERNAL"
             log.exception("rollout %s failed", request_id)
             await context.abort(
-                grpc.StatusCode.INTERNAL, f"request {request_id}: internal error: {type(error).__name__}: {error}"
+                grpc.StatusCode.INTERNAL,
+                f"request {request_id}: internal error: {type(error).__name__}: {error}",
             )
         finally:
             cancel.set()
             log.info(
                 "rollout id=%s samples=%d steps=%d seconds=%.3f status=%s",
-                request_id, samples, steps, time.perf_counter() - admitted_at, outcome,
+                request_id,
+                samples,
+                steps,
+                time.perf_counter() - admitted_at,
+                outcome,
             )

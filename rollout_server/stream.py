@@ -108,7 +108,9 @@ class StreamEncoder(SamplerHooks):
         tensors_message.manifest.extend(manifest)
         tensors_message.total_bytes = len(buffer) if tensors else 0
         self.tensor_bytes += len(buffer) if tensors else 0
-        self._send(response, tensors_message, "data", b"" if self.request.manifest_only or not tensors else buffer)
+        self._send(
+            response, tensors_message, "data", b"" if self.request.manifest_only or not tensors else buffer
+        )
 
     def on_start(self, x0: torch.Tensor) -> None:
         tensors = dict(self.env_tensors)

@@ -37,6 +37,8 @@ DEBUG_TENSORS = {
     rollout_pb2.DEBUG_TENSOR_SD,
     rollout_pb2.DEBUG_TENSOR_VELOCITY,
 }
+# Smallest positive noise level: far below it, sd**2 underflows in float32 and log-probs become NaN.
+MIN_NOISE_LEVEL = 1e-6
 
 
 class InvalidRequest(Exception):
@@ -103,7 +105,9 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
 
     group = resolved.samples_per_prompt
     total = group * len(request.prompts)
-    if group < 1:
+    if len(request.prompts) > limits.max_samples:
+        bad.append(("prompts", f"{len(request.prompts)} prompts exceed the {limits.max_samples} samples limit"))
+    elif group < 1:
         bad.append(("samples_per_prompt", "must be at least 1"))
     elif total > limits.max_samples:
         bad.append(
@@ -150,6 +154,8 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         bad.append(("sampler", f"unknown sampler type {request.sampler}"))
     if not _finite_in(resolved.noise_level, 0.0, limits.max_noise_level):
         bad.append(("noise_level", f"must be in [0, {limits.max_noise_level}], got {resolved.noise_level}"))
+    elif 0.0 < resolved.noise_level < MIN_NOISE_LEVEL:
+        bad.append(("noise_level", f"must be 0 or at least {MIN_NOISE_LEVEL}, got {resolved.noise_level}"))
 
     chosen = list(request.stochastic_steps)
     if chosen:
@@ -161,7 +167,9 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
             bad.append(("stochastic_steps", "indices must be strictly increasing"))
         resolved.stochastic_steps.extend(chosen)
     if not request.HasField("log_prob_constants"):
-        resolved.log_prob_constants = steps.DEFAULT_LOG_PROB_CONSTANTS[SAMPLER_NAMES.get(resolved.sampler, "ODE")]
+        resolved.log_prob_constants = steps.DEFAULT_LOG_PROB_CONSTANTS[
+            SAMPLER_NAMES.get(resolved.sampler, "ODE")
+        ]
 
     if request.latents == rollout_pb2.LATENT_SELECTION_UNSPECIFIED:
         resolved.latents = rollout_pb2.LATENT_SELECTION_ALL

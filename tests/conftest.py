@@ -36,8 +36,19 @@ class ServerProcess:
 
 def start_server(cache_dir: Path, log_path: Path, *args: str, timeout: float = 120.0) -> ServerProcess:
     """Start ``rollout-server serve`` on a free loopback port and wait until it serves."""
-    command = [sys.executable, "-m", "rollout_server", "serve", "--port", "0", "--cache-dir", str(cache_dir),
-               "--threads", "1", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "rollout_server",
+        "serve",
+        "--port",
+        "0",
+        "--cache-dir",
+        str(cache_dir),
+        "--threads",
+        "1",
+        *args,
+    ]
     log_file = log_path.open("w")
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout

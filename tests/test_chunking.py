@@ -10,8 +10,14 @@ from rollout_client.events import decode_stream
 
 LIMIT = 16 * 1024
 REQUEST = {
-    "prompts": ["a red fox", "a blue bird"], "samples_per_prompt": 2, "base_seed": 21, "height": 128,
-    "width": 128, "num_steps": 3, "true_cfg_scale": 2.0, "negative_prompt": "blurry",
+    "prompts": ["a red fox", "a blue bird"],
+    "samples_per_prompt": 2,
+    "base_seed": 21,
+    "height": 128,
+    "width": 128,
+    "num_steps": 3,
+    "true_cfg_scale": 2.0,
+    "negative_prompt": "blurry",
     "debug_tensors": [rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_MEAN],
 }
 
@@ -48,7 +54,11 @@ def test_messages_stay_under_the_limit_and_reassemble(small_message_server, clie
                 for env_a, env_b in zip(a.env[branch], b.env[branch], strict=True):
                     assert env_a.keys() == env_b.keys()
                     for key, value in env_a.items():
-                        assert torch.equal(value, env_b[key]) if isinstance(value, torch.Tensor) else value == env_b[key]
+                        assert (
+                            torch.equal(value, env_b[key])
+                            if isinstance(value, torch.Tensor)
+                            else value == env_b[key]
+                        )
         elif isinstance(a, Step):
             assert torch.equal(a.log_probs, b.log_probs) and torch.equal(a.debug["eps"], b.debug["eps"])
             torch.testing.assert_close(a.x_next, b.x_next, atol=1e-6, rtol=0)
@@ -64,11 +74,15 @@ def test_shared_env_tensors_are_sent_once(client):
     started = events[0]
     names = [t.name for t in started.message.tensors.manifest]
     assert sum(name.endswith("/img_ids") for name in names) == 1
-    assert sum(name.startswith("env/negative/") and name.endswith("encoder_hidden_states") for name in names) == 1
+    assert (
+        sum(name.startswith("env/negative/") and name.endswith("encoder_hidden_states") for name in names)
+        == 1
+    )
     negatives = started.env["negative"]
     assert torch.equal(negatives[0]["encoder_hidden_states"], negatives[1]["encoder_hidden_states"])
     assert not torch.equal(
-        started.env["positive"][0]["encoder_hidden_states"], started.env["positive"][1]["encoder_hidden_states"]
+        started.env["positive"][0]["encoder_hidden_states"],
+        started.env["positive"][1]["encoder_hidden_states"],
     )
 
 

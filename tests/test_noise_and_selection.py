@@ -19,7 +19,9 @@ def run(client, **fields):
 
 
 def test_group_samples_get_distinct_seeds_noise_and_log_probs(client):
-    started, steps = run(client, prompts=["a red fox"], samples_per_prompt=4, base_seed=3, debug_tensors=[EPS])
+    started, steps = run(
+        client, prompts=["a red fox"], samples_per_prompt=4, base_seed=3, debug_tensors=[EPS]
+    )
     seeds = list(started.message.seeds)
     assert seeds == noise.derive_seeds(3, 4) and len(set(seeds)) == 4
     assert list(started.message.prompt_indices) == [0, 0, 0, 0]
@@ -33,7 +35,9 @@ def test_group_samples_get_distinct_seeds_noise_and_log_probs(client):
 
 
 def test_noise_is_reproducible_from_the_documented_rule(client):
-    started, steps = run(client, prompts=["a red fox"], samples_per_prompt=2, base_seed=8, debug_tensors=[EPS])
+    started, steps = run(
+        client, prompts=["a red fox"], samples_per_prompt=2, base_seed=8, debug_tensors=[EPS]
+    )
     shape = tuple(started.message.layout.shape)
     assert torch.equal(started.x0, noise.initial_noise(started.message.seeds, shape))
     for step in steps:
@@ -43,7 +47,11 @@ def test_noise_is_reproducible_from_the_documented_rule(client):
 def test_noise_does_not_depend_on_batch_composition(client):
     alone_started, alone_steps = run(client, prompts=["a castle"], seeds=[4242], debug_tensors=[EPS])
     batch_started, batch_steps = run(
-        client, prompts=["a dog", "a castle"], samples_per_prompt=2, seeds=[1, 2, 4242, 3], debug_tensors=[EPS]
+        client,
+        prompts=["a dog", "a castle"],
+        samples_per_prompt=2,
+        seeds=[1, 2, 4242, 3],
+        debug_tensors=[EPS],
     )
     assert torch.equal(alone_started.x0[0], batch_started.x0[2])
     for alone, batched in zip(alone_steps, batch_steps, strict=True):
@@ -54,7 +62,12 @@ def test_noise_does_not_depend_on_batch_composition(client):
 
 def test_stochastic_step_list(client):
     started, steps = run(
-        client, prompts=["a boat"], base_seed=1, num_steps=5, stochastic_steps=[1, 3], debug_tensors=[EPS, VELOCITY]
+        client,
+        prompts=["a boat"],
+        base_seed=1,
+        num_steps=5,
+        stochastic_steps=[1, 3],
+        debug_tensors=[EPS, VELOCITY],
     )
     assert list(started.message.stochastic) == [False, True, False, True, False]
     sigmas = torch.tensor(list(started.message.sigmas))
@@ -102,7 +115,9 @@ def test_manifest_only_describes_without_bytes(client):
     started, steps = run(client, prompts=["a fox"], base_seed=2, manifest_only=True)
     manifest = {t.name: t for t in started.message.tensors.manifest}
     assert started.message.tensors.total_bytes > 0
-    assert list(manifest["x_0"].shape) == [1, *started.message.layout.shape] and manifest["x_0"].dtype == "F32"
+    assert (
+        list(manifest["x_0"].shape) == [1, *started.message.layout.shape] and manifest["x_0"].dtype == "F32"
+    )
     assert "env/positive/0/encoder_hidden_states" in manifest
     assert started.x0 is None and started.env["positive"][0].get("encoder_hidden_states") is None
     for step in steps:

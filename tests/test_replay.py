@@ -40,7 +40,11 @@ def bare_log_probs(transformer, trajectory) -> dict[int, float]:
         else:
             velocity = v["positive"]
         mean, sd = reference.mean_and_sd(
-            trajectory.sampler_type, x.double().numpy(), velocity.numpy(), trajectory.sigmas.double().numpy(), i,
+            trajectory.sampler_type,
+            x.double().numpy(),
+            velocity.numpy(),
+            trajectory.sigmas.double().numpy(),
+            i,
             trajectory.noise_level,
         )
         x_next = trajectory.latents[i + 1].unsqueeze(0).double().numpy()
@@ -90,8 +94,14 @@ def test_streamed_log_probs_replay(client, tiny_transformer, sampler, true_cfg, 
 def test_env_velocity_matches_debug_velocity(client, tiny_transformer):
     """A bare transformer call with the streamed env reproduces the server's velocity."""
     request = rollout_pb2.RolloutRequest(
-        prompts=["a lighthouse"], samples_per_prompt=2, base_seed=5, height=64, width=64, num_steps=3,
-        debug_tensors=[rollout_pb2.DEBUG_TENSOR_VELOCITY], images=False,
+        prompts=["a lighthouse"],
+        samples_per_prompt=2,
+        base_seed=5,
+        height=64,
+        width=64,
+        num_steps=3,
+        debug_tensors=[rollout_pb2.DEBUG_TENSOR_VELOCITY],
+        images=False,
     )
     events = list(client.stream(request))
     started = events[0]
@@ -100,8 +110,10 @@ def test_env_velocity_matches_debug_velocity(client, tiny_transformer):
     x = started.x0
     for step in steps:
         timestep = torch.full((2,), started.message.timesteps[step.index]) / 1000
-        batched = {k: torch.cat([v, v]) if k in ("encoder_hidden_states", "pooled_projections", "guidance") else v
-                   for k, v in env.items()}
+        batched = {
+            k: torch.cat([v, v]) if k in ("encoder_hidden_states", "pooled_projections", "guidance") else v
+            for k, v in env.items()
+        }
         with torch.no_grad():
             velocity = tiny_transformer(hidden_states=x, timestep=timestep, **batched)[0]
         torch.testing.assert_close(velocity, step.debug["velocity"], atol=1e-5, rtol=1e-5)

@@ -9,5 +9,12 @@ from rollout_client.replay import replay_log_probs
 from rollout_client.trajectory import Trajectory, collect
 
 __all__ = [
-    "Finished", "Image", "RolloutClient", "Started", "Step", "Trajectory", "collect", "replay_log_probs",
+    "Finished",
+    "Image",
+    "RolloutClient",
+    "Started",
+    "Step",
+    "Trajectory",
+    "collect",
+    "replay_log_probs",
 ]

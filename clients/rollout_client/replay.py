@@ -3,8 +3,8 @@
 import torch
 
 from rollout_client import steps
-from rollout_client.transformer_call import DTYPES, apply_guidance, call_transformer
 from rollout_client.trajectory import Trajectory
+from rollout_client.transformer_call import DTYPES, apply_guidance, call_transformer
 
 
 def _on(value, device: torch.device):

@@ -73,12 +73,25 @@ class Trajectory:
                     tensors[f"env/{branch}/{key}"] = value.contiguous()
                 else:
                     values.setdefault(branch, {})[key] = value
-        scalars = {k: getattr(self, k) for k in (
-            "request_id", "sample_index", "prompt_index", "prompt", "seed", "sampler_type", "noise_level",
-            "log_prob_constants", "policy_version",
-        )}
-        metadata = {"trajectory": json.dumps(scalars), "env_values": json.dumps(values),
-                    "transformer_call": json.dumps(self.transformer_call)}
+        scalars = {
+            k: getattr(self, k)
+            for k in (
+                "request_id",
+                "sample_index",
+                "prompt_index",
+                "prompt",
+                "seed",
+                "sampler_type",
+                "noise_level",
+                "log_prob_constants",
+                "policy_version",
+            )
+        }
+        metadata = {
+            "trajectory": json.dumps(scalars),
+            "env_values": json.dumps(values),
+            "transformer_call": json.dumps(self.transformer_call),
+        }
         save_file(tensors, str(path), metadata=metadata)
 
     @classmethod

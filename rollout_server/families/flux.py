@@ -61,7 +61,9 @@ class FluxAdapter(FamilyAdapter):
         )
         # A private scheduler per call: set_timesteps mutates it and requests may overlap.
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
-        retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        retrieve_timesteps(
+            scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu
+        )
         timesteps = torch.cat([scheduler.timesteps.float().cpu(), torch.zeros(1)])
         return scheduler.sigmas.to(torch.float32).cpu(), timesteps
 
@@ -88,7 +90,9 @@ class FluxAdapter(FamilyAdapter):
                 prompt=unique, prompt_2=None, device=self.device, max_sequence_length=MAX_SEQUENCE_LENGTH
             )
             by_text = {text: row for row, text in enumerate(unique)}
-            envs[branch] = [self._env(embeds, pooled, txt_ids, img_ids, by_text[t], guidance_scale) for t in texts]
+            envs[branch] = [
+                self._env(embeds, pooled, txt_ids, img_ids, by_text[t], guidance_scale) for t in texts
+            ]
         batched = ("encoder_hidden_states", "pooled_projections", "guidance")
         return Conditioning(envs=envs, batched_keys=batched)
 
