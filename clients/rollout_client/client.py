@@ -32,6 +32,8 @@ class RolloutClient:
 
     def stream(self, request: rollout_pb2.RolloutRequest | None = None, **fields) -> Iterator[Event]:
         """Typed events of one rollout as they arrive; closing the iterator cancels the rollout."""
+        if request is not None and fields:
+            raise TypeError("pass either a RolloutRequest or its fields, not both")
         request = request or rollout_pb2.RolloutRequest(**fields)
         call = self.stub.Rollout(request, timeout=self.timeout)
         try:

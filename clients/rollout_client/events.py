@@ -58,7 +58,9 @@ Event = Started | Step | Image | Finished
 def _read_payload(first: bytes, following: int, responses: Iterator[rollout_pb2.RolloutResponse]) -> bytes:
     pieces = [first]
     for expected in range(1, following + 1):
-        response = next(responses)
+        response = next(responses, None)
+        if response is None:
+            raise ValueError(f"stream ended inside a payload: {following - expected + 1} chunks missing")
         if response.WhichOneof("event") != "chunk" or response.chunk.index != expected:
             raise ValueError(f"stream out of order: expected payload chunk {expected}, got {response}")
         pieces.append(response.chunk.data)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from PIL import Image as PILImage
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from rollout.v1 import rollout_pb2
@@ -27,7 +28,8 @@ class Trajectory:
     """Everything a trainer needs to replay one sample.
 
     ``latents[j]`` is x_j (float32 [T + 1, ...]); latents the stream did not carry are NaN and
-    ``latent_mask[j]`` is False. ``log_probs[i]`` is NaN where step i is not stochastic.
+    ``latent_mask[j]`` is False (with no latents streamed at all, ``latents`` has no rows).
+    ``log_probs[i]`` is NaN where step i is not stochastic.
     """
 
     request_id: str
@@ -57,7 +59,7 @@ class Trajectory:
         return PILImage.open(io.BytesIO(self.image_png)) if self.image_png else None
 
     def save(self, path: str | Path) -> None:
-        """Write tensors, env and metadata to one safetensors file (the PNG goes beside it)."""
+        """Write tensors, env, the PNG and metadata to one safetensors file."""
         tensors = {
             "sigmas": self.sigmas,
             "timesteps": self.timesteps,
@@ -70,9 +72,12 @@ class Trajectory:
         for branch, env in self.env.items():
             for key, value in env.items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"env/{branch}/{key}"] = value.contiguous()
+                    # A clone: branches may share a tensor, and safetensors stores no aliases.
+                    tensors[f"env/{branch}/{key}"] = value.contiguous().clone()
                 else:
                     values.setdefault(branch, {})[key] = value
+        if self.image_png is not None:
+            tensors["image_png"] = torch.frombuffer(bytearray(self.image_png), dtype=torch.uint8)
         scalars = {
             k: getattr(self, k)
             for k in (
@@ -96,8 +101,6 @@ class Trajectory:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trajectory":
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata()
         tensors = load_file(str(path))
@@ -115,31 +118,26 @@ class Trajectory:
             log_probs=tensors["log_probs"],
             env=env,
             transformer_call=json.loads(metadata["transformer_call"]),
+            image_png=tensors["image_png"].numpy().tobytes() if "image_png" in tensors else None,
         )
 
 
 def collect(events: Iterable[Event]) -> list[Trajectory]:
     """Gather a whole rollout stream into one Trajectory per sample (prompt-major order)."""
     started: Started | None = None
-    latents: torch.Tensor | None = None
-    log_probs = mask = None
+    streamed: dict[int, torch.Tensor] = {}  # j -> x_j [B, ...]
+    log_probs = None
     images: dict[int, bytes] = {}
     finished = False
     for event in events:
         if isinstance(event, Started):
             started = event
-            message = event.message
-            num_samples, num_steps = len(message.seeds), len(message.stochastic)
-            latents = torch.full((num_samples, num_steps + 1, *message.layout.shape), float("nan"))
-            mask = torch.zeros(num_steps + 1, dtype=torch.bool)
-            log_probs = torch.full((num_samples, num_steps), float("nan"))
+            log_probs = torch.full((len(event.message.seeds), len(event.message.stochastic)), float("nan"))
             if event.x0 is not None:
-                latents[:, 0] = event.x0.float()
-                mask[0] = True
+                streamed[0] = event.x0.float()
         elif isinstance(event, Step):
             if event.x_next is not None:
-                latents[:, event.index + 1] = event.x_next.float()
-                mask[event.index + 1] = True
+                streamed[event.index + 1] = event.x_next.float()
             if event.log_probs is not None:
                 log_probs[:, event.index] = event.log_probs
         elif isinstance(event, Image):
@@ -148,6 +146,14 @@ def collect(events: Iterable[Event]) -> list[Trajectory]:
             finished = True
     if started is None or not finished:
         raise ValueError("incomplete rollout stream: no started or no finished event")
+    message = started.message
+    num_samples, num_steps = len(message.seeds), len(message.stochastic)
+    rows = num_steps + 1 if streamed else 0
+    latents = torch.full((num_samples, rows, *message.layout.shape), float("nan"))
+    mask = torch.zeros(num_steps + 1, dtype=torch.bool)
+    for j, x in streamed.items():
+        latents[:, j] = x
+        mask[j] = True
     return _trajectories(started, latents, mask, log_probs, images)
 
 
@@ -159,6 +165,8 @@ def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Tr
         "transformer_class": call.transformer_class,
         "model_dtype": call.model_dtype,
         "timestep_divisor": call.timestep_divisor,
+        "timestep_rule": call.timestep_rule,
+        "branches": list(call.branches),
         "guidance_rule": call.guidance_rule,
         "guidance_rule_scale": call.guidance_rule_scale,
         "batched_env_keys": list(call.batched_env_keys),

@@ -1,0 +1,123 @@
+"""Streaming overhead: the same rollout (a) in-process through the sampler with no hooks and (b)
+through a real server, streaming every latent and the env to a client that decodes every tensor.
+
+Prints a Markdown table with the median seconds of each, the ratio b/a and the streamed tensor
+throughput. Runs (a) and (b) alternately so machine noise hits both alike.
+
+    python bench/stream_overhead.py --presets tiny-flux small-flux
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from conftest import start_server  # noqa: E402  (the tests' real-server launcher)
+
+from rollout.v1 import rollout_pb2  # noqa: E402
+from rollout_client import Finished, RolloutClient  # noqa: E402
+from rollout_server.sampler import SamplerHooks, sample  # noqa: E402
+from rollout_server.server import ServerOptions, build_service  # noqa: E402
+from rollout_server.validation import resolve  # noqa: E402
+
+
+def in_process_seconds(service, request: rollout_pb2.RolloutRequest) -> float:
+    """(a): prompt encoding and the sampler loop, no hooks, no serialisation."""
+    resolved = resolve(request, service.serving)
+    begin = time.perf_counter()
+    with torch.inference_mode():
+        prepared = service.engine.prepare(resolved)
+        sample(prepared.plan, prepared.velocity, SamplerHooks())
+    return time.perf_counter() - begin
+
+
+def streamed_seconds(client: RolloutClient, request: rollout_pb2.RolloutRequest) -> tuple[float, int]:
+    """(b): the same rollout through the server; every tensor is decoded by the client."""
+    begin = time.perf_counter()
+    tensor_bytes = 0
+    for event in client.stream(request):  # decode_stream turns every payload into torch tensors
+        if isinstance(event, Finished):
+            tensor_bytes = event.message.tensor_bytes
+    return time.perf_counter() - begin, tensor_bytes
+
+
+def measure(preset: str, args, cache_dir: Path, log_dir: Path) -> dict:
+    torch.set_num_threads(args.threads)
+    request = rollout_pb2.RolloutRequest(
+        prompts=[f"prompt {p}: a watercolour fox in a misty forest" for p in range(args.prompts)],
+        samples_per_prompt=args.samples_per_prompt,
+        base_seed=1,
+        num_steps=args.steps,
+        latents=rollout_pb2.LATENT_SELECTION_ALL,
+        images=False,
+    )
+    service = build_service(ServerOptions(model=preset, cache_dir=cache_dir))
+    server = start_server(
+        cache_dir, log_dir / f"{preset}.log", "--model", preset, "--threads", str(args.threads)
+    )
+    try:
+        with RolloutClient(server.address, timeout=600) as client:
+            in_process_seconds(service, request)  # warm-up both sides
+            streamed_seconds(client, request)
+            a_runs, b_runs = [], []
+            for _ in range(args.repeats):
+                a_runs.append(in_process_seconds(service, request))
+                seconds, tensor_bytes = streamed_seconds(client, request)
+                b_runs.append(seconds)
+    finally:
+        server.stop()
+    a, b = statistics.median(a_runs), statistics.median(b_runs)
+    defaults = service.server_info.defaults
+    return {
+        "preset": preset,
+        "size": f"{defaults.height}x{defaults.width}",
+        "samples": args.prompts * args.samples_per_prompt,
+        "steps": args.steps,
+        "step_ms": 1000 * a / args.steps,
+        "a": a,
+        "b": b,
+        "ratio": b / a,
+        "mib": tensor_bytes / 2**20,
+        "gbps": tensor_bytes / b / 1e9,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--presets", nargs="+", default=["tiny-flux", "small-flux"])
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--samples-per-prompt", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        cache_dir = args.cache_dir or Path(scratch) / "cache"
+        rows = [measure(preset, args, cache_dir, Path(scratch)) for preset in args.presets]
+    print(f"torch threads: {args.threads}, median of {args.repeats} runs, latents ALL + env, images off\n")
+    print(
+        "| preset | size | samples x steps | ms/step (a) | (a) in-process s | (b) streamed s | b/a "
+        "| streamed MiB | streamed GB/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        shape = f"{r['size']} | {r['samples']} x {r['steps']}"
+        print(
+            f"| {r['preset']} | {shape} | {r['step_ms']:.1f} | {r['a']:.3f} | {r['b']:.3f} "
+            f"| {r['ratio']:.3f} | {r['mib']:.2f} | {r['gbps']:.4f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# GetServerInfo: model, family, defaults, limits and versions.
+set -euo pipefail
+ADDRESS=${ADDRESS:-127.0.0.1:50051}
+
+grpcurl -plaintext "$ADDRESS" rollout.v1.RolloutService/GetServerInfo
