@@ -80,7 +80,17 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         work = loop.run_in_executor(
             self.engine.executor, self.engine.execute, resolved, emit, cancel.is_set, admitted_at
         )
-        work.add_done_callback(lambda _: self.engine.release())
+
+        def finished(future: asyncio.Future) -> None:
+            self.engine.release()
+            # Once the caller has gone, nobody awaits the work: retrieve its outcome here, so that the
+            # expected RolloutCancelled is not logged as "Future exception was never retrieved".
+            if cancel.is_set() and not future.cancelled():
+                error = future.exception()
+                if error is not None and not isinstance(error, RolloutCancelled):
+                    log.error("rollout %s failed after its caller left", request_id, exc_info=error)
+
+        work.add_done_callback(finished)
         samples, steps = len(resolved.seeds), resolved.num_steps
         outcome = "OK"
         try:

@@ -37,7 +37,8 @@ DEBUG_TENSORS = {
     rollout_pb2.DEBUG_TENSOR_SD,
     rollout_pb2.DEBUG_TENSOR_VELOCITY,
 }
-# Smallest positive noise level: far below it, sd**2 underflows in float32 and log-probs become NaN.
+# Smallest positive noise level: below it sd is lost in the float32 rounding of the latents, so a
+# 'stochastic' step would be deterministic in all but name.
 MIN_NOISE_LEVEL = 1e-6
 
 
@@ -106,7 +107,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     group = resolved.samples_per_prompt
     total = group * len(request.prompts)
     if len(request.prompts) > limits.max_samples:
-        bad.append(("prompts", f"{len(request.prompts)} prompts exceed the {limits.max_samples} samples limit"))
+        bad.append(("prompts", f"{len(request.prompts)} prompts exceed {limits.max_samples} samples"))
     elif group < 1:
         bad.append(("samples_per_prompt", "must be at least 1"))
     elif total > limits.max_samples:

@@ -7,6 +7,7 @@ from rollout.v1 import rollout_pb2
 from rollout_client import Started, Step, noise
 
 EPS = rollout_pb2.DEBUG_TENSOR_EPS
+MEAN = rollout_pb2.DEBUG_TENSOR_MEAN
 VELOCITY = rollout_pb2.DEBUG_TENSOR_VELOCITY
 
 
@@ -67,7 +68,7 @@ def test_stochastic_step_list(client):
         base_seed=1,
         num_steps=5,
         stochastic_steps=[1, 3],
-        debug_tensors=[EPS, VELOCITY],
+        debug_tensors=[EPS, MEAN, VELOCITY],
     )
     assert list(started.message.stochastic) == [False, True, False, True, False]
     sigmas = torch.tensor(list(started.message.sigmas))
@@ -82,6 +83,7 @@ def test_stochastic_step_list(client):
             assert step.message.noise_std == 0.0
             dt = sigmas[step.index + 1] - sigmas[step.index]
             assert torch.equal(step.x_next, x + dt * step.debug["velocity"])
+            assert torch.equal(step.x_next, step.debug["mean"])
         x = step.x_next
     # A stochastic step's noise does not depend on which other steps are stochastic.
     _, all_steps = run(client, prompts=["a boat"], base_seed=1, num_steps=5, debug_tensors=[EPS])

@@ -19,7 +19,14 @@ from rollout.v1 import rollout_pb2
 
 def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[list[rollout_pb2.TensorInfo], bytes]:
     """Serialise ``tensors`` (moved to the CPU, made contiguous) and describe them."""
-    buffer = safetensors_save({name: t.detach().cpu().contiguous() for name, t in tensors.items()})
+    on_cpu, storages = {}, set()
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        # safetensors refuses aliases (e.g. an ODE step's x_next is its mean): give repeats their own copy.
+        on_cpu[name] = tensor.clone() if storage in storages else tensor
+        storages.add(storage)
+    buffer = safetensors_save(on_cpu)
     return manifest_of(buffer), buffer
 
 

@@ -91,7 +91,8 @@ def log_prob(residual: torch.Tensor, sd: torch.Tensor, include_constants: bool) 
     residual = residual.float()
     sd = sd.to(device=residual.device, dtype=torch.float32)
     if include_constants:
-        elementwise = -(residual**2) / (2 * sd**2) - torch.log(sd) - _LOG_SQRT_2PI
+        # (residual / sd)^2 rather than residual^2 / sd^2: no underflow for tiny noise levels.
+        elementwise = -((residual / sd) ** 2) / 2 - torch.log(sd) - _LOG_SQRT_2PI
     else:
         elementwise = -(residual**2)
     return elementwise.mean(dim=tuple(range(1, residual.ndim)))
