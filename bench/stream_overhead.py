@@ -10,7 +10,6 @@ throughput. Runs (a) and (b) alternately so machine noise hits both alike.
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,15 +17,13 @@ from pathlib import Path
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from conftest import start_server  # noqa: E402  (the tests' real-server launcher)
-
-from rollout.v1 import rollout_pb2  # noqa: E402
-from rollout_client import Finished, RolloutClient  # noqa: E402
-from rollout_server.sampler import SamplerHooks, sample  # noqa: E402
-from rollout_server.server import ServerOptions, build_service  # noqa: E402
-from rollout_server.validation import resolve  # noqa: E402
+from rollout.v1 import rollout_pb2
+from rollout_client import Finished, RolloutClient
+from rollout_server.local import LocalServer
+from rollout_server.sampler import SamplerHooks, sample
+from rollout_server.server import ServerOptions, build_service
+from rollout_server.validation import resolve
 
 
 def in_process_seconds(service, request: rollout_pb2.RolloutRequest) -> float:
@@ -60,8 +57,14 @@ def measure(preset: str, args, cache_dir: Path, log_dir: Path) -> dict:
         images=False,
     )
     service = build_service(ServerOptions(model=preset, cache_dir=cache_dir))
-    server = start_server(
-        cache_dir, log_dir / f"{preset}.log", "--model", preset, "--threads", str(args.threads)
+    server = LocalServer.start(
+        log_dir / f"{preset}.log",
+        "--model",
+        preset,
+        "--cache-dir",
+        str(cache_dir),
+        "--threads",
+        str(args.threads),
     )
     try:
         with RolloutClient(server.address, timeout=600) as client:

@@ -7,14 +7,12 @@ with the transformer loaded by plain diffusers, and compare them with the stream
 
 import argparse
 import os
-import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rollout_client import RolloutClient, Trajectory, replay_log_probs
+from rollout_server.local import LocalServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the server builds its model locally
 
@@ -23,39 +21,6 @@ SAMPLES_PER_PROMPT = 4
 BASE_SEED = 2024
 REPLAYED_SAMPLE = 5  # the second sample of the second prompt
 TOLERANCE = 1e-5  # fp32 replay parity (DESIGN.md section 3)
-SERVING_LINE = re.compile(r"serving .* at (?P<address>\S+:\d+)$")
-
-
-def start_server(log_path: Path, cache_dir: Path | None, timeout: float = 120.0):
-    """Start ``rollout-server serve`` on a free loopback port; return it and its address once it serves."""
-    # One torch thread: the tiny model gains nothing from more, and they would contend with the client.
-    serve = ["serve", "--model", "tiny-flux", "--port", "0", "--threads", "1"]
-    command = [sys.executable, "-m", "rollout_server", *serve]
-    if cache_dir:
-        command += ["--cache-dir", str(cache_dir)]
-    with log_path.open("w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = next(filter(None, map(SERVING_LINE.search, log_path.read_text().splitlines())), None)
-        if match:
-            return server, match["address"]
-        if server.poll() is not None:
-            raise SystemExit(f"server exited with {server.returncode}:\n{log_path.read_text()}")
-        time.sleep(0.1)
-    server.kill()
-    raise SystemExit(f"server did not start within {timeout:.0f} s:\n{log_path.read_text()}")
-
-
-def stop_server(server: subprocess.Popen, timeout: float = 30.0) -> int:
-    """SIGTERM (graceful shutdown), then the exit status; killed if it does not stop in time."""
-    server.send_signal(signal.SIGTERM)
-    try:
-        return server.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
-        raise SystemExit(f"server ignored SIGTERM for {timeout:.0f} s") from None
 
 
 def replay(model_path: Path, trajectory_path: Path) -> float:
@@ -82,7 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    server, address = start_server(args.out / "server.log", args.cache_dir)
+    # One torch thread: the tiny model gains nothing from more, and they would contend with the client.
+    cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir else []
+    server = LocalServer.start(args.out / "server.log", "--model", "tiny-flux", "--threads", "1", *cache)
+    address = server.address
     try:
         with RolloutClient(address, timeout=60) as client:
             info = client.server_info()
@@ -92,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         subprocess.run([*rollout_client, *PROMPTS, *group, "--out", args.out], check=True, timeout=120)
         worst = replay(Path(info.model_path), args.out / f"sample-{REPLAYED_SAMPLE}.safetensors")
     finally:
-        returncode = stop_server(server)
+        returncode = server.stop()
     if returncode != 0:
         raise SystemExit(f"server exited with {returncode}; see {args.out / 'server.log'}")
     print(f"server stopped cleanly; largest |diff| {worst:.2e}; see {args.out / 'contact-sheet.png'}")

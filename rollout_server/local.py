@@ -1,0 +1,55 @@
+"""Run ``rollout-server serve`` as a child process on a free loopback port (demos, tests, benchmarks)."""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+SERVING_LINE = re.compile(r"serving .* at (?P<address>\S+:\d+)$")
+
+
+@dataclass
+class LocalServer:
+    """A server child process; its output goes to ``log_path``."""
+
+    process: subprocess.Popen
+    address: str
+    log_path: Path
+
+    @classmethod
+    def start(cls, log_path: Path, *args: str, timeout: float = 120.0) -> "LocalServer":
+        """Start ``rollout-server serve --port 0 ARGS`` and return once it accepts connections."""
+        command = [sys.executable, "-m", "rollout_server", "serve", "--port", "0", *args]
+        with log_path.open("w") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = next(filter(None, map(SERVING_LINE.search, log_path.read_text().splitlines())), None)
+            if match:
+                with grpc.insecure_channel(match["address"]) as channel:
+                    grpc.channel_ready_future(channel).result(timeout=max(deadline - time.monotonic(), 1))
+                return cls(process, match["address"], log_path)
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()}")
+            time.sleep(0.1)
+        process.kill()
+        raise TimeoutError(f"server did not start within {timeout:.0f} s:\n{log_path.read_text()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send ``sig`` (SIGTERM: graceful shutdown) and return the exit status; kill it if it hangs."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
