@@ -4,7 +4,8 @@ through a real server, streaming every latent and the env to a client that decod
 Prints a Markdown table with the median seconds of each, the ratio b/a and the streamed tensor
 throughput. Runs (a) and (b) alternately so machine noise hits both alike.
 
-    python bench/stream_overhead.py --presets tiny-flux small-flux
+    python bench/stream_overhead.py                      # all cases
+    python bench/stream_overhead.py --cases small-flux   # one case
 """
 
 import argparse
@@ -46,26 +47,43 @@ def streamed_seconds(client: RolloutClient, request: rollout_pb2.RolloutRequest)
     return time.perf_counter() - begin, tensor_bytes
 
 
-def measure(preset: str, args, cache_dir: Path, log_dir: Path) -> dict:
+# (label, preset, request fields beyond the common ones). The last case is payload-heavy: every
+# latent plus the eps, mean and velocity debug tensors of 8 samples at 1024x1024.
+CASES = [
+    ("tiny-flux", "tiny-flux", {}),
+    ("small-flux", "small-flux", {}),
+    (
+        "tiny-flux, 1024px + debug tensors",
+        "tiny-flux",
+        {
+            "height": 1024,
+            "width": 1024,
+            "samples_per_prompt": 4,
+            "debug_tensors": [
+                rollout_pb2.DEBUG_TENSOR_EPS,
+                rollout_pb2.DEBUG_TENSOR_MEAN,
+                rollout_pb2.DEBUG_TENSOR_VELOCITY,
+            ],
+        },
+    ),
+]
+
+
+def measure(label: str, preset: str, fields: dict, args, cache_dir: Path, log_dir: Path) -> dict:
     torch.set_num_threads(args.threads)
     request = rollout_pb2.RolloutRequest(
-        prompts=[f"prompt {p}: a watercolour fox in a misty forest" for p in range(args.prompts)],
-        samples_per_prompt=args.samples_per_prompt,
+        prompts=["a watercolour fox in a misty forest", "a lighthouse on a cliff at dusk"],
+        samples_per_prompt=2,
         base_seed=1,
         num_steps=args.steps,
         latents=rollout_pb2.LATENT_SELECTION_ALL,
         images=False,
     )
+    request.MergeFrom(rollout_pb2.RolloutRequest(**fields))
     service = build_service(ServerOptions(model=preset, cache_dir=cache_dir))
-    server = LocalServer.start(
-        log_dir / f"{preset}.log",
-        "--model",
-        preset,
-        "--cache-dir",
-        str(cache_dir),
-        "--threads",
-        str(args.threads),
-    )
+    request = resolve(request, service.serving)
+    server_args = ["--model", preset, "--cache-dir", str(cache_dir), "--threads", str(args.threads)]
+    server = LocalServer.start(log_dir / f"{preset}.log", *server_args)
     try:
         with RolloutClient(server.address, timeout=600) as client:
             in_process_seconds(service, request)  # warm-up both sides
@@ -78,13 +96,10 @@ def measure(preset: str, args, cache_dir: Path, log_dir: Path) -> dict:
     finally:
         server.stop()
     a, b = statistics.median(a_runs), statistics.median(b_runs)
-    defaults = service.server_info.defaults
     return {
-        "preset": preset,
-        "size": f"{defaults.height}x{defaults.width}",
-        "samples": args.prompts * args.samples_per_prompt,
-        "steps": args.steps,
-        "step_ms": 1000 * a / args.steps,
+        "case": label,
+        "shape": f"{request.height}x{request.width} | {len(request.seeds)} x {request.num_steps}",
+        "step_ms": 1000 * a / request.num_steps,
         "a": a,
         "b": b,
         "ratio": b / a,
@@ -97,9 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--presets", nargs="+", default=["tiny-flux", "small-flux"])
-    parser.add_argument("--prompts", type=int, default=2)
-    parser.add_argument("--samples-per-prompt", type=int, default=2)
+    parser.add_argument("--cases", nargs="+", default=[label for label, _, _ in CASES], help="case labels")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -107,18 +120,21 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         cache_dir = args.cache_dir or Path(scratch) / "cache"
-        rows = [measure(preset, args, cache_dir, Path(scratch)) for preset in args.presets]
+        rows = [
+            measure(label, preset, fields, args, cache_dir, Path(scratch))
+            for label, preset, fields in CASES
+            if label in args.cases
+        ]
     print(f"torch threads: {args.threads}, median of {args.repeats} runs, latents ALL + env, images off\n")
     print(
-        "| preset | size | samples x steps | ms/step (a) | (a) in-process s | (b) streamed s | b/a "
+        "| case | size | samples x steps | ms/step (a) | (a) in-process s | (b) streamed s | b/a "
         "| streamed MiB | streamed GB/s |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        shape = f"{r['size']} | {r['samples']} x {r['steps']}"
         print(
-            f"| {r['preset']} | {shape} | {r['step_ms']:.1f} | {r['a']:.3f} | {r['b']:.3f} "
-            f"| {r['ratio']:.3f} | {r['mib']:.2f} | {r['gbps']:.4f} |"
+            f"| {r['case']} | {r['shape']} | {r['step_ms']:.1f} | {r['a']:.3f} | {r['b']:.3f} "
+            f"| {r['ratio']:.3f} | {r['mib']:.1f} | {r['gbps']:.3f} |"
         )
 
 

@@ -116,8 +116,11 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         )
 
     if request.seeds:
-        if request.HasField("base_seed"):
-            bad.append(("base_seed", "give either seeds or base_seed, not both"))
+        # Both are accepted only when they agree, so a started event's resolved request can be resent.
+        if request.HasField("base_seed") and list(request.seeds) != noise.derive_seeds(
+            request.base_seed, len(request.seeds)
+        ):
+            bad.append(("base_seed", "seeds are not the ones base_seed derives; give one or the other"))
         if len(request.seeds) != total:
             bad.append(("seeds", f"expected {total} seeds (one per sample), got {len(request.seeds)}"))
         elif len(set(request.seeds)) != len(request.seeds):

@@ -125,3 +125,15 @@ def test_manifest_only_describes_without_bytes(client):
     for step in steps:
         assert step.x_next is None and [t.name for t in step.message.tensors.manifest] == ["x_next"]
         assert step.log_probs is not None
+
+
+def test_resolved_request_reproduces_the_rollout(client):
+    """The started event's resolved request, sent again, gives the same seeds, noise and log-probs."""
+    started, steps = run(client, prompts=["a kite"], samples_per_prompt=2, debug_tensors=[EPS])
+    resent = {field.name: value for field, value in started.message.resolved.ListFields()}
+    again_started, again_steps = run(client, **resent)
+    assert list(again_started.message.seeds) == list(started.message.seeds)
+    assert torch.equal(again_started.x0, started.x0)
+    for step, again in zip(steps, again_steps, strict=True):
+        assert torch.equal(step.debug["eps"], again.debug["eps"])
+        assert torch.equal(step.log_probs, again.log_probs)
