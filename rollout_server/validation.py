@@ -11,15 +11,10 @@ from dataclasses import dataclass
 
 from rollout.v1 import rollout_pb2
 from rollout_client import noise, steps
+from rollout_client.trajectory import SAMPLER_NAMES
 from rollout_server.families.base import FamilyDefaults
 from rollout_server.limits import Limits
 
-SAMPLER_NAMES = {
-    rollout_pb2.SAMPLER_TYPE_FLOW_SDE: "FLOW_SDE",
-    rollout_pb2.SAMPLER_TYPE_DANCE: "DANCE",
-    rollout_pb2.SAMPLER_TYPE_CPS: "CPS",
-    rollout_pb2.SAMPLER_TYPE_ODE: "ODE",
-}
 LATENT_SELECTIONS = {
     rollout_pb2.LATENT_SELECTION_ALL,
     rollout_pb2.LATENT_SELECTION_AROUND_STOCHASTIC,

@@ -8,7 +8,7 @@ first travels in the event itself, the rest in the ``chunk`` messages that follo
 
 import json
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -57,7 +57,3 @@ def split(data: bytes, first_size: int, chunk_size: int) -> tuple[bytes, list[by
     first, rest = data[:first_size], memoryview(data)[first_size:]
     return first, [bytes(rest[start : start + chunk_size]) for start in range(0, len(rest), chunk_size)]
 
-
-def join(first: bytes, chunks: Iterator[bytes]) -> bytes:
-    """Reassemble a payload from its first piece and the following pieces."""
-    return b"".join([first, *chunks])
