@@ -56,4 +56,3 @@ def split(data: bytes, first_size: int, chunk_size: int) -> tuple[bytes, list[by
     """Cut ``data`` into a first piece of at most ``first_size`` bytes and pieces of ``chunk_size``."""
     first, rest = data[:first_size], memoryview(data)[first_size:]
     return first, [bytes(rest[start : start + chunk_size]) for start in range(0, len(rest), chunk_size)]
-
