@@ -3,8 +3,10 @@
 import argparse
 import asyncio
 import logging
+import sys
 from pathlib import Path
 
+from rollout_server.families import UnsupportedModel
 from rollout_server.limits import Limits
 from rollout_server.server import ServerOptions, serve
 
@@ -53,7 +55,10 @@ def main(argv=None) -> None:
         limits=limits,
         cache_dir=args.cache_dir,
     )
-    asyncio.run(serve(options))
+    try:
+        asyncio.run(serve(options))
+    except (UnsupportedModel, FileNotFoundError) as error:
+        sys.exit(f"rollout-server: cannot load model {args.model!r}: {error}")
 
 
 if __name__ == "__main__":

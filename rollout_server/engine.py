@@ -18,7 +18,7 @@ import torch
 from rollout.v1 import rollout_pb2
 from rollout_client import noise
 from rollout_client.transformer_call import apply_guidance, call_transformer, stack_envs
-from rollout_server.families.base import FamilyAdapter
+from rollout_server.families.base import Conditioning, FamilyAdapter
 from rollout_server.sampler import RolloutCancelled, SamplerPlan, sample, stochastic_steps
 from rollout_server.stream import LATENT_DTYPES, StreamEncoder, env_payload, latents_sent
 from rollout_server.validation import SAMPLER_NAMES
@@ -74,25 +74,42 @@ class RolloutEngine:
         with self._lock:
             self._admitted -= 1
 
-    def _velocity_fn(self, request, prompt_indices, conditioning, timesteps):
-        """velocity(x, i): the transformer over micro-batches, both branches, guidance applied."""
-        adapter = self.adapter
-        branches = list(conditioning.envs)
-        rule = "none" if branches == ["positive"] else adapter.guidance_rule_with_negative
+    def _micro_batches(self, prompt_indices: list[int], conditioning: Conditioning) -> list[tuple]:
+        """(sample rows, batched env per branch) per transformer call. Samples are grouped by the
+        shapes of their env tensors (e.g. prompt token lengths), so every call sees exactly the env a
+        trainer replays with, unpadded, and then cut to at most max_batch_size samples."""
+
+        def shapes(p: int) -> tuple:
+            return tuple(
+                (branch, key, tuple(value.shape))
+                for branch, per_prompt in conditioning.envs.items()
+                for key, value in per_prompt[p].items()
+                if isinstance(value, torch.Tensor)
+            )
+
+        groups: dict[tuple, list[int]] = {}
+        for k, p in enumerate(prompt_indices):
+            groups.setdefault(shapes(p), []).append(k)
         batches = []
-        for start in range(0, len(prompt_indices), self.max_batch_size):
-            rows = slice(start, start + self.max_batch_size)
-            envs = {
-                branch: stack_envs(
-                    [conditioning.envs[branch][p] for p in prompt_indices[rows]], conditioning.batched_keys
-                )
-                for branch in branches
-            }
-            batches.append((rows, envs))
+        for members in groups.values():
+            for start in range(0, len(members), self.max_batch_size):
+                rows = members[start : start + self.max_batch_size]
+                envs = {
+                    branch: stack_envs(
+                        [per_prompt[prompt_indices[k]] for k in rows], conditioning.batched_keys
+                    )
+                    for branch, per_prompt in conditioning.envs.items()
+                }
+                batches.append((torch.tensor(rows, device=self.adapter.device), envs))
+        return batches
+
+    def _velocity_fn(self, batches: list[tuple], timesteps: torch.Tensor, rule: str, scale: float):
+        """velocity(x, i): the transformer on every micro-batch and branch, guidance applied."""
+        adapter = self.adapter
 
         def velocity(x: torch.Tensor, i: int) -> torch.Tensor:
             t = timesteps[i].item()
-            outputs = []
+            v = torch.empty_like(x)
             for rows, envs in batches:
                 per_branch = {
                     branch: call_transformer(
@@ -100,10 +117,10 @@ class RolloutEngine:
                     )
                     for branch, env in envs.items()
                 }
-                outputs.append(apply_guidance(rule, request.true_cfg_scale, per_branch))
-            return torch.cat(outputs)
+                v[rows] = apply_guidance(rule, scale, per_branch)
+            return v
 
-        return velocity, rule
+        return velocity
 
     @torch.inference_mode()
     def prepare(self, request: rollout_pb2.RolloutRequest) -> "PreparedRollout":
@@ -111,10 +128,12 @@ class RolloutEngine:
         adapter = self.adapter
         group = request.samples_per_prompt
         prompt_indices = [k // group for k in range(len(request.prompts) * group)]
-        true_cfg = request.true_cfg_scale > 1.0
+        cfg_scale = getattr(request, adapter.cfg_scale_field)
+        cfg = cfg_scale > 1.0
+        rule = adapter.cfg_rule if cfg else "none"
         conditioning = adapter.encode_prompts(
             list(request.prompts),
-            request.negative_prompt if true_cfg else None,
+            request.negative_prompt if cfg else None,
             request.guidance_scale,
             request.height,
             request.width,
@@ -125,7 +144,8 @@ class RolloutEngine:
             sampler_type, sigmas, request.noise_level, list(request.stochastic_steps)
         )
         latent_shape = adapter.latent_shape(request.height, request.width)
-        velocity, rule = self._velocity_fn(request, prompt_indices, conditioning, timesteps)
+        batches = self._micro_batches(prompt_indices, conditioning)
+        velocity = self._velocity_fn(batches, timesteps, rule, cfg_scale)
         plan = SamplerPlan(
             sampler_type=sampler_type,
             sigmas=sigmas,
@@ -158,7 +178,7 @@ class RolloutEngine:
                 timestep_divisor=adapter.timestep_divisor,
                 timestep_rule=adapter.timestep_rule,
                 guidance_rule=rule,
-                guidance_rule_scale=request.true_cfg_scale,
+                guidance_rule_scale=cfg_scale,
                 branches=list(conditioning.envs),
                 batched_env_keys=conditioning.batched_keys,
             ),

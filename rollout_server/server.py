@@ -53,6 +53,7 @@ def build_service(options: ServerOptions) -> RolloutService:
     serving = ServingContext(
         defaults=presets.defaults_for(options.model, adapter.defaults()),
         side_multiple=adapter.side_multiple,
+        cfg_scale_field=adapter.cfg_scale_field,
         limits=limits,
     )
     info = rollout_pb2.GetServerInfoResponse(
@@ -67,6 +68,9 @@ def build_service(options: ServerOptions) -> RolloutService:
         defaults=defaults_proto(serving),
         limits=limits.to_proto(adapter.side_multiple),
         versions=versions(),
+        cfg_scale_field=adapter.cfg_scale_field,
+        cfg_rule=adapter.cfg_rule,
+        timestep_rule=adapter.timestep_rule,
     )
     return RolloutService(engine, serving, info)
 

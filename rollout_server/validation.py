@@ -52,6 +52,7 @@ class ServingContext:
     defaults: FamilyDefaults
     side_multiple: int
     limits: Limits
+    cfg_scale_field: str = "true_cfg_scale"
 
 
 def defaults_proto(context: ServingContext) -> rollout_pb2.RolloutRequest:
@@ -142,8 +143,8 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         bad.append(("guidance_scale", f"must be finite and in [0, 100], got {resolved.guidance_scale}"))
     if not _finite_in(resolved.true_cfg_scale, 1.0, 100.0):
         bad.append(("true_cfg_scale", f"must be finite and in [1, 100], got {resolved.true_cfg_scale}"))
-    elif request.negative_prompt and resolved.true_cfg_scale <= 1.0:
-        bad.append(("negative_prompt", "is only used with true_cfg_scale > 1"))
+    if request.negative_prompt and getattr(resolved, context.cfg_scale_field) <= 1.0:
+        bad.append(("negative_prompt", f"is only used with {context.cfg_scale_field} > 1"))
     if len(request.negative_prompt) > limits.max_prompt_chars:
         bad.append(("negative_prompt", f"longer than {limits.max_prompt_chars} characters"))
 

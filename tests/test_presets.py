@@ -106,7 +106,7 @@ def test_t5_tokenizer_round_trips_unseen_text(pipe):
 
 def test_resolve_model_accepts_folders_and_rejects_unknown_names(tiny_flux, tmp_path):
     assert resolve_model(str(tiny_flux)) == tiny_flux
-    with pytest.raises(ValueError, match="model_index.json"):
+    with pytest.raises(FileNotFoundError, match="model_index.json"):
         resolve_model(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="tiny-flux"):
         resolve_model("no-such-preset")

@@ -10,7 +10,9 @@ For each env branch (``positive``, and ``negative`` with true CFG)::
 then the guidance rule combines the branches in float32:
 
 * ``none``: v = v_positive
-* ``true_cfg``: v = v_negative + scale * (v_positive - v_negative)
+* ``true_cfg``: v = v_negative + scale * (v_positive - v_negative)   (also SD3's classic CFG)
+* ``true_cfg_norm_rescale`` (Qwen-Image): c = v_negative + scale * (v_positive - v_negative), then
+  v = c * ||v_positive|| / ||c||, norms over the last dimension
 """
 
 from collections.abc import Iterable, Mapping
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-GUIDANCE_RULES = ("none", "true_cfg")
+GUIDANCE_RULES = ("none", "true_cfg", "true_cfg_norm_rescale")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,12 +41,17 @@ def call_transformer(
 
 def apply_guidance(rule: str, scale: float, velocities: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Combine branch velocities (float32) by the guidance rule."""
+    if rule not in GUIDANCE_RULES:
+        raise ValueError(f"unknown guidance rule {rule!r}; expected one of {GUIDANCE_RULES}")
     if rule == "none":
         return velocities["positive"]
+    positive, negative = velocities["positive"], velocities["negative"]
+    combined = negative + scale * (positive - negative)
     if rule == "true_cfg":
-        positive, negative = velocities["positive"], velocities["negative"]
-        return negative + scale * (positive - negative)
-    raise ValueError(f"unknown guidance rule {rule!r}; expected one of {GUIDANCE_RULES}")
+        return combined
+    return combined * (
+        torch.norm(positive, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True)
+    )
 
 
 def stack_envs(envs: Iterable[Mapping[str, Any]], batched_keys: Iterable[str]) -> dict[str, Any]:

@@ -44,9 +44,13 @@ class FamilyAdapter(ABC):
 
     family: ClassVar[str]
     pipeline_class: ClassVar[str]
+    # The transformer is fed timestep / timestep_divisor; timestep_rule says so in words.
     timestep_divisor: ClassVar[float]
     timestep_rule: ClassVar[str]
-    guidance_rule_with_negative: ClassVar[str] = "true_cfg"
+    # CFG: the request field holding the CFG scale (a second, negative-prompt branch runs when it is
+    # > 1) and the rule of rollout_client.transformer_call that combines the branches.
+    cfg_scale_field: ClassVar[str] = "true_cfg_scale"
+    cfg_rule: ClassVar[str] = "true_cfg"
 
     def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
         self.folder = folder

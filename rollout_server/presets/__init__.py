@@ -60,7 +60,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
     if (path / "model_index.json").is_file():
         return path
     if path.is_dir():
-        raise ValueError(f"{path} is not a diffusers pipeline folder: it has no model_index.json")
+        raise FileNotFoundError(f"{path} is not a diffusers pipeline folder: it has no model_index.json")
     raise FileNotFoundError(
         f"{name_or_path!r} is neither a known preset ({', '.join(PRESETS)}) nor an existing model folder"
     )

@@ -1,0 +1,42 @@
+"""Model family detection from a diffusers folder, and the start-up errors around it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rollout_server import families
+
+
+def test_flux_folder_is_detected(tiny_flux_folder):
+    assert families.detect(tiny_flux_folder).family == "flux"
+
+
+def test_unsupported_pipeline_class_is_named(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
+    with pytest.raises(families.UnsupportedModel, match="KandinskyPipeline"):
+        families.detect(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "model_index, expected",
+    [
+        ({"_class_name": "StableCascadePriorPipeline"}, "StableCascadePriorPipeline"),
+        (None, "model_index.json"),
+    ],
+    ids=["unsupported-class", "not-a-pipeline-folder"],
+)
+def test_server_refuses_to_start_with_a_clear_message(tmp_path, model_index, expected):
+    if model_index is not None:
+        (tmp_path / "model_index.json").write_text(json.dumps(model_index))
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout_server", "serve", "--model", str(tmp_path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("rollout-server: cannot load model") and expected in last_line
+    assert "Traceback" not in result.stderr
