@@ -4,6 +4,7 @@ sampler)."""
 import math
 
 import numpy as np
+import torch
 
 
 def mean_and_sd(kind: str, x: np.ndarray, v: np.ndarray, sigmas: np.ndarray, i: int, a: float):
@@ -30,3 +31,40 @@ def log_prob(x_next: np.ndarray, mean: np.ndarray, sd: float, constants: bool) -
     if constants:
         return (-squared / (2 * sd**2) - math.log(sd) - math.log(math.sqrt(2 * math.pi))).mean(axes)
     return (-squared).mean(axes)
+
+
+def guidance(rule: str, scale: float, v: dict[str, np.ndarray]) -> np.ndarray:
+    """The branch combination rules, float64."""
+    if rule == "none":
+        return v["positive"]
+    combined = v["negative"] + scale * (v["positive"] - v["negative"])
+    if rule == "true_cfg":
+        return combined
+    assert rule == "true_cfg_norm_rescale", rule
+    norm = np.linalg.norm(v["positive"], axis=-1, keepdims=True) / np.linalg.norm(
+        combined, axis=-1, keepdims=True
+    )
+    return combined * norm
+
+
+def bare_log_probs(transformer, trajectory) -> dict[int, float]:
+    """A trainer's replay written from scratch: a bare diffusers forward with the streamed env, and the
+    float64 formulas above. Returns {step: log-prob} for every stochastic step."""
+    call = trajectory.transformer_call
+    replayed = {}
+    for i in torch.nonzero(trajectory.stochastic).flatten().tolist():
+        x = trajectory.latents[i].unsqueeze(0)
+        timestep = torch.full((1,), trajectory.timesteps[i].item()) / call["timestep_divisor"]
+        with torch.no_grad():
+            v = {
+                branch: transformer(hidden_states=x, timestep=timestep, **env)[0].double().numpy()
+                for branch, env in trajectory.env.items()
+            }
+        velocity = guidance(call["guidance_rule"], call["guidance_rule_scale"], v)
+        sigmas = trajectory.sigmas.double().numpy()
+        mean, sd = mean_and_sd(
+            trajectory.sampler_type, x.double().numpy(), velocity, sigmas, i, trajectory.noise_level
+        )
+        x_next = trajectory.latents[i + 1].unsqueeze(0).double().numpy()
+        replayed[i] = float(log_prob(x_next, mean, sd, trajectory.log_prob_constants)[0])
+    return replayed

@@ -23,35 +23,6 @@ DTYPES = {"float32": rollout_pb2.TENSOR_DTYPE_FLOAT32, "bfloat16": rollout_pb2.T
 TOLERANCE = 1e-5
 
 
-def bare_log_probs(transformer, trajectory) -> dict[int, float]:
-    """The trainer's replay written from scratch: diffusers forward + reference formula."""
-    call = trajectory.transformer_call
-    replayed = {}
-    for i in torch.nonzero(trajectory.stochastic).flatten().tolist():
-        x = trajectory.latents[i].unsqueeze(0)
-        timestep = torch.full((1,), trajectory.timesteps[i].item()) / call["timestep_divisor"]
-        with torch.no_grad():
-            v = {
-                branch: transformer(hidden_states=x, timestep=timestep, **env)[0].double()
-                for branch, env in trajectory.env.items()
-            }
-        if call["guidance_rule"] == "true_cfg":
-            velocity = v["negative"] + call["guidance_rule_scale"] * (v["positive"] - v["negative"])
-        else:
-            velocity = v["positive"]
-        mean, sd = reference.mean_and_sd(
-            trajectory.sampler_type,
-            x.double().numpy(),
-            velocity.numpy(),
-            trajectory.sigmas.double().numpy(),
-            i,
-            trajectory.noise_level,
-        )
-        x_next = trajectory.latents[i + 1].unsqueeze(0).double().numpy()
-        replayed[i] = float(reference.log_prob(x_next, mean, sd, trajectory.log_prob_constants)[0])
-    return replayed
-
-
 @pytest.mark.parametrize("latent_dtype", DTYPES)
 @pytest.mark.parametrize("true_cfg", [False, True], ids=["no-cfg", "true-cfg"])
 @pytest.mark.parametrize("sampler", SAMPLERS)
@@ -87,7 +58,7 @@ def test_streamed_log_probs_replay(client, tiny_transformer, sampler, true_cfg, 
 
         replayed = replay_log_probs(tiny_transformer, trajectory)
         np.testing.assert_allclose(replayed.numpy(), streamed.numpy(), atol=TOLERANCE, rtol=0, equal_nan=True)
-        for i, value in bare_log_probs(tiny_transformer, trajectory).items():
+        for i, value in reference.bare_log_probs(tiny_transformer, trajectory).items():
             assert abs(value - streamed[i].item()) <= TOLERANCE, (i, value, streamed[i].item())
 
 
