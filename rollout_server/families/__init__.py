@@ -7,8 +7,12 @@ import torch
 
 from rollout_server.families.base import FamilyAdapter
 from rollout_server.families.flux import FluxAdapter
+from rollout_server.families.qwen_image import QwenImageAdapter
+from rollout_server.families.sd3 import SD3Adapter
 
-ADAPTERS: dict[str, type[FamilyAdapter]] = {adapter.pipeline_class: adapter for adapter in (FluxAdapter,)}
+ADAPTERS: dict[str, type[FamilyAdapter]] = {
+    adapter.pipeline_class: adapter for adapter in (FluxAdapter, SD3Adapter, QwenImageAdapter)
+}
 
 
 class UnsupportedModel(Exception):

@@ -19,15 +19,19 @@ from pathlib import Path
 from rollout_server.families.base import FamilyDefaults
 
 from .flux import build_flux_preset
+from .qwen_image import build_qwen_image_preset
+from .sd3 import build_sd3_preset
 
 logger = logging.getLogger(__name__)
 
 PRESETS: dict[str, Callable[[Path], None]] = {
     "tiny-flux": functools.partial(build_flux_preset, size="tiny"),
     "small-flux": functools.partial(build_flux_preset, size="small"),
+    "tiny-sd3": functools.partial(build_sd3_preset, size="tiny"),
+    "tiny-qwen-image": functools.partial(build_qwen_image_preset, size="tiny"),
 }
 
-_BUILDER_SOURCES = ("flux.py", "tokenizers.py")
+_BUILDER_SOURCES = ("flux.py", "sd3.py", "qwen_image.py", "tokenizers.py")
 _FINGERPRINTED_PACKAGES = ("diffusers", "transformers", "tokenizers", "sentencepiece", "torch")
 
 
@@ -96,6 +100,8 @@ def _build_preset_once(name: str, cache_dir: Path) -> Path:
 PRESET_DEFAULTS: dict[str, dict[str, int]] = {
     "tiny-flux": {"height": 128, "width": 128, "num_steps": 10},
     "small-flux": {"height": 256, "width": 256, "num_steps": 10},
+    "tiny-sd3": {"height": 128, "width": 128, "num_steps": 10},
+    "tiny-qwen-image": {"height": 128, "width": 128, "num_steps": 10},
 }
 
 

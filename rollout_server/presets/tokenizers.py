@@ -13,7 +13,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 from tokenizers.pre_tokenizers import ByteLevel
-from transformers import CLIPTokenizer, T5TokenizerFast
+from transformers import CLIPTokenizer, Qwen2Tokenizer, T5TokenizerFast
 
 CORPUS = """\
 A photo of a red fox sitting in the snow, 4k, highly detailed.
@@ -171,3 +171,49 @@ def write_t5_tokenizer(folder: Path, vocab_size: int) -> None:
     (folder / "spiece.model").write_bytes(model.getvalue())
     # Loading from spiece.model runs transformers' own SentencePiece conversion; saving adds tokenizer.json.
     T5TokenizerFast.from_pretrained(folder, model_max_length=512).save_pretrained(folder)
+
+
+QWEN2_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+def write_qwen2_tokenizer(folder: Path, extra_text: str) -> None:
+    """Writes a byte-level BPE Qwen2 tokenizer (vocab.json, merges.txt, tokenizer.json) like Qwen2.5-VL's.
+
+    Trained on the corpus plus `extra_text` (e.g. a pipeline's prompt template) until every training word is a
+    single token, as the words of such templates are in Qwen2's real vocabulary: pipelines that drop a fixed
+    number of template tokens then drop exactly the template. The vocabulary follows Qwen2's layout: the 256
+    byte symbols, one token per merge, then the special tokens (chat and vision markers).
+    """
+    backend = Qwen2Tokenizer().backend_tokenizer
+    counts: Counter[tuple[str, ...]] = Counter()
+    for line in (CORPUS + extra_text).splitlines(keepends=True):
+        for word, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)):
+            counts[tuple(word)] += 1
+    byte_symbols = sorted(ByteLevel.alphabet())
+    max_merges = sum(len(word) - 1 for word in counts)  # enough to merge every word into one token
+    merges = _train_bpe_merges(counts, max_merges)
+    tokens = byte_symbols + ["".join(m) for m in merges] + list(QWEN2_SPECIAL_TOKENS)
+    vocab = {token: i for i, token in enumerate(tokens)}
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    merges_text = "".join(f"{a} {b}\n" for a, b in merges)
+    (folder / "merges.txt").write_text("#version: 0.2\n" + merges_text, encoding="utf-8")
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(QWEN2_SPECIAL_TOKENS),
+        model_max_length=131072,
+    )
+    tokenizer.save_pretrained(folder)

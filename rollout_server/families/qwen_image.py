@@ -1,0 +1,131 @@
+"""Qwen-Image (``QwenImagePipeline``): packed 2x2 latents, dynamic-shift schedule, true CFG with norm rescale.
+
+The transformer is called exactly as ``QwenImagePipeline.__call__`` does, with the timestep divided by 1000.
+Its kwargs (the env) are ``encoder_hidden_states``, ``encoder_hidden_states_mask``, ``img_shapes``,
+``guidance`` (guidance-distilled models only), ``attention_kwargs`` and ``return_dict``. Each prompt is
+encoded on its own, so its env carries its own token length, unpadded; the mask is then all ones, which
+``encode_prompt`` returns as None. This diffusers version's transformer reads the text lengths off the
+embeddings, so there is no ``txt_seq_lens`` to slice per sample.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from PIL import Image
+
+from rollout_server.families.base import Conditioning, FamilyAdapter, FamilyDefaults
+
+MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
+
+
+class QwenImageAdapter(FamilyAdapter):
+    family = "qwen-image"
+    pipeline_class = "QwenImagePipeline"
+    timestep_divisor = 1000.0
+    timestep_rule = "timestep / 1000"
+    cfg_scale_field = "true_cfg_scale"
+    cfg_rule = "true_cfg_norm_rescale"
+
+    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
+        super().__init__(folder, device, dtype)
+        self.pipe = QwenImagePipeline.from_pretrained(folder, dtype=dtype).to(device)
+        self.pipe.set_progress_bar_config(disable=True)
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def side_multiple(self) -> int:
+        return self.pipe.vae_scale_factor * 2
+
+    def defaults(self) -> FamilyDefaults:
+        # Qwen-Image's usual settings; the pipeline's default side is default_sample_size * 8 = 1024.
+        side = self.pipe.default_sample_size * self.pipe.vae_scale_factor
+        return FamilyDefaults(
+            height=side, width=side, num_steps=50, guidance_scale=1.0, true_cfg_scale=4.0, noise_level=0.7
+        )
+
+    def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        scale = self.pipe.vae_scale_factor * 2
+        return height // scale, width // scale
+
+    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols = self._latent_grid(height, width)
+        config = self.pipe.scheduler.config
+        mu = calculate_shift(
+            rows * cols,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        # A private scheduler per call: set_timesteps mutates it and requests may overlap.
+        scheduler = type(self.pipe.scheduler).from_config(config)
+        retrieve_timesteps(
+            scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu
+        )
+        timesteps = torch.cat([scheduler.timesteps.float().cpu(), torch.zeros(1)])
+        return scheduler.sigmas.to(torch.float32).cpu(), timesteps
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        rows, cols = self._latent_grid(height, width)
+        return (rows * cols, self.pipe.transformer.config.in_channels)
+
+    def latent_packing(self) -> str:
+        return "qwen-image 2x2 patches: [(H/16) * (W/16), 4 * vae_z_dim], row-major over the grid"
+
+    @torch.no_grad()
+    def encode_prompts(
+        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, height: int, width: int
+    ) -> Conditioning:
+        rows, cols = self._latent_grid(height, width)
+        guidance = None
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance = torch.full([1], guidance_scale, device=self.device, dtype=torch.float32)
+        shared = {
+            "img_shapes": [[(1, rows, cols)]],
+            "guidance": guidance,
+            "attention_kwargs": {},
+            "return_dict": False,
+        }
+        branches = {"positive": prompts}
+        if negative_prompt is not None:
+            branches["negative"] = [negative_prompt] * len(prompts)
+        envs = {}
+        for branch, texts in branches.items():
+            # One encode_prompt call per unique text: a batch would pad every prompt to the longest.
+            encoded = {
+                text: self.pipe.encode_prompt(
+                    prompt=text, device=self.device, max_sequence_length=MAX_SEQUENCE_LENGTH
+                )
+                for text in dict.fromkeys(texts)
+            }
+            envs[branch] = [
+                {
+                    "encoder_hidden_states": encoded[t][0],
+                    "encoder_hidden_states_mask": encoded[t][1],
+                    **shared,
+                }
+                for t in texts
+            ]
+        batched = ("encoder_hidden_states", "encoder_hidden_states_mask", "img_shapes", "guidance")
+        return Conditioning(envs=envs, batched_keys=batched)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
+        vae = self.pipe.vae
+        latents = self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor).to(vae.dtype)
+        stats_shape = (1, vae.config.z_dim, 1, 1, 1)
+        latents_mean = (
+            torch.tensor(vae.config.latents_mean).view(stats_shape).to(latents.device, latents.dtype)
+        )
+        latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(stats_shape).to(
+            latents.device, latents.dtype
+        )
+        latents = latents / latents_std + latents_mean
+        images = vae.decode(latents, return_dict=False)[0][:, :, 0]  # the video VAE's single frame
+        return self.pipe.image_processor.postprocess(images, output_type="pil")

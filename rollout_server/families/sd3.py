@@ -1,0 +1,123 @@
+"""Stable Diffusion 3 / 3.5 (``StableDiffusion3Pipeline``): unpacked latents, static-shift schedule,
+classic CFG.
+
+The transformer is called exactly as ``StableDiffusion3Pipeline.__call__`` does, with the raw timestep
+(sigma * 1000), and its kwargs (the env) are ``encoder_hidden_states`` (CLIP-L + CLIP-G hidden states
+padded to the T5 width, followed by the T5 sequence), ``pooled_projections`` (both CLIP projections),
+``joint_attention_kwargs`` and ``return_dict``. CFG is SD3's own: the ``guidance_scale`` field scales
+v_neg + s * (v_pos - v_neg), with an empty negative prompt as the unconditional branch.
+"""
+
+import copy
+from pathlib import Path
+
+import torch
+from diffusers import StableDiffusion3Pipeline
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+    calculate_shift,
+    retrieve_timesteps,
+)
+from PIL import Image
+
+from rollout_server.families.base import Conditioning, FamilyAdapter, FamilyDefaults
+
+# StableDiffusion3Pipeline.__call__'s default T5 length.
+MAX_SEQUENCE_LENGTH = 256
+
+
+class SD3Adapter(FamilyAdapter):
+    family = "sd3"
+    pipeline_class = "StableDiffusion3Pipeline"
+    timestep_divisor = 1.0
+    timestep_rule = "timestep"
+    cfg_scale_field = "guidance_scale"
+    cfg_rule = "true_cfg"
+
+    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
+        super().__init__(folder, device, dtype)
+        self.pipe = StableDiffusion3Pipeline.from_pretrained(folder, dtype=dtype).to(device)
+        self.pipe.set_progress_bar_config(disable=True)
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def side_multiple(self) -> int:
+        return self.pipe.vae_scale_factor * self.pipe.patch_size
+
+    def defaults(self) -> FamilyDefaults:
+        # SD3.5-Medium's usual settings; the pipeline's default side is default_sample_size * 8. SD3 has
+        # no true CFG on top of its classic CFG, so true_cfg_scale stays 1.
+        side = self.pipe.default_sample_size * self.pipe.vae_scale_factor
+        return FamilyDefaults(
+            height=side, width=side, num_steps=40, guidance_scale=4.5, true_cfg_scale=1.0, noise_level=0.7
+        )
+
+    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        config = self.pipe.scheduler.config
+        kwargs = {}
+        if config.get("use_dynamic_shifting", None):
+            # As StableDiffusion3Pipeline.__call__: the shift follows the image token count.
+            patch_size = self.pipe.transformer.config.patch_size
+            _, rows, cols = self.latent_shape(height, width)
+            kwargs["mu"] = calculate_shift(
+                (rows // patch_size) * (cols // patch_size),
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.16),
+            )
+        # A private scheduler per call: set_timesteps mutates it and requests may overlap.
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
+        timesteps = torch.cat([scheduler.timesteps.float().cpu(), torch.zeros(1)])
+        return scheduler.sigmas.to(torch.float32).cpu(), timesteps
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        scale = self.pipe.vae_scale_factor
+        return (self.pipe.transformer.config.in_channels, height // scale, width // scale)
+
+    def latent_packing(self) -> str:
+        return "unpacked: [vae_latent_channels, H/8, W/8] (the transformer patchifies 2x2 itself)"
+
+    @torch.no_grad()
+    def encode_prompts(
+        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, height: int, width: int
+    ) -> Conditioning:
+        # guidance_scale is SD3's CFG scale, applied by the engine when it combines the branches.
+        branches = {"positive": prompts}
+        if negative_prompt is not None:
+            branches["negative"] = [negative_prompt] * len(prompts)
+        envs = {}
+        for branch, texts in branches.items():
+            unique = sorted(set(texts), key=texts.index)
+            # The negative prompt goes through the prompt path too: without clip_skip it is the same
+            # computation as the pipeline's negative branch, and it is encoded once instead of per prompt.
+            embeds, _, pooled, _ = self.pipe.encode_prompt(
+                prompt=unique,
+                prompt_2=None,
+                prompt_3=None,
+                device=self.device,
+                do_classifier_free_guidance=False,
+                max_sequence_length=MAX_SEQUENCE_LENGTH,
+            )
+            by_text = {text: row for row, text in enumerate(unique)}
+            envs[branch] = [self._env(embeds, pooled, by_text[t]) for t in texts]
+        return Conditioning(envs=envs, batched_keys=("encoder_hidden_states", "pooled_projections"))
+
+    @staticmethod
+    def _env(embeds: torch.Tensor, pooled: torch.Tensor, row: int) -> dict:
+        return {
+            "encoder_hidden_states": embeds[row : row + 1],
+            "pooled_projections": pooled[row : row + 1],
+            "joint_attention_kwargs": None,
+            "return_dict": False,
+        }
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
+        vae = self.pipe.vae
+        latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        images = vae.decode(latents, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(images, output_type="pil")

@@ -1,0 +1,157 @@
+"""Seeded, randomly initialised Qwen-Image-shaped pipelines for tests and benchmarks.
+
+Every component is the real diffusers/transformers class with Qwen-Image's structure (MMDiT over 2x2-packed
+latents with 3-D RoPE, 8x video VAE with per-channel latent statistics, a Qwen2.5-VL text encoder behind the
+chat prompt template, byte-level BPE Qwen2 tokenizer, dynamic-shift scheduler); only the widths, depths and
+vocabulary are shrunk. Weights are random but seeded, so a preset always produces the same files and images.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+from .tokenizers import write_qwen2_tokenizer
+
+
+@dataclass(frozen=True)
+class QwenImagePresetConfig:
+    """The knobs that differ between presets; everything else is copied from Qwen-Image."""
+
+    num_layers: int
+    num_attention_heads: int
+    attention_head_dim: int
+    axes_dims_rope: tuple[int, int, int]
+    vae_base_dim: int
+    vae_num_res_blocks: int
+    text_hidden_size: int  # also the transformer's joint_attention_dim
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    mrope_section: tuple[int, int, int]  # sums to half the text head dim
+    vision_hidden_size: int
+    vision_depth: int
+    vision_heads: int
+
+
+QWEN_IMAGE_PRESET_CONFIGS = {
+    "tiny": QwenImagePresetConfig(
+        num_layers=2,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        axes_dims_rope=(4, 6, 6),
+        vae_base_dim=8,
+        vae_num_res_blocks=1,
+        text_hidden_size=32,
+        text_layers=2,
+        text_heads=2,
+        text_kv_heads=1,
+        mrope_section=(2, 3, 3),
+        vision_hidden_size=32,
+        vision_depth=2,
+        vision_heads=2,
+    ),
+}
+
+# Qwen-Image's scheduler config, verbatim: the timestep shift depends on the image token count.
+QWEN_IMAGE_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+}
+
+
+def _prompt_template() -> str:
+    """The installed QwenImagePipeline's prompt template, read off an empty pipeline (__init__ sets it)."""
+    empty = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None)
+    return empty.prompt_template_encode.format("")
+
+
+def build_qwen_image_preset(folder: Path, size: str = "tiny") -> None:
+    """Builds the `size` preset and saves it as a float32 QwenImagePipeline into `folder`."""
+    cfg = QWEN_IMAGE_PRESET_CONFIGS[size]
+    folder = Path(folder)
+    write_qwen2_tokenizer(folder / "tokenizer", _prompt_template())
+    tokenizer = Qwen2Tokenizer.from_pretrained(folder / "tokenizer")
+
+    # A fixed seed per component keeps each one stable when another component's config changes.
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(
+        base_dim=cfg.vae_base_dim,
+        z_dim=16,  # the default per-channel latents_mean / latents_std are Qwen-Image's 16 channels
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=cfg.vae_num_res_blocks,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],  # vae_scale_factor 2 ** 3 = 8
+    )
+
+    torch.manual_seed(1)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4 * vae.config.z_dim,  # latents are packed into 2x2 patches
+        out_channels=vae.config.z_dim,
+        num_layers=cfg.num_layers,
+        attention_head_dim=cfg.attention_head_dim,
+        num_attention_heads=cfg.num_attention_heads,
+        joint_attention_dim=cfg.text_hidden_size,
+        guidance_embeds=False,
+        axes_dims_rope=cfg.axes_dims_rope,
+    )
+
+    torch.manual_seed(2)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config={
+                "vocab_size": len(tokenizer),
+                "hidden_size": cfg.text_hidden_size,
+                "intermediate_size": 4 * cfg.text_hidden_size,
+                "num_hidden_layers": cfg.text_layers,
+                "num_attention_heads": cfg.text_heads,
+                "num_key_value_heads": cfg.text_kv_heads,
+                "max_position_embeddings": 128000,
+                "rms_norm_eps": 1e-6,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1000000.0,
+                    "mrope_section": list(cfg.mrope_section),
+                },
+                "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                "eos_token_id": tokenizer.eos_token_id,
+            },
+            vision_config={
+                "depth": cfg.vision_depth,
+                "hidden_size": cfg.vision_hidden_size,
+                "intermediate_size": 2 * cfg.vision_hidden_size,
+                "num_heads": cfg.vision_heads,
+                "out_hidden_size": cfg.text_hidden_size,
+                "fullatt_block_indexes": [cfg.vision_depth - 1],
+                "tokens_per_second": 2,
+            },
+            image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+            video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+            vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+            vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+        )
+    )
+
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
