@@ -8,7 +8,9 @@ from pathlib import Path
 
 from rollout_server.families import UnsupportedModel
 from rollout_server.limits import Limits
-from rollout_server.server import ServerOptions, serve
+from rollout_server.parallel import ATTENTION_SPLITS, RankFailure, start
+from rollout_server.presets import resolve_model
+from rollout_server.server import ServerOptions, follow, serve
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -28,7 +30,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--max-batch-size", type=int, default=Limits.max_batch_size, help="samples per forward")
     s.add_argument("--max-samples", type=int, default=Limits.max_samples, help="samples per request")
     s.add_argument("--max-queued", type=int, default=Limits.max_queued_requests)
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (per rank)")
+    s.add_argument(
+        "--sp", type=int, default=1, help="sequence-parallel ranks (processes) to run the model on"
+    )
+    s.add_argument("--attention-split", default="ulysses", choices=ATTENTION_SPLITS, help="with --sp > 1")
+    s.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=120.0,
+        help="seconds before a silent rank is declared failed",
+    )
     return parser.parse_args(argv)
 
 
@@ -45,6 +57,14 @@ def main(argv=None) -> None:
         max_message_bytes=args.max_message_bytes,
         max_queued_requests=args.max_queued,
     )
+    if not 0 < args.collective_timeout <= 120:
+        sys.exit("rollout-server: --collective-timeout must be in (0, 120] seconds")
+    try:
+        # Before torch.distributed starts: transformers' save_pretrained writes nothing on ranks > 0.
+        model_path = resolve_model(args.model, args.cache_dir)
+    except FileNotFoundError as error:
+        sys.exit(f"rollout-server: cannot load model {args.model!r}: {error}")
+    parallel = start(args.sp, args.attention_split, args.collective_timeout, args.device)
     options = ServerOptions(
         model=args.model,
         host=args.host,
@@ -54,11 +74,18 @@ def main(argv=None) -> None:
         grace_seconds=args.grace_seconds,
         limits=limits,
         cache_dir=args.cache_dir,
+        model_path=model_path,
+        parallel=parallel,
     )
     try:
-        asyncio.run(serve(options))
-    except (UnsupportedModel, FileNotFoundError) as error:
-        sys.exit(f"rollout-server: cannot load model {args.model!r}: {error}")
+        code = asyncio.run(serve(options)) if parallel.is_leader else follow(options)
+    except UnsupportedModel as error:
+        code = f"rollout-server: cannot load model {args.model!r}: {error}"
+    except RankFailure as error:
+        code = f"rollout-server rank {parallel.rank}: {error}"
+    finally:
+        parallel.shutdown()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

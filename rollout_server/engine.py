@@ -1,16 +1,21 @@
 """The rollout engine: one worker thread that owns the model and runs admitted rollouts in order.
 
 A rollout runs on the worker: prompt encoding -> sampler loop (hooks stream every step) -> decoding.
-Messages go back through ``emit``, which blocks while the client is slow to read (backpressure) and
-raises ``RolloutCancelled`` once the caller has gone away, so the rollout stops at its next step.
+Messages go back through ``emit``, which blocks while the client is slow to read (backpressure); a
+caller that has gone away makes ``cancelled()`` true, and the rollout stops at its next step.
+
+With sequence parallelism the leader (rank 0) broadcasts each rollout to the other ranks, which run
+the same prepare and sampler loop without streaming (``follow``); every step starts with the ranks
+agreeing on whether to go on, so a cancel stops all of them at the same step.
 """
 
 import logging
+import queue
 import resource
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +24,10 @@ from rollout.v1 import rollout_pb2
 from rollout_client import noise
 from rollout_client.transformer_call import apply_guidance, call_transformer, stack_envs
 from rollout_server.families.base import Conditioning, FamilyAdapter
-from rollout_server.sampler import RolloutCancelled, SamplerPlan, sample, stochastic_steps
+from rollout_server.parallel import HEARTBEAT, ROLLOUT, STOP, RankFailure, SequenceParallel
+from rollout_server.sampler import RolloutCancelled, SamplerHooks, SamplerPlan, sample, stochastic_steps
 from rollout_server.stream import LATENT_DTYPES, StreamEncoder, env_payload, latents_sent
-from rollout_server.validation import SAMPLER_NAMES
+from rollout_server.validation import SAMPLER_NAMES, InvalidRequest
 
 log = logging.getLogger("rollout_server.engine")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -51,8 +57,10 @@ class RolloutEngine:
         max_queued: int,
         max_batch_size: int,
         max_message_bytes: int,
+        parallel: SequenceParallel | None = None,
     ):
         self.adapter = adapter
+        self.parallel = parallel or SequenceParallel()
         self.model_name = model_name
         self.max_queued = max_queued
         self.max_batch_size = max_batch_size
@@ -60,8 +68,77 @@ class RolloutEngine:
         self.policy_version = 0
         self._admitted = 0
         self._lock = threading.Lock()
+        # Called (from the worker thread) when the rank group broke: the server must go down.
+        self.on_fatal: Callable[[Exception], None] = lambda error: None
         # One worker owns the model: rollouts run one after another, in admission order.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-worker")
+        self._jobs: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._lead, name="rollout-worker", daemon=True)
+        if self.parallel.is_leader:
+            self._worker.start()
+
+    def submit(self, request, emit: Callable, cancelled: Callable[[], bool], admitted_at: float) -> Future:
+        """Queue a resolved request for the worker; the future ends when its stream has been emitted."""
+        future: Future = Future()
+        self._jobs.put((future, (request, emit, cancelled, admitted_at)))
+        return future
+
+    def close(self) -> None:
+        """Stop the worker after the queued rollouts, and release the other ranks."""
+        self._jobs.put(None)
+        self._worker.join(timeout=self.parallel.timeout_seconds)
+
+    def _lead(self) -> None:
+        """Rank 0's worker loop: rollouts in order, and heartbeats to the other ranks while idle."""
+        while True:
+            try:
+                job = self._jobs.get(timeout=self.parallel.timeout_seconds / 4)
+            except queue.Empty:
+                job = HEARTBEAT
+            try:
+                if job is None:
+                    self.parallel.broadcast_command(STOP)
+                    return
+                if job == HEARTBEAT:
+                    self.parallel.broadcast_command(HEARTBEAT)
+                    continue
+                future, (request, emit, cancelled, admitted_at) = job
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(self._lead_rollout(request, emit, cancelled, admitted_at))
+                except (RolloutCancelled, InvalidRequest) as error:  # every rank stopped at the same point
+                    future.set_exception(error)
+                except BaseException as error:
+                    if self.parallel.enabled and not isinstance(error, RankFailure):
+                        # The other ranks are mid-rollout or out of step: no later rollout is safe.
+                        failure = RankFailure(f"rollout failed: {self.parallel.describe_failure()}{error}")
+                        failure.__cause__ = error
+                        error = failure
+                    future.set_exception(error)
+                    if isinstance(error, RankFailure):
+                        raise error
+            except RankFailure as error:
+                self.on_fatal(error)
+                return
+
+    def _lead_rollout(self, request, emit, cancelled, admitted_at: float) -> None:
+        if cancelled():
+            raise RolloutCancelled(f"request {request.request_id} was cancelled while queued")
+        self.parallel.broadcast_command(ROLLOUT, request.SerializeToString())
+        self.execute(request, emit, lambda: self.parallel.agree(cancelled()), admitted_at)
+
+    def follow(self) -> None:
+        """A non-leader rank's loop: run what rank 0 broadcasts until it says stop."""
+        while True:
+            command, payload = self.parallel.broadcast_command("")
+            if command == STOP:
+                return
+            if command == ROLLOUT:
+                request = rollout_pb2.RolloutRequest.FromString(payload)
+                try:
+                    self.execute(request, lambda message: None, lambda: self.parallel.agree(False), 0.0)
+                except (RolloutCancelled, InvalidRequest):
+                    continue
 
     def admit(self) -> None:
         """Reserve a place for one rollout, or raise Overloaded."""
@@ -144,6 +221,7 @@ class RolloutEngine:
             sampler_type, sigmas, request.noise_level, list(request.stochastic_steps)
         )
         latent_shape = adapter.latent_shape(request.height, request.width)
+        self.parallel.check_splittable(adapter.transformer, latent_shape, conditioning.envs)
         batches = self._micro_batches(prompt_indices, conditioning)
         velocity = self._velocity_fn(batches, timesteps, rule, cfg_scale)
         plan = SamplerPlan(
@@ -185,6 +263,8 @@ class RolloutEngine:
             model=self.model_name,
             family=adapter.family,
             policy_version=self.policy_version,
+            sp_degree=self.parallel.degree,
+            attention_split=self.parallel.attention_split,
             env_json=env_json,
             noise_rule=noise.NOISE_RULE,
         )
@@ -198,12 +278,13 @@ class RolloutEngine:
         cancelled: Callable[[], bool],
         admitted_at: float,
     ) -> None:
-        """Run one resolved request on the worker thread, emitting its whole stream."""
-        if cancelled():
-            raise RolloutCancelled(f"request {request.request_id} was cancelled while queued")
+        """Run one resolved request on the worker thread, emitting its whole stream (rank 0 only)."""
         started_at = time.perf_counter()
         prepared = self.prepare(request)
         encoded_at = time.perf_counter()
+        if not self.parallel.is_leader:
+            sample(prepared.plan, prepared.velocity, SamplerHooks(), cancelled)
+            return
         encoder = StreamEncoder(
             request=request,
             started=prepared.started,

@@ -3,12 +3,11 @@
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -17,6 +16,7 @@ from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server import families, presets
 from rollout_server.engine import DTYPE_NAMES, RolloutEngine
 from rollout_server.limits import Limits
+from rollout_server.parallel import SequenceParallel
 from rollout_server.service import RolloutService
 from rollout_server.validation import SAMPLER_NAMES, ServingContext, defaults_proto
 
@@ -34,6 +34,8 @@ class ServerOptions:
     grace_seconds: float = 10.0
     limits: Limits = Limits()
     cache_dir: Path | None = None
+    model_path: Path | None = None  # model resolved (and built, for a preset) beforehand
+    parallel: SequenceParallel = field(default_factory=SequenceParallel)
 
 
 def versions() -> dict[str, str]:
@@ -41,15 +43,28 @@ def versions() -> dict[str, str]:
     return {"rollout-server": rollout_server.__version__, **{name: version(name) for name in packages}}
 
 
+def build_engine(options: ServerOptions) -> RolloutEngine:
+    """Load the model (split across the sequence-parallel ranks, if any) into an engine."""
+    folder = options.model_path or presets.resolve_model(options.model, options.cache_dir)
+    device = options.parallel.device(options.device)
+    dtype = {v: k for k, v in DTYPE_NAMES.items()}[options.dtype]
+    adapter = families.load(folder, device, dtype)
+    options.parallel.split_transformer(adapter.transformer)
+    limits = options.limits
+    return RolloutEngine(
+        adapter,
+        options.model,
+        limits.max_queued_requests,
+        limits.max_batch_size,
+        limits.max_message_bytes,
+        options.parallel,
+    )
+
+
 def build_service(options: ServerOptions) -> RolloutService:
     """Load the model and assemble the servicer (no network yet)."""
-    folder = presets.resolve_model(options.model, options.cache_dir)
-    device, dtype = torch.device(options.device), {v: k for k, v in DTYPE_NAMES.items()}[options.dtype]
-    adapter = families.load(folder, device, dtype)
-    limits = options.limits
-    engine = RolloutEngine(
-        adapter, options.model, limits.max_queued_requests, limits.max_batch_size, limits.max_message_bytes
-    )
+    engine = build_engine(options)
+    adapter, limits = engine.adapter, options.limits
     serving = ServingContext(
         defaults=presets.defaults_for(options.model, adapter.defaults()),
         side_multiple=adapter.side_multiple,
@@ -58,12 +73,13 @@ def build_service(options: ServerOptions) -> RolloutService:
     )
     info = rollout_pb2.GetServerInfoResponse(
         model=options.model,
-        model_path=str(folder),
+        model_path=str(adapter.folder),
         family=adapter.family,
         pipeline_class=adapter.pipeline_class,
         dtype=options.dtype,
-        device=str(device),
-        sp_degree=1,
+        device=str(adapter.device),
+        sp_degree=options.parallel.degree,
+        attention_split=options.parallel.attention_split,
         sampler_types=list(SAMPLER_NAMES),
         defaults=defaults_proto(serving),
         limits=limits.to_proto(adapter.side_multiple),
@@ -98,6 +114,16 @@ class RolloutServer:
         )
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         self.address = f"{host}:{self.port}"
+        self.stopping = asyncio.Event()
+        self.exit_code = 0
+        loop = asyncio.get_running_loop()
+        service.engine.on_fatal = lambda error: loop.call_soon_threadsafe(self.fail, error)
+
+    def fail(self, error: Exception) -> None:
+        """The rank group broke: stop serving and exit non-zero."""
+        log.error("fatal: %s", error)
+        self.exit_code = 1
+        self.stopping.set()
 
     async def start(self) -> None:
         await self.server.start()
@@ -110,19 +136,21 @@ class RolloutServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(self.grace_seconds)
-        self.service.engine.executor.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self.service.engine.close)  # the loop must keep running meanwhile
 
-    async def serve_until_signal(self) -> None:
+    async def serve_until_stopped(self) -> int:
+        """Serve until SIGINT/SIGTERM (exit code 0) or a fatal rank failure (exit code 1)."""
         loop = asyncio.get_running_loop()
-        stopping = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stopping.set)
-        await stopping.wait()
+            loop.add_signal_handler(sig, self.stopping.set)
+        await self.stopping.wait()
         log.info("shutting down (grace %.0f s)", self.grace_seconds)
         await self.stop()
+        return self.exit_code
 
 
-async def serve(options: ServerOptions) -> None:
+async def serve(options: ServerOptions) -> int:
+    """Rank 0 (or the only rank): the gRPC front end. Returns the process exit code."""
     service = build_service(options)
     server = RolloutServer(service, options.host, options.port, options.grace_seconds)
     await server.start()
@@ -130,4 +158,12 @@ async def serve(options: ServerOptions) -> None:
     log.info(
         "serving %s (%s, %s on %s) at %s", info.model, info.family, info.dtype, info.device, server.address
     )
-    await server.serve_until_signal()
+    return await server.serve_until_stopped()
+
+
+def follow(options: ServerOptions) -> int:
+    """A non-zero sequence-parallel rank: load the model and run what rank 0 broadcasts. Ctrl-C in a
+    terminal reaches every rank; rank 0 alone decides when the group stops."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    build_engine(options).follow()
+    return 0

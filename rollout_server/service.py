@@ -12,6 +12,7 @@ from grpc_status import rpc_status
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server.engine import Overloaded, RolloutEngine
+from rollout_server.parallel import RankFailure
 from rollout_server.sampler import RolloutCancelled
 from rollout_server.validation import InvalidRequest, ServingContext, resolve
 
@@ -68,6 +69,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         cancel = threading.Event()
 
         def emit(message: rollout_pb2.RolloutResponse) -> None:
+            """Hand a message to the stream; once the caller is gone, drop it (the sampler stops at
+            its next step, on every rank at once)."""
             future = asyncio.run_coroutine_threadsafe(queue.put(message), loop)
             while True:
                 try:
@@ -75,11 +78,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 except TimeoutError:
                     if cancel.is_set():
                         future.cancel()
-                        raise RolloutCancelled(f"request {request_id} was cancelled") from None
+                        return
 
-        work = loop.run_in_executor(
-            self.engine.executor, self.engine.execute, resolved, emit, cancel.is_set, admitted_at
-        )
+        work = asyncio.wrap_future(self.engine.submit(resolved, emit, cancel.is_set, admitted_at))
 
         def finished(future: asyncio.Future) -> None:
             self.engine.release()
@@ -111,6 +112,12 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             raise
         except RolloutCancelled:
             outcome = "CANCELLED"
+        except InvalidRequest as error:  # found once the prompts are encoded, e.g. an unsplittable length
+            outcome = "INVALID_ARGUMENT"
+            await context.abort_with_status(rpc_status.to_status(bad_request_status(error)))
+        except RankFailure as error:
+            outcome = "UNAVAILABLE"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {request_id}: {error}")
         except Exception as error:  # noqa: BLE001 - every unexpected failure becomes INTERNAL with the id
             outcome = "INTERNAL"
             log.exception("rollout %s failed", request_id)

@@ -73,7 +73,7 @@ FLUX_PRESET_CONFIGS = {
     "small": FluxPresetConfig(
         num_layers=2,
         num_single_layers=4,
-        num_attention_heads=5,
+        num_attention_heads=6,  # divisible by 2 and 3: Ulysses sequence parallelism splits heads
         attention_head_dim=64,
         axes_dims_rope=(16, 24, 24),
         latent_channels=16,
