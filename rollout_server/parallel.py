@@ -30,6 +30,8 @@ from rollout_server.validation import InvalidRequest
 log = logging.getLogger("rollout_server.parallel")
 
 ATTENTION_SPLITS = ("ulysses", "ring", "ulysses+ring")
+# Transformer inputs that carry the image tokens (the context-parallel output gathers them back).
+IMAGE_INPUTS = ("hidden_states", "img_ids")
 # Commands rank 0 broadcasts to the others.
 HEARTBEAT, ROLLOUT, STOP = "heartbeat", "rollout", "stop"
 
@@ -85,13 +87,17 @@ class SequenceParallel:
             raise SystemExit(
                 f"{name} has {heads} attention heads: not divisible by the Ulysses degree {ulysses}"
             )
-        transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring))
+        # Ulysses alone may split uneven lengths (prompts of any token count); ring attention may not.
+        config = ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring, ulysses_anything=ring == 1)
+        transformer.enable_parallelism(config=config)
 
     def check_splittable(self, transformer: torch.nn.Module, latent_shape, envs) -> None:
-        """Every sequence the transformer's context-parallel plan splits must divide by the degree;
+        """Every sequence the transformer's context-parallel plan splits must divide by the degree
+        (with Ulysses alone, only the image tokens, which are gathered back at the output);
         InvalidRequest names the request field that sets the offending length otherwise."""
         if not self.enabled:
             return
+        uneven_text = self.attention_split == "ulysses"
         inputs = {"hidden_states": (1, *latent_shape)}
         for per_prompt in envs.values():
             for env in per_prompt:
@@ -100,18 +106,15 @@ class SequenceParallel:
             if not isinstance(plan, dict):
                 continue
             for name, split in plan.items():
-                if (
-                    name in inputs
-                    and hasattr(split, "split_dim")
-                    and inputs[name][split.split_dim] % self.degree
-                ):
-                    length = inputs[name][split.split_dim]
-                    field = "height" if name in ("hidden_states", "img_ids") else "prompts"
+                image = name in IMAGE_INPUTS
+                if name not in inputs or not hasattr(split, "split_dim") or (uneven_text and not image):
+                    continue
+                length = inputs[name][split.split_dim]
+                if length % self.degree:
                     reason = (
-                        f"{name} has {length} tokens, which do not split evenly across {self.degree} "
-                        "sequence-parallel ranks"
+                        f"{name} has {length} tokens, which do not split evenly across {self.degree} ranks"
                     )
-                    raise InvalidRequest([(field, reason)])
+                    raise InvalidRequest([("height" if image else "prompts", reason)])
 
     def _collective(self, what: str, action):
         try:

@@ -105,7 +105,9 @@ def test_unsplittable_shape_is_invalid_argument(sp2_server, sp2_client):
     with pytest.raises(grpc.RpcError) as raised:
         sp2_client.rollout(request(height=48, width=48))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "height" in raised.value.details() and "sequence-parallel" in raised.value.details()
+    assert (
+        "height" in raised.value.details() and "do not split evenly across 2 ranks" in raised.value.details()
+    )
     assert sp2_client.rollout(request(num_steps=2))  # still serving, ranks still in step
 
 
@@ -128,3 +130,37 @@ def test_killed_rank_ends_the_stream_and_the_server(cache_dir, tmp_path):
     assert "rank 1" in raised.value.details()
     assert time.monotonic() - killed_at < timeout + 5
     assert server.process.wait(timeout=timeout + 30) != 0
+
+
+def test_qwen_image_sp2_matches_sp1_with_uneven_prompt_lengths(cache_dir, tmp_path):
+    """Qwen-Image splits its text tokens too: prompts of odd, different lengths run through diffusers'
+    uneven Ulysses split and still match SP=1 bitwise on noise and log-probs."""
+    from diffusers import QwenImageTransformer2DModel
+
+    qwen = request(
+        prompts=["a fox", "an old lighthouse on a rocky cliff at dusk, oil painting"],
+        true_cfg_scale=4.0,
+        negative_prompt="blurry",
+    )
+    runs = {}
+    for sp in (1, 2):
+        server = start_server(
+            cache_dir, tmp_path / f"qwen-sp{sp}.log", "--model", "tiny-qwen-image", "--sp", str(sp)
+        )
+        try:
+            with RolloutClient(server.address, timeout=300) as qwen_client:
+                runs[sp] = events(qwen_client, qwen)
+                model_path = qwen_client.server_info().model_path
+        finally:
+            assert server.stop() == 0
+    (one_started, one_steps, _), (two_started, two_steps, two_stream) = runs[1], runs[2]
+    lengths = {env["encoder_hidden_states"].shape[1] for env in two_started.env["positive"]}
+    assert len(lengths) == 2 and any(length % 2 for length in lengths)
+    assert torch.equal(one_started.x0, two_started.x0)
+    for one, two in zip(one_steps, two_steps, strict=True):
+        assert torch.equal(one.debug["eps"], two.debug["eps"]) and torch.equal(one.log_probs, two.log_probs)
+        torch.testing.assert_close(two.x_next, one.x_next, atol=1e-5, rtol=0)
+    transformer = QwenImageTransformer2DModel.from_pretrained(f"{model_path}/transformer").eval()
+    for trajectory in collect(two_stream):
+        replayed = replay_log_probs(transformer, trajectory)
+        np.testing.assert_allclose(replayed.numpy(), trajectory.log_probs.numpy(), atol=1e-5, rtol=0)
