@@ -21,18 +21,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Finished, RolloutClient
+from rollout_server import families
+from rollout_server.engine import RolloutEngine
+from rollout_server.limits import Limits
 from rollout_server.local import LocalServer
+from rollout_server.presets import defaults_for, resolve_model
 from rollout_server.sampler import SamplerHooks, sample
-from rollout_server.server import ServerOptions, build_service
-from rollout_server.validation import resolve
+from rollout_server.validation import ServingContext, resolve
 
 
-def in_process_seconds(service, request: rollout_pb2.RolloutRequest) -> float:
+def in_process_engine(preset: str, cache_dir: Path) -> tuple[RolloutEngine, ServingContext]:
+    """The model loaded on this thread, where (a) runs it (as the server's worker does for (b))."""
+    adapter = families.load(resolve_model(preset, cache_dir), torch.device("cpu"), torch.float32)
+    engine = RolloutEngine(lambda: adapter, preset, 1, Limits.max_batch_size, Limits.max_message_bytes)
+    defaults = defaults_for(preset, adapter.defaults())
+    return engine, ServingContext(defaults, adapter.side_multiple, Limits(), adapter.cfg_scale_field)
+
+
+def in_process_seconds(engine: RolloutEngine, request: rollout_pb2.RolloutRequest) -> float:
     """(a): prompt encoding and the sampler loop, no hooks, no serialisation."""
-    resolved = resolve(request, service.serving)
     begin = time.perf_counter()
     with torch.inference_mode():
-        prepared = service.engine.prepare(resolved)
+        prepared = engine.prepare(request)
         sample(prepared.plan, prepared.velocity, SamplerHooks())
     return time.perf_counter() - begin
 
@@ -51,6 +61,8 @@ def streamed_seconds(client: RolloutClient, request: rollout_pb2.RolloutRequest)
 # latent plus the eps, mean and velocity debug tensors of 8 samples at 1024x1024.
 CASES = [
     ("tiny-flux", "tiny-flux", {}),
+    ("tiny-sd3", "tiny-sd3", {}),
+    ("tiny-qwen-image", "tiny-qwen-image", {}),
     ("small-flux", "small-flux", {}),
     (
         "tiny-flux, 1024px + debug tensors",
@@ -80,17 +92,17 @@ def measure(label: str, preset: str, fields: dict, args, cache_dir: Path, log_di
         images=False,
     )
     request.MergeFrom(rollout_pb2.RolloutRequest(**fields))
-    service = build_service(ServerOptions(model=preset, cache_dir=cache_dir))
-    request = resolve(request, service.serving)
+    engine, serving = in_process_engine(preset, cache_dir)
+    request = resolve(request, serving)
     server_args = ["--model", preset, "--cache-dir", str(cache_dir), "--threads", str(args.threads)]
     server = LocalServer.start(log_dir / f"{preset}.log", *server_args)
     try:
         with RolloutClient(server.address, timeout=600) as client:
-            in_process_seconds(service, request)  # warm-up both sides
+            in_process_seconds(engine, request)  # warm-up both sides
             streamed_seconds(client, request)
             a_runs, b_runs = [], []
             for _ in range(args.repeats):
-                a_runs.append(in_process_seconds(service, request))
+                a_runs.append(in_process_seconds(engine, request))
                 seconds, tensor_bytes = streamed_seconds(client, request)
                 b_runs.append(seconds)
     finally:

@@ -7,6 +7,11 @@ caller that has gone away makes ``cancelled()`` true, and the rollout stops at i
 With sequence parallelism the leader (rank 0) broadcasts each rollout to the other ranks, which run
 the same prepare and sampler loop without streaming (``follow``); every step starts with the ranks
 agreeing on whether to go on, so a cancel stops all of them at the same step.
+
+Weight updates are jobs on the same worker: one runs after the rollouts queued before it and before
+later ones, so no rollout ever mixes two policy versions. Under sequence parallelism rank 0 broadcasts
+the update and every rank applies it; a rank that cannot takes the server down (``RankFailure``)
+rather than let the ranks serve different weights.
 """
 
 import logging
@@ -23,8 +28,9 @@ import torch
 from rollout.v1 import rollout_pb2
 from rollout_client import noise
 from rollout_client.transformer_call import apply_guidance, call_transformer, stack_envs
+from rollout_server import weights
 from rollout_server.families.base import Conditioning, FamilyAdapter
-from rollout_server.parallel import HEARTBEAT, ROLLOUT, STOP, RankFailure, SequenceParallel
+from rollout_server.parallel import HEARTBEAT, ROLLOUT, STOP, UPDATE, RankFailure, SequenceParallel
 from rollout_server.sampler import RolloutCancelled, SamplerHooks, SamplerPlan, sample, stochastic_steps
 from rollout_server.stream import LATENT_DTYPES, StreamEncoder, env_payload, latents_sent
 from rollout_server.validation import SAMPLER_NAMES, InvalidRequest
@@ -52,34 +58,49 @@ class RolloutEngine:
 
     def __init__(
         self,
-        adapter: FamilyAdapter,
+        load_adapter: Callable[[], FamilyAdapter],
         model_name: str,
         max_queued: int,
         max_batch_size: int,
         max_message_bytes: int,
         parallel: SequenceParallel | None = None,
     ):
-        self.adapter = adapter
         self.parallel = parallel or SequenceParallel()
         self.model_name = model_name
         self.max_queued = max_queued
         self.max_batch_size = max_batch_size
         self.max_message_bytes = max_message_bytes
         self.policy_version = 0
+        self.lora_adapter: rollout_pb2.LoraAdapter | None = None
         self._admitted = 0
         self._lock = threading.Lock()
         # Called (from the worker thread) when the rank group broke: the server must go down.
         self.on_fatal: Callable[[Exception], None] = lambda error: None
-        # One worker owns the model: rollouts run one after another, in admission order.
+        # One worker owns the model: rollouts run one after another, in admission order. It also loads
+        # the model: CPU kernels run up to 2x slower on a thread other than the one that loaded it.
         self._jobs: queue.Queue = queue.Queue()
-        self._worker = threading.Thread(target=self._lead, name="rollout-worker", daemon=True)
+        loaded: Future = Future()
+        self._worker = threading.Thread(target=self._lead, args=(load_adapter, loaded), name="rollout-worker")
+        self._worker.daemon = True
         if self.parallel.is_leader:
             self._worker.start()
+            self.adapter: FamilyAdapter = loaded.result()
+        else:
+            self.adapter = load_adapter()
+        self.weight_spec = weights.TransformerSpec.of(self.adapter.transformer, self.parallel.enabled)
 
     def submit(self, request, emit: Callable, cancelled: Callable[[], bool], admitted_at: float) -> Future:
         """Queue a resolved request for the worker; the future ends when its stream has been emitted."""
+        return self._queue(lambda: self._lead_rollout(request, emit, cancelled, admitted_at))
+
+    def submit_update(self, update: weights.WeightUpdate) -> Future:
+        """Queue a checked weight update; the future ends once it is applied (and, under sequence
+        parallelism, sent to the other ranks, which apply it or take the server down)."""
+        return self._queue(lambda: self._lead_update(update))
+
+    def _queue(self, work: Callable[[], None]) -> Future:
         future: Future = Future()
-        self._jobs.put((future, (request, emit, cancelled, admitted_at)))
+        self._jobs.put((future, work))
         return future
 
     def close(self) -> None:
@@ -87,8 +108,14 @@ class RolloutEngine:
         self._jobs.put(None)
         self._worker.join(timeout=self.parallel.timeout_seconds)
 
-    def _lead(self) -> None:
-        """Rank 0's worker loop: rollouts in order, and heartbeats to the other ranks while idle."""
+    def _lead(self, load_adapter: Callable[[], FamilyAdapter], loaded: Future) -> None:
+        """Rank 0's worker: load the model, then run rollouts in order, with heartbeats to the other
+        ranks while idle."""
+        try:
+            loaded.set_result(load_adapter())
+        except BaseException as error:
+            loaded.set_exception(error)
+            return
         while True:
             try:
                 job = self._jobs.get(timeout=self.parallel.timeout_seconds / 4)
@@ -101,13 +128,13 @@ class RolloutEngine:
                 if job == HEARTBEAT:
                     self.parallel.broadcast_command(HEARTBEAT)
                     continue
-                future, (request, emit, cancelled, admitted_at) = job
+                future, work = job
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
-                    future.set_result(self._lead_rollout(request, emit, cancelled, admitted_at))
-                except (RolloutCancelled, InvalidRequest) as error:  # every rank stopped at the same point
-                    future.set_exception(error)
+                    future.set_result(work())
+                except (RolloutCancelled, InvalidRequest, weights.StaleUpdate) as error:
+                    future.set_exception(error)  # every rank stopped at the same point
                 except BaseException as error:
                     if self.parallel.enabled and not isinstance(error, RankFailure):
                         # The other ranks are mid-rollout or out of step: no later rollout is safe.
@@ -127,6 +154,31 @@ class RolloutEngine:
         self.parallel.broadcast_command(ROLLOUT, request.SerializeToString())
         self.execute(request, emit, lambda: self.parallel.agree(cancelled()), admitted_at)
 
+    def _lead_update(self, update: weights.WeightUpdate) -> None:
+        # Checked again now: an update queued behind another one may have gone stale meanwhile.
+        self.check_update(update)
+        if self.parallel.enabled:
+            self.parallel.broadcast_command(UPDATE, weights.to_payload(update))
+        self._apply_update(update)
+
+    def check_update(self, update: weights.WeightUpdate) -> None:
+        """StaleUpdate or InvalidRequest unless ``update`` applies to the current weights. It changes
+        nothing and reads no live tensor, so any thread may call it while rollouts run."""
+        weights.check_version(update.policy_version, self.policy_version)
+        weights.check(self.weight_spec, update)
+
+    def _apply_update(self, update: weights.WeightUpdate) -> None:
+        started_at = time.perf_counter()
+        try:
+            self.lora_adapter = weights.apply(self.adapter.transformer, update, self.lora_adapter)
+        except Exception as error:
+            raise RankFailure(
+                f"rank {self.parallel.rank} failed to apply {update.describe()} and may hold part of it: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        self.policy_version = update.policy_version
+        log.info("applied %s in %.3f s", update.describe(), time.perf_counter() - started_at)
+
     def follow(self) -> None:
         """A non-leader rank's loop: run what rank 0 broadcasts until it says stop."""
         while True:
@@ -139,6 +191,18 @@ class RolloutEngine:
                     self.execute(request, lambda message: None, lambda: self.parallel.agree(False), 0.0)
                 except (RolloutCancelled, InvalidRequest):
                     continue
+            elif command == UPDATE:
+                self._follow_update(payload)
+
+    def _follow_update(self, payload: bytes) -> None:
+        """Apply rank 0's update, or stop this rank: ranks serving different weights would be worse
+        than no server (rank 0 sees this rank gone at its next collective)."""
+        try:
+            update = weights.from_payload(payload)
+            self.check_update(update)
+        except Exception as error:
+            raise RankFailure(f"rank {self.parallel.rank} cannot apply the broadcast weight update: {error}") from error
+        self._apply_update(update)
 
     def admit(self) -> None:
         """Reserve a place for one rollout, or raise Overloaded."""

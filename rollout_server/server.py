@@ -48,11 +48,15 @@ def build_engine(options: ServerOptions) -> RolloutEngine:
     folder = options.model_path or presets.resolve_model(options.model, options.cache_dir)
     device = options.parallel.device(options.device)
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[options.dtype]
-    adapter = families.load(folder, device, dtype)
-    options.parallel.split_transformer(adapter.transformer)
+
+    def load() -> families.FamilyAdapter:
+        adapter = families.load(folder, device, dtype)
+        options.parallel.split_transformer(adapter.transformer)
+        return adapter
+
     limits = options.limits
     return RolloutEngine(
-        adapter,
+        load,
         options.model,
         limits.max_queued_requests,
         limits.max_batch_size,
