@@ -159,6 +159,7 @@ def test_qwen_image_sp2_matches_sp1_with_uneven_prompt_lengths(cache_dir, tmp_pa
     assert torch.equal(one_started.x0, two_started.x0)
     for one, two in zip(one_steps, two_steps, strict=True):
         assert torch.equal(one.debug["eps"], two.debug["eps"]) and torch.equal(one.log_probs, two.log_probs)
+        torch.testing.assert_close(two.debug["velocity"], one.debug["velocity"], atol=1e-5, rtol=0)
         torch.testing.assert_close(two.x_next, one.x_next, atol=1e-5, rtol=0)
     transformer = QwenImageTransformer2DModel.from_pretrained(f"{model_path}/transformer").eval()
     for trajectory in collect(two_stream):
