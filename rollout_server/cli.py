@@ -41,6 +41,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=120.0,
         help="seconds before a silent rank is declared failed",
     )
+    s.add_argument(
+        "--weights-root",
+        type=Path,
+        default=None,
+        help="folder LoadWeights may read policy weights from (default: LoadWeights disabled)",
+    )
     return parser.parse_args(argv)
 
 
@@ -59,6 +65,8 @@ def main(argv=None) -> None:
     )
     if not 0 < args.collective_timeout <= 120:
         sys.exit("rollout-server: --collective-timeout must be in (0, 120] seconds")
+    if args.weights_root is not None and not args.weights_root.is_dir():
+        sys.exit(f"rollout-server: --weights-root {args.weights_root} is not a folder")
     try:
         # Before torch.distributed starts: transformers' save_pretrained writes nothing on ranks > 0.
         model_path = resolve_model(args.model, args.cache_dir)
@@ -76,6 +84,7 @@ def main(argv=None) -> None:
         cache_dir=args.cache_dir,
         model_path=model_path,
         parallel=parallel,
+        weights_root=args.weights_root.resolve() if args.weights_root else None,
     )
     try:
         code = asyncio.run(serve(options)) if parallel.is_leader else follow(options)

@@ -201,7 +201,9 @@ class RolloutEngine:
             update = weights.from_payload(payload)
             self.check_update(update)
         except Exception as error:
-            raise RankFailure(f"rank {self.parallel.rank} cannot apply the broadcast weight update: {error}") from error
+            raise RankFailure(
+                f"rank {self.parallel.rank} cannot apply the broadcast weight update: {error}"
+            ) from error
         self._apply_update(update)
 
     def admit(self) -> None:

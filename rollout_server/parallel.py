@@ -34,6 +34,7 @@ ATTENTION_SPLITS = ("ulysses", "ring", "ulysses+ring")
 IMAGE_INPUTS = ("hidden_states", "img_ids")
 # Commands rank 0 broadcasts to the others.
 HEARTBEAT, ROLLOUT, STOP = "heartbeat", "rollout", "stop"
+UPDATE = "update"
 
 
 class RankFailure(RuntimeError):

@@ -36,6 +36,7 @@ class ServerOptions:
     cache_dir: Path | None = None
     model_path: Path | None = None  # model resolved (and built, for a preset) beforehand
     parallel: SequenceParallel = field(default_factory=SequenceParallel)
+    weights_root: Path | None = None  # LoadWeights reads only under it (resolved); None disables it
 
 
 def versions() -> dict[str, str]:
@@ -92,7 +93,8 @@ def build_service(options: ServerOptions) -> RolloutService:
         cfg_rule=adapter.cfg_rule,
         timestep_rule=adapter.timestep_rule,
     )
-    return RolloutService(engine, serving, info)
+    info.limits.max_update_bytes = engine.weight_spec.max_update_bytes
+    return RolloutService(engine, serving, info, options.weights_root)
 
 
 class RolloutServer:

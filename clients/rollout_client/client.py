@@ -1,15 +1,53 @@
-"""``RolloutClient``: call a rollout server and get typed events or whole trajectories."""
+"""``RolloutClient``: call a rollout server, get typed events or whole trajectories, push weights."""
 
-from collections.abc import Iterator
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import grpc
+import torch
+from tqdm import tqdm
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_client import codec
 from rollout_client.events import Event, decode_stream
 from rollout_client.trajectory import Trajectory, collect
 
 # Large enough for any message a server sends (its limit is reported by GetServerInfo).
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024
+# Weight update pieces: well below the server's 4 MiB receive limit, and in the 1-4 MiB range where
+# Python gRPC moves bytes fastest.
+UPDATE_CHUNK_BYTES = 1024 * 1024
+# Updates at least this large get a progress bar (when asked for).
+PROGRESS_MIN_BYTES = 32 * 1024 * 1024
+WEIGHTS_KINDS = {
+    "full": rollout_pb2.WEIGHTS_KIND_FULL,
+    "subset": rollout_pb2.WEIGHTS_KIND_SUBSET,
+    "lora": rollout_pb2.WEIGHTS_KIND_LORA,
+}
+
+
+def lora_config_json(config: Any) -> str:
+    """A peft ``LoraConfig`` (or its dict) as the JSON an update's header carries (sets as lists)."""
+    values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+    def listed(value: Any) -> list:
+        if isinstance(value, set | frozenset):
+            return sorted(value)
+        raise TypeError(f"{type(value).__name__} in a LoraConfig is not JSON serialisable")
+
+    return json.dumps(values, default=listed)
+
+
+def _update_messages(
+    header: rollout_pb2.WeightsUpdateHeader, pieces: Iterator[bytes], bar: tqdm
+) -> Iterator[rollout_pb2.UpdateWeightsRequest]:
+    for index, piece in enumerate(pieces):
+        message = rollout_pb2.UpdateWeightsRequest(data=piece)
+        if index == 0:
+            message.header.CopyFrom(header)
+        yield message
+        bar.update(len(piece))
 
 
 class RolloutClient:
@@ -44,6 +82,52 @@ class RolloutClient:
     def rollout(self, request: rollout_pb2.RolloutRequest | None = None, **fields) -> list[Trajectory]:
         """Run a rollout to the end and return one Trajectory per sample."""
         return collect(self.stream(request, **fields))
+
+    def update_weights(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        version: int,
+        kind: str | None = None,
+        lora_config: Any = None,
+        adapter_name: str = "",
+        progress: bool = True,
+    ) -> rollout_pb2.UpdateWeightsResponse:
+        """Stream new policy weights to the server; returns once they are applied.
+
+        ``weights`` is the transformer's state dict (kind "full"), some of its tensors ("subset"), or
+        a PEFT LoRA adapter, ``peft.get_peft_model_state_dict(transformer)``, with its ``lora_config``
+        (kind "lora", the default when a config is given). Tensors must have the server model's
+        dtypes. ``version`` must be above the server's policy version: rollouts that start after
+        this call returns report it. A progress bar counts the bytes sent of a large update.
+        """
+        kind = kind or ("lora" if lora_config is not None else "full")
+        total_bytes, pieces = codec.encode_in_pieces(weights, UPDATE_CHUNK_BYTES)
+        header = rollout_pb2.WeightsUpdateHeader(
+            policy_version=version,
+            kind=WEIGHTS_KINDS[kind],
+            lora_config_json=lora_config_json(lora_config) if lora_config is not None else "",
+            adapter_name=adapter_name,
+            total_bytes=total_bytes,
+        )
+        quiet = not progress or total_bytes < PROGRESS_MIN_BYTES
+        with tqdm(
+            total=total_bytes, unit="B", unit_scale=True, desc=f"policy v{version}", disable=quiet
+        ) as bar:
+            return self.stub.UpdateWeights(_update_messages(header, pieces, bar), timeout=self.timeout)
+
+    def load_weights(
+        self, path: str, version: int, kind: str | None = None, adapter_name: str = ""
+    ) -> rollout_pb2.LoadWeightsResponse:
+        """Have the server load policy weights from ``path`` under its ``--weights-root``: a
+        .safetensors file, a diffusers model or pipeline folder, or a PEFT adapter folder (the kind is
+        inferred unless given; "subset" must be said)."""
+        request = rollout_pb2.LoadWeightsRequest(
+            policy_version=version,
+            path=str(path),
+            kind=WEIGHTS_KINDS[kind] if kind else rollout_pb2.WEIGHTS_KIND_UNSPECIFIED,
+            adapter_name=adapter_name,
+        )
+        return self.stub.LoadWeights(request, timeout=self.timeout)
 
     def close(self) -> None:
         self.channel.close()

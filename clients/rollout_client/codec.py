@@ -3,18 +3,35 @@
 An event's tensors are serialised with ``safetensors.torch.save`` into one buffer. The manifest lists
 every tensor (name, dtype, shape, byte size) in buffer order, so grpcurl and humans can read what a
 message holds without decoding it. A buffer larger than a message allows is cut into pieces: the
-first travels in the event itself, the rest in the ``chunk`` messages that follow it.
+first travels in the event itself, the rest in the ``chunk`` messages that follow it. Weight updates
+travel the same way, client to server.
 """
 
 import json
+import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from rollout.v1 import rollout_pb2
+
+# safetensors dtype names and the torch dtypes they hold.
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[list[rollout_pb2.TensorInfo], bytes]:
@@ -30,12 +47,17 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[list[rollout_pb2.Tensor
     return manifest_of(buffer), buffer
 
 
-def manifest_of(buffer: bytes) -> list[rollout_pb2.TensorInfo]:
-    """The manifest of a safetensors buffer, read from its JSON header, in data order."""
+def _header(buffer: bytes | bytearray) -> tuple[int, list[tuple[str, dict]]]:
+    """(offset of the data, [(name, header entry)] in data order) of a safetensors buffer."""
     (header_size,) = struct.unpack("<Q", buffer[:8])
     header = json.loads(buffer[8 : 8 + header_size])
     header.pop("__metadata__", None)
-    entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
+    return 8 + header_size, sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
+
+
+def manifest_of(buffer: bytes) -> list[rollout_pb2.TensorInfo]:
+    """The manifest of a safetensors buffer, read from its JSON header, in data order."""
+    _, entries = _header(buffer)
     return [
         rollout_pb2.TensorInfo(
             name=name,
@@ -52,7 +74,76 @@ def decode(buffer: bytes) -> dict[str, torch.Tensor]:
     return safetensors_load(buffer) if buffer else {}
 
 
+def views(buffer: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors buffer as views on its memory, without a copy (a weight update is
+    as large as the model; ``decode`` would hold it twice). ValueError if the buffer is malformed."""
+    try:
+        data_start, entries = _header(buffer)
+        tensors = {}
+        for name, entry in entries:
+            dtype, shape = DTYPES[entry["dtype"]], [int(n) for n in entry["shape"]]
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+            count = math.prod(shape)
+            if end - begin != count * dtype.itemsize or not 0 <= begin <= end <= len(buffer) - data_start:
+                raise ValueError(f"tensor {name!r}: its data offsets disagree with its shape and dtype")
+            tensors[name] = (
+                torch.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin).view(shape)
+                if count
+                else torch.empty(shape, dtype=dtype)
+            )
+        return tensors
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"not a valid safetensors buffer: {error}") from error
+
+
+def encode_in_pieces(tensors: Mapping[str, torch.Tensor], size: int) -> tuple[int, Iterator[bytes]]:
+    """(length, pieces of at most ``size`` bytes) of a safetensors buffer of ``tensors``, copied
+    piece by piece from the tensors' memory: a weight update is as large as the model, and holding the
+    whole buffer next to it would double the trainer's memory. Tensors move to the CPU one at a time."""
+    names = list(tensors)
+    header, offset = {}, 0
+    for name in names:
+        tensor = tensors[name]
+        end = offset + tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors pads its header to 8 bytes
+    prefix = struct.pack("<Q", len(encoded)) + encoded
+
+    def segments() -> Iterator[memoryview]:
+        yield memoryview(prefix)
+        for name in names:
+            tensor = tensors[name].detach().cpu().contiguous()
+            yield memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+    def pieces_of_segments() -> Iterator[bytes]:
+        parts, filled = [], 0
+        for segment in segments():
+            while segment:
+                part, segment = segment[: size - filled], segment[size - filled :]
+                parts.append(part)
+                filled += len(part)
+                if filled == size:
+                    yield b"".join(parts)
+                    parts, filled = [], 0
+        if parts:
+            yield b"".join(parts)
+
+    return len(prefix) + offset, pieces_of_segments()
+
+
+def pieces(data: bytes | memoryview, size: int) -> Iterator[bytes]:
+    """``data`` in consecutive pieces of at most ``size`` bytes, each copied only when it is reached."""
+    view = memoryview(data)
+    for start in range(0, len(view), size):
+        yield bytes(view[start : start + size])
+
+
 def split(data: bytes, first_size: int, chunk_size: int) -> tuple[bytes, list[bytes]]:
     """Cut ``data`` into a first piece of at most ``first_size`` bytes and pieces of ``chunk_size``."""
-    first, rest = data[:first_size], memoryview(data)[first_size:]
-    return first, [bytes(rest[start : start + chunk_size]) for start in range(0, len(rest), chunk_size)]
+    return data[:first_size], list(pieces(memoryview(data)[first_size:], chunk_size))

@@ -1,0 +1,363 @@
+"""Policy weight updates: check an update against the loaded transformer, then apply it in place.
+
+An update is one of three kinds (rollout.v1 ``WeightsKind``):
+
+* FULL: every tensor of the transformer's state dict, under its plain (checkpoint) name; copied into
+  the existing parameters, so the model is never held twice; a loaded LoRA adapter is removed.
+* SUBSET: some of those tensors, copied the same way; the rest and any adapter stay.
+* LORA: a PEFT LoRA adapter (``peft.get_peft_model_state_dict`` names) and its ``LoraConfig``, loaded
+  through diffusers' PEFT integration on top of the base weights; it replaces the previous adapter.
+
+Checking an update needs no access to the live model: names, shapes and dtypes are compared with a
+``TransformerSpec`` taken when the model was loaded (base tensors never change shape), and a LoRA
+adapter is laid out on an empty copy of the transformer on the meta device. So the service checks an
+update while rollouts run, and only the engine's worker touches the model, between two rollouts.
+"""
+
+import copy
+import functools
+import json
+import math
+import struct
+import warnings
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+from peft.tuners.lora import LoraModel
+from peft.tuners.tuners_utils import BaseTunerLayer
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from rollout.v1 import rollout_pb2
+from rollout_client import codec
+from rollout_server.validation import InvalidRequest
+
+FULL, SUBSET, LORA = (
+    rollout_pb2.WEIGHTS_KIND_FULL,
+    rollout_pb2.WEIGHTS_KIND_SUBSET,
+    rollout_pb2.WEIGHTS_KIND_LORA,
+)
+DEFAULT_ADAPTER_NAME = "default"
+# Room for the safetensors header on top of the tensor bytes (about 100 bytes per tensor).
+HEADER_ALLOWANCE_BYTES = 16 * 1024 * 1024
+# LoRA inits that only set the adapter's own weights. The others (PiSSA, OLoRA, CorDA, LoftQ, ...) also
+# rewrite the base weights when the adapter is created, which would silently change the policy here.
+SAFE_LORA_INITS = (True, False, "gaussian", "orthogonal")
+PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# PeftModel.save_pretrained prefixes the names it saves with this.
+PEFT_SAVED_PREFIX = "base_model.model."
+# A new adapter is loaded next to the previous one, which is then deleted: that is intended here.
+warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute in the model")
+
+
+class StaleUpdate(Exception):
+    """The update's policy version is not above the server's current one."""
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """A received or loaded update, not yet checked."""
+
+    policy_version: int
+    kind: int  # rollout_pb2.WeightsKind
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    lora_config_json: str = ""
+    adapter_name: str = ""
+
+    def describe(self) -> str:
+        kind = rollout_pb2.WeightsKind.Name(self.kind) if self.kind in (FULL, SUBSET, LORA) else self.kind
+        return f"policy version {self.policy_version} ({kind}, {len(self.tensors)} tensors)"
+
+
+def _reject(field: str, description: str) -> InvalidRequest:
+    return InvalidRequest([(field, description)])
+
+
+def check_version(new: int, current: int) -> None:
+    if new <= current:
+        raise StaleUpdate(f"policy version {new} is not above the server's current version {current}")
+
+
+def parse_lora_config(text: str) -> LoraConfig:
+    """The update's LoraConfig, or InvalidRequest saying what is wrong with it."""
+    field = "header.lora_config_json"
+    try:
+        values = json.loads(text)
+        # from_peft_type picks the config class from peft_type and drops keys of newer peft versions.
+        config = LoraConfig.from_peft_type(**values)
+    except (ValueError, TypeError, KeyError) as error:
+        raise _reject(field, f"not a peft LoraConfig as JSON: {error}") from error
+    if not isinstance(config, LoraConfig):
+        raise _reject(field, f"peft_type {values.get('peft_type')!r} is not LORA")
+    if config.init_lora_weights not in SAFE_LORA_INITS:
+        raise _reject(
+            field,
+            f"init_lora_weights={config.init_lora_weights!r} rewrites base weights when the adapter is "
+            f"created; send the adapter with one of {SAFE_LORA_INITS} (its weights all come from the update)",
+        )
+    if config.modules_to_save:
+        raise _reject(field, "modules_to_save is not supported: push those modules as a SUBSET update")
+    return config
+
+
+def base_tensors(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The transformer's own parameters and buffers under their checkpoint names, looking through the
+    LoRA layers PEFT wraps around adapted modules (``x.base_layer.weight`` is ``x.weight``)."""
+    return {
+        name.replace(".base_layer.", "."): tensor
+        for name, tensor in transformer.state_dict(keep_vars=True).items()
+        if f".{LoraModel.prefix}" not in name
+    }
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: it keys the LoRA layout cache
+class TransformerSpec:
+    """What updates are checked against, taken once when the model is loaded."""
+
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    empty_model: torch.nn.Module  # the transformer's architecture on the meta device, no adapter
+    # Modules with sequence-parallel hooks (e.g. the output gather): a LoRA layer around one would add
+    # its unsplit base output to a split adapter output.
+    unwrappable: tuple[str, ...]
+
+    @classmethod
+    def of(cls, transformer: torch.nn.Module, sequence_parallel: bool) -> "TransformerSpec":
+        live = base_tensors(transformer)
+        with torch.device("meta"):
+            empty = type(transformer).from_config(transformer.config)
+        for name, tensor in empty.state_dict(keep_vars=True).items():
+            tensor.data = tensor.data.to(live[name].dtype)  # PEFT gives an adapter its base's dtype
+        hooked = [name for name in getattr(transformer, "_cp_plan", None) or {} if name]
+        return cls(
+            tensors={name: (t.dtype, tuple(t.shape)) for name, t in live.items()},
+            empty_model=empty,
+            unwrappable=tuple(hooked) if sequence_parallel else (),
+        )
+
+    @property
+    def max_update_bytes(self) -> int:
+        tensor_bytes = sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.tensors.values())
+        return tensor_bytes + HEADER_ALLOWANCE_BYTES
+
+
+# A trainer sends the same config with every update; laying it out takes tens of milliseconds.
+@functools.lru_cache(maxsize=8)
+def lora_layout(spec: TransformerSpec, config_json: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The tensors (name, dtype, shape) of an adapter with this config, exactly as PEFT lays it out
+    on the transformer; InvalidRequest if the config does not fit it."""
+    model = copy.deepcopy(spec.empty_model)
+    try:
+        inject_adapter_in_model(parse_lora_config(config_json), model, adapter_name="spec")
+    except (ValueError, TypeError, KeyError, RuntimeError) as error:
+        raise _reject(
+            "header.lora_config_json", f"the adapter does not fit the transformer: {error}"
+        ) from error
+    wrapped = [name for name in spec.unwrappable if isinstance(model.get_submodule(name), BaseTunerLayer)]
+    if wrapped:
+        raise _reject(
+            "header.lora_config_json",
+            f"under sequence parallelism an adapter may not wrap {wrapped}: context parallelism "
+            "gathers their outputs",
+        )
+    layout = get_peft_model_state_dict(model, adapter_name="spec")
+    return {name: (t.dtype, tuple(t.shape)) for name, t in layout.items()}
+
+
+def check(spec: TransformerSpec, update: WeightUpdate) -> None:
+    """InvalidRequest naming what is wrong with ``update`` (the first bad tensor); changes nothing."""
+    if update.kind not in (FULL, SUBSET, LORA):
+        raise _reject("header.kind", "must be WEIGHTS_KIND_FULL, WEIGHTS_KIND_SUBSET or WEIGHTS_KIND_LORA")
+    if (update.kind == LORA) != bool(update.lora_config_json):
+        raise _reject("header.lora_config_json", "is required for LORA updates, and only for them")
+    if update.kind != LORA and update.adapter_name:
+        raise _reject("header.adapter_name", "only LORA updates name an adapter")
+    if len(update.adapter_name) > 128 or not update.adapter_name.isprintable():
+        raise _reject("header.adapter_name", "must be printable and at most 128 characters")
+    if not update.tensors:
+        raise _reject("data", "the update holds no tensors")
+    adapter = update.kind == LORA
+    expected = lora_layout(spec, update.lora_config_json) if adapter else spec.tensors
+    what = "the adapter" if adapter else "the transformer"
+    for name, tensor in update.tensors.items():
+        if name not in expected:
+            raise _reject("data", f"unknown tensor {name!r}: {what} has no tensor of that name")
+        dtype, shape = expected[name]
+        if tensor.dtype != dtype:
+            raise _reject("data", f"tensor {name!r} is {tensor.dtype}; {what} holds it as {dtype}")
+        if tuple(tensor.shape) != shape:
+            raise _reject(
+                "data", f"tensor {name!r} has shape {list(tensor.shape)}; {what}'s is {list(shape)}"
+            )
+    missing = [name for name in expected if name not in update.tensors]
+    if missing and update.kind != SUBSET:
+        raise _reject(
+            "data",
+            f"{len(missing)} of {what}'s tensors are missing, e.g. {missing[:3]} (use SUBSET for a part)",
+        )
+
+
+def _peft_name(policy_version: int) -> str:
+    """The adapter's name inside PEFT: unique per update, since a trainer may reuse its own name."""
+    return f"policy_v{policy_version}"
+
+
+def apply(
+    transformer: torch.nn.Module, update: WeightUpdate, loaded: rollout_pb2.LoraAdapter | None
+) -> rollout_pb2.LoraAdapter | None:
+    """Apply a checked update in place; returns the LoRA adapter loaded afterwards, if any."""
+    if update.kind == LORA:
+        return _load_lora(transformer, update, loaded)
+    live = base_tensors(transformer)
+    with torch.no_grad():
+        for name, tensor in update.tensors.items():
+            live[name].copy_(tensor)
+    if update.kind == FULL and loaded is not None:
+        transformer.unload_lora()  # the pushed tensors are the whole policy
+        return None
+    return loaded
+
+
+def _load_lora(
+    transformer: torch.nn.Module, update: WeightUpdate, loaded: rollout_pb2.LoraAdapter | None
+) -> rollout_pb2.LoraAdapter:
+    config = parse_lora_config(update.lora_config_json)
+    name = _peft_name(update.policy_version)
+    # Sorted, so the first name is a lora_A one: diffusers takes anything else for a non-PEFT format.
+    tensors = dict(sorted(update.tensors.items()))
+    transformer.load_lora_adapter(tensors, prefix=None, adapter_name=name, metadata=config.to_dict())
+    transformer.set_adapter(name)
+    if loaded is not None:
+        transformer.delete_adapters(_peft_name(loaded.policy_version))
+    targets = config.target_modules
+    return rollout_pb2.LoraAdapter(
+        name=update.adapter_name or DEFAULT_ADAPTER_NAME,
+        rank=config.r,
+        alpha=config.lora_alpha,
+        target_modules=[targets] if isinstance(targets, str) else sorted(targets or ()),
+        tensors=len(update.tensors),
+        policy_version=update.policy_version,
+    )
+
+
+async def receive(
+    requests: AsyncIterator[rollout_pb2.UpdateWeightsRequest],
+    current_version: Callable[[], int],
+    max_bytes: int,
+) -> WeightUpdate:
+    """Reassemble an UpdateWeights stream into one update. The buffer is allocated once from the
+    header's total_bytes and filled in place; a stale version is refused before any data arrives."""
+    header, buffer, filled = None, bytearray(), 0
+    async for message in requests:
+        if header is None:
+            if not message.HasField("header"):
+                raise _reject("header", "the first message must carry the header")
+            header = message.header
+            check_version(header.policy_version, current_version())
+            if not 0 < header.total_bytes <= max_bytes:
+                raise _reject("header.total_bytes", f"must be in [1, {max_bytes}], got {header.total_bytes}")
+            buffer = bytearray(header.total_bytes)
+        elif message.HasField("header"):
+            raise _reject("header", "only the first message carries a header")
+        data = message.data
+        if filled + len(data) > len(buffer):
+            raise _reject("data", f"more bytes than header.total_bytes = {len(buffer)}")
+        buffer[filled : filled + len(data)] = data
+        filled += len(data)
+    if header is None:
+        raise _reject("header", "the stream was empty")
+    if filled < len(buffer):
+        raise _reject("data", f"truncated: the stream ended after {filled} of {len(buffer)} bytes")
+    return _from_header(header, buffer)
+
+
+def _from_header(header: rollout_pb2.WeightsUpdateHeader, buffer: bytearray) -> WeightUpdate:
+    try:
+        tensors = codec.views(buffer)
+    except ValueError as error:
+        raise _reject("data", str(error)) from error
+    return WeightUpdate(
+        policy_version=header.policy_version,
+        kind=header.kind,
+        tensors=tensors,
+        nbytes=len(buffer),
+        lora_config_json=header.lora_config_json,
+        adapter_name=header.adapter_name,
+    )
+
+
+def to_payload(update: WeightUpdate) -> bytes:
+    """The update as one bytes object, for rank 0 to broadcast: header length, header, safetensors."""
+    header = rollout_pb2.WeightsUpdateHeader(
+        policy_version=update.policy_version,
+        kind=update.kind,
+        lora_config_json=update.lora_config_json,
+        adapter_name=update.adapter_name,
+    ).SerializeToString()
+    _, buffer = codec.encode(update.tensors)
+    return struct.pack("<Q", len(header)) + header + buffer
+
+
+def from_payload(payload: bytes) -> WeightUpdate:
+    (size,) = struct.unpack("<Q", payload[:8])
+    header = rollout_pb2.WeightsUpdateHeader.FromString(payload[8 : 8 + size])
+    return _from_header(header, bytearray(memoryview(payload)[8 + size :]))
+
+
+def resolve_under(root: Path, requested: str) -> Path:
+    """``requested`` (relative to ``root``, or absolute) with '..' and symbolic links resolved:
+    PermissionError unless it lies inside ``root`` (itself resolved), FileNotFoundError if absent."""
+    path = (root / requested).resolve()
+    if not path.is_relative_to(root):
+        raise PermissionError(f"{requested!r} is outside the server's --weights-root")
+    if not path.exists():
+        raise FileNotFoundError(f"{requested!r} does not exist under the server's --weights-root")
+    return path
+
+
+def read_update(root: Path, request: rollout_pb2.LoadWeightsRequest, current_version: int) -> WeightUpdate:
+    """The update stored at ``request.path`` under ``root``: a PEFT adapter folder (LORA), or the
+    safetensors weights of a file, a diffusers model folder or a pipeline folder's transformer/. A
+    stale version is refused before anything is read."""
+    check_version(request.policy_version, current_version)
+    path = resolve_under(root, request.path)
+    is_adapter = (path / PEFT_CONFIG_FILE).is_file()
+    kind = request.kind or (LORA if is_adapter else FULL)
+    if (kind == LORA) != is_adapter:
+        raise _reject("kind", f"{request.path!r} {'is' if is_adapter else 'is not'} a PEFT adapter folder")
+    try:
+        if is_adapter:
+            config_json = (path / PEFT_CONFIG_FILE).read_text()
+            tensors = {
+                n.removeprefix(PEFT_SAVED_PREFIX): t for n, t in load_file(path / PEFT_WEIGHTS_FILE).items()
+            }
+        else:
+            config_json, tensors = "", {}
+            for file in _weight_files(path):
+                tensors.update(load_file(file))
+    except (OSError, SafetensorError) as error:
+        raise _reject("path", f"cannot read the weights: {error}") from error
+    return WeightUpdate(
+        policy_version=request.policy_version,
+        kind=kind,
+        tensors=tensors,
+        nbytes=sum(t.nbytes for t in tensors.values()),
+        lora_config_json=config_json,
+        adapter_name=request.adapter_name,
+    )
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise _reject("path", f"{path.name} is not a .safetensors file")
+        return [path]
+    if (path / "model_index.json").is_file():  # a pipeline: its transformer is the policy
+        path = path / "transformer"
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise _reject("path", "no .safetensors weights there")
+    return files
