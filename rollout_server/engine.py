@@ -159,7 +159,7 @@ class RolloutEngine:
         self.check_update(update)
         if self.parallel.enabled:
             self.parallel.broadcast_command(UPDATE, weights.to_payload(update))
-        self._apply_update(update)
+        self._apply_on_every_rank(lambda: update)
 
     def check_update(self, update: weights.WeightUpdate) -> None:
         """StaleUpdate or InvalidRequest unless ``update`` applies to the current weights. It changes
@@ -195,16 +195,30 @@ class RolloutEngine:
                 self._follow_update(payload)
 
     def _follow_update(self, payload: bytes) -> None:
-        """Apply rank 0's update, or stop this rank: ranks serving different weights would be worse
-        than no server (rank 0 sees this rank gone at its next collective)."""
-        try:
+        def decoded() -> weights.WeightUpdate:
             update = weights.from_payload(payload)
             self.check_update(update)
+            return update
+
+        self._apply_on_every_rank(decoded)
+
+    def _apply_on_every_rank(self, get_update: Callable[[], weights.WeightUpdate]) -> None:
+        """Apply the update here, then learn whether every rank did. Ranks serving different weights
+        would be worse than no server: any failure is a RankFailure on every rank (so the update call
+        fails and the server goes down)."""
+        failure = None
+        try:
+            self._apply_update(get_update())
         except Exception as error:
+            failure = error
+        if not self.parallel.all_succeeded(failure is None):
+            if failure is not None:
+                raise RankFailure(
+                    f"rank {self.parallel.rank} cannot apply the weight update: {failure}"
+                ) from failure
             raise RankFailure(
-                f"rank {self.parallel.rank} cannot apply the broadcast weight update: {error}"
-            ) from error
-        self._apply_update(update)
+                f"another rank could not apply the weight update; {self.parallel.describe_failure()}"
+            )
 
     def admit(self) -> None:
         """Reserve a place for one rollout, or raise Overloaded."""

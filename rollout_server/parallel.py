@@ -139,6 +139,14 @@ class SequenceParallel:
         self._collective("step agreement", lambda: dist.broadcast(value, src=0))
         return bool(value.item())
 
+    def all_succeeded(self, ok: bool) -> bool:
+        """Whether every rank reports success (an all-reduce of the flags)."""
+        if not self.enabled:
+            return ok
+        value = torch.tensor([int(ok)], dtype=torch.int32, device=self._collective_device)
+        self._collective("success check", lambda: dist.all_reduce(value, op=dist.ReduceOp.MIN))
+        return bool(value.item())
+
     @property
     def _collective_device(self) -> torch.device:
         return torch.device("cuda", self.local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
