@@ -33,6 +33,8 @@ lint: $(STAMP) $(STUBS)
 
 bench: $(STAMP) $(STUBS)
 	$(PY) bench/stream_overhead.py
+	$(PY) bench/sp_scaling.py
+	$(PY) bench/weight_update.py
 
 # torch goes first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
