@@ -80,7 +80,7 @@ def build_service(options: ServerOptions) -> RolloutService:
         model=options.model,
         model_path=str(adapter.folder),
         family=adapter.family,
-        pipeline_class=adapter.pipeline_class,
+        pipeline_class=adapter.pipeline_type.__name__,
         dtype=options.dtype,
         device=str(adapter.device),
         sp_degree=options.parallel.degree,

@@ -11,7 +11,7 @@ from rollout_server.families.qwen_image import QwenImageAdapter
 from rollout_server.families.sd3 import SD3Adapter
 
 ADAPTERS: dict[str, type[FamilyAdapter]] = {
-    adapter.pipeline_class: adapter for adapter in (FluxAdapter, SD3Adapter, QwenImageAdapter)
+    adapter.pipeline_type.__name__: adapter for adapter in (FluxAdapter, SD3Adapter, QwenImageAdapter)
 }
 
 

@@ -5,12 +5,15 @@ frozen env), latent layout, transformer-call conventions and decoding. The sampl
 the server never import a model class.
 """
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from diffusers import DiffusionPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from PIL import Image
 
 
@@ -43,7 +46,7 @@ class FamilyAdapter(ABC):
     """A loaded pipeline of one model family."""
 
     family: ClassVar[str]
-    pipeline_class: ClassVar[str]
+    pipeline_type: ClassVar[type[DiffusionPipeline]]
     # The transformer is fed timestep / timestep_divisor; timestep_rule says so in words.
     timestep_divisor: ClassVar[float]
     timestep_rule: ClassVar[str]
@@ -56,11 +59,13 @@ class FamilyAdapter(ABC):
         self.folder = folder
         self.device = device
         self.dtype = dtype
+        self.pipe = self.pipeline_type.from_pretrained(folder, dtype=dtype).to(device)
+        self.pipe.set_progress_bar_config(disable=True)
 
     @property
-    @abstractmethod
     def transformer(self) -> torch.nn.Module:
         """The denoising transformer (the policy)."""
+        return self.pipe.transformer
 
     @property
     @abstractmethod
@@ -93,3 +98,23 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
         """Decode final latents [B, ...] into images."""
+
+
+def resolution_shift(scheduler_config, image_seq_len: int, max_shift_default: float = 1.15) -> float:
+    """The resolution-dependent shift ``mu`` of the dynamic-shift pipelines, from the scheduler config."""
+    return calculate_shift(
+        image_seq_len,
+        scheduler_config.get("base_image_seq_len", 256),
+        scheduler_config.get("max_image_seq_len", 4096),
+        scheduler_config.get("base_shift", 0.5),
+        scheduler_config.get("max_shift", max_shift_default),
+    )
+
+
+def set_up_schedule(scheduler, num_steps: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pipelines' own ``retrieve_timesteps`` on a private copy of the scheduler (set_timesteps
+    mutates it, and requests may overlap): T + 1 float32 sigmas and timesteps, terminal 0 included."""
+    scheduler = copy.deepcopy(scheduler)
+    retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
+    timesteps = torch.cat([scheduler.timesteps.float().cpu(), torch.zeros(1)])
+    return scheduler.sigmas.to(torch.float32).cpu(), timesteps

@@ -8,35 +8,29 @@ encoded on its own, so its env carries its own token length, unpadded; the mask 
 embeddings, so there is no ``txt_seq_lens`` to slice per sample.
 """
 
-from pathlib import Path
-
 import numpy as np
 import torch
 from diffusers import QwenImagePipeline
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 from PIL import Image
 
-from rollout_server.families.base import Conditioning, FamilyAdapter, FamilyDefaults
+from rollout_server.families.base import (
+    Conditioning,
+    FamilyAdapter,
+    FamilyDefaults,
+    resolution_shift,
+    set_up_schedule,
+)
 
 MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
 
 
 class QwenImageAdapter(FamilyAdapter):
     family = "qwen-image"
-    pipeline_class = "QwenImagePipeline"
+    pipeline_type = QwenImagePipeline
     timestep_divisor = 1000.0
     timestep_rule = "timestep / 1000"
     cfg_scale_field = "true_cfg_scale"
     cfg_rule = "true_cfg_norm_rescale"
-
-    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
-        super().__init__(folder, device, dtype)
-        self.pipe = QwenImagePipeline.from_pretrained(folder, dtype=dtype).to(device)
-        self.pipe.set_progress_bar_config(disable=True)
-
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.pipe.transformer
 
     @property
     def side_multiple(self) -> int:
@@ -54,22 +48,11 @@ class QwenImageAdapter(FamilyAdapter):
         return height // scale, width // scale
 
     def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # As QwenImagePipeline.__call__: linspace sigmas, shifted by the image token count.
         rows, cols = self._latent_grid(height, width)
-        config = self.pipe.scheduler.config
-        mu = calculate_shift(
-            rows * cols,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        # A private scheduler per call: set_timesteps mutates it and requests may overlap.
-        scheduler = type(self.pipe.scheduler).from_config(config)
-        retrieve_timesteps(
-            scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu
-        )
-        timesteps = torch.cat([scheduler.timesteps.float().cpu(), torch.zeros(1)])
-        return scheduler.sigmas.to(torch.float32).cpu(), timesteps
+        mu = resolution_shift(self.pipe.scheduler.config, rows * cols)
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        return set_up_schedule(self.pipe.scheduler, num_steps, sigmas=sigmas, mu=mu)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         rows, cols = self._latent_grid(height, width)

@@ -8,18 +8,17 @@ padded to the T5 width, followed by the T5 sequence), ``pooled_projections`` (bo
 v_neg + s * (v_pos - v_neg), with an empty negative prompt as the unconditional branch.
 """
 
-import copy
-from pathlib import Path
-
 import torch
 from diffusers import StableDiffusion3Pipeline
-from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
-    calculate_shift,
-    retrieve_timesteps,
-)
 from PIL import Image
 
-from rollout_server.families.base import Conditioning, FamilyAdapter, FamilyDefaults
+from rollout_server.families.base import (
+    Conditioning,
+    FamilyAdapter,
+    FamilyDefaults,
+    resolution_shift,
+    set_up_schedule,
+)
 
 # StableDiffusion3Pipeline.__call__'s default T5 length.
 MAX_SEQUENCE_LENGTH = 256
@@ -27,20 +26,11 @@ MAX_SEQUENCE_LENGTH = 256
 
 class SD3Adapter(FamilyAdapter):
     family = "sd3"
-    pipeline_class = "StableDiffusion3Pipeline"
+    pipeline_type = StableDiffusion3Pipeline
     timestep_divisor = 1.0
     timestep_rule = "timestep"
     cfg_scale_field = "guidance_scale"
     cfg_rule = "true_cfg"
-
-    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
-        super().__init__(folder, device, dtype)
-        self.pipe = StableDiffusion3Pipeline.from_pretrained(folder, dtype=dtype).to(device)
-        self.pipe.set_progress_bar_config(disable=True)
-
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.pipe.transformer
 
     @property
     def side_multiple(self) -> int:
@@ -55,24 +45,15 @@ class SD3Adapter(FamilyAdapter):
         )
 
     def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        config = self.pipe.scheduler.config
+        # As StableDiffusion3Pipeline.__call__: the scheduler's own static shift, or with dynamic shifting
+        # a shift that follows the image token count.
         kwargs = {}
-        if config.get("use_dynamic_shifting", None):
-            # As StableDiffusion3Pipeline.__call__: the shift follows the image token count.
+        if self.pipe.scheduler.config.get("use_dynamic_shifting", None):
             patch_size = self.pipe.transformer.config.patch_size
             _, rows, cols = self.latent_shape(height, width)
-            kwargs["mu"] = calculate_shift(
-                (rows // patch_size) * (cols // patch_size),
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.16),
-            )
-        # A private scheduler per call: set_timesteps mutates it and requests may overlap.
-        scheduler = copy.deepcopy(self.pipe.scheduler)
-        retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
-        timesteps = torch.cat([scheduler.timesteps.float().cpu(), torch.zeros(1)])
-        return scheduler.sigmas.to(torch.float32).cpu(), timesteps
+            tokens = (rows // patch_size) * (cols // patch_size)
+            kwargs["mu"] = resolution_shift(self.pipe.scheduler.config, tokens, max_shift_default=1.16)
+        return set_up_schedule(self.pipe.scheduler, num_steps, **kwargs)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         scale = self.pipe.vae_scale_factor
