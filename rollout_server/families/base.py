@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
@@ -98,6 +99,28 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
         """Decode final latents [B, ...] into images."""
+
+
+class PackedLatentAdapter(FamilyAdapter):
+    """Families whose pipeline packs 2x2 latent patches into tokens and shifts linspace sigmas by the
+    image token count (FluxPipeline, QwenImagePipeline)."""
+
+    @property
+    def side_multiple(self) -> int:
+        return self.pipe.vae_scale_factor * 2
+
+    def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        return height // self.side_multiple, width // self.side_multiple
+
+    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols = self._latent_grid(height, width)
+        mu = resolution_shift(self.pipe.scheduler.config, rows * cols)
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        return set_up_schedule(self.pipe.scheduler, num_steps, sigmas=sigmas, mu=mu)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        rows, cols = self._latent_grid(height, width)
+        return (rows * cols, self.pipe.transformer.config.in_channels)
 
 
 def resolution_shift(scheduler_config, image_seq_len: int, max_shift_default: float = 1.15) -> float:

@@ -6,31 +6,24 @@ The transformer is called exactly as ``FluxPipeline.__call__`` does, with the ti
 ``return_dict``.
 """
 
-import numpy as np
 import torch
 from diffusers import FluxPipeline
 from PIL import Image
 
 from rollout_server.families.base import (
     Conditioning,
-    FamilyAdapter,
     FamilyDefaults,
-    resolution_shift,
-    set_up_schedule,
+    PackedLatentAdapter,
 )
 
 MAX_SEQUENCE_LENGTH = 512
 
 
-class FluxAdapter(FamilyAdapter):
+class FluxAdapter(PackedLatentAdapter):
     family = "flux"
     pipeline_type = FluxPipeline
     timestep_divisor = 1000.0
     timestep_rule = "timestep / 1000"
-
-    @property
-    def side_multiple(self) -> int:
-        return self.pipe.vae_scale_factor * 2
 
     def defaults(self) -> FamilyDefaults:
         # FLUX.1-dev's usual settings; the pipeline's default side is default_sample_size * 8.
@@ -38,21 +31,6 @@ class FluxAdapter(FamilyAdapter):
         return FamilyDefaults(
             height=side, width=side, num_steps=28, guidance_scale=3.5, true_cfg_scale=1.0, noise_level=0.7
         )
-
-    def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        scale = self.pipe.vae_scale_factor * 2
-        return height // scale, width // scale
-
-    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # As FluxPipeline.__call__: linspace sigmas, shifted by the image token count.
-        rows, cols = self._latent_grid(height, width)
-        mu = resolution_shift(self.pipe.scheduler.config, rows * cols)
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        return set_up_schedule(self.pipe.scheduler, num_steps, sigmas=sigmas, mu=mu)
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        rows, cols = self._latent_grid(height, width)
-        return (rows * cols, self.pipe.transformer.config.in_channels)
 
     def latent_packing(self) -> str:
         return "flux 2x2 patches: [(H/16) * (W/16), 4 * vae_latent_channels], row-major over the grid"

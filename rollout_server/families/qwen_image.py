@@ -8,23 +8,20 @@ encoded on its own, so its env carries its own token length, unpadded; the mask 
 embeddings, so there is no ``txt_seq_lens`` to slice per sample.
 """
 
-import numpy as np
 import torch
 from diffusers import QwenImagePipeline
 from PIL import Image
 
 from rollout_server.families.base import (
     Conditioning,
-    FamilyAdapter,
     FamilyDefaults,
-    resolution_shift,
-    set_up_schedule,
+    PackedLatentAdapter,
 )
 
 MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
 
 
-class QwenImageAdapter(FamilyAdapter):
+class QwenImageAdapter(PackedLatentAdapter):
     family = "qwen-image"
     pipeline_type = QwenImagePipeline
     timestep_divisor = 1000.0
@@ -32,31 +29,12 @@ class QwenImageAdapter(FamilyAdapter):
     cfg_scale_field = "true_cfg_scale"
     cfg_rule = "true_cfg_norm_rescale"
 
-    @property
-    def side_multiple(self) -> int:
-        return self.pipe.vae_scale_factor * 2
-
     def defaults(self) -> FamilyDefaults:
         # Qwen-Image's usual settings; the pipeline's default side is default_sample_size * 8 = 1024.
         side = self.pipe.default_sample_size * self.pipe.vae_scale_factor
         return FamilyDefaults(
             height=side, width=side, num_steps=50, guidance_scale=1.0, true_cfg_scale=4.0, noise_level=0.7
         )
-
-    def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        scale = self.pipe.vae_scale_factor * 2
-        return height // scale, width // scale
-
-    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # As QwenImagePipeline.__call__: linspace sigmas, shifted by the image token count.
-        rows, cols = self._latent_grid(height, width)
-        mu = resolution_shift(self.pipe.scheduler.config, rows * cols)
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        return set_up_schedule(self.pipe.scheduler, num_steps, sigmas=sigmas, mu=mu)
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        rows, cols = self._latent_grid(height, width)
-        return (rows * cols, self.pipe.transformer.config.in_channels)
 
     def latent_packing(self) -> str:
         return "qwen-image 2x2 patches: [(H/16) * (W/16), 4 * vae_z_dim], row-major over the grid"

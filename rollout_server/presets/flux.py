@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from .tokenizers import write_clip_tokenizer, write_t5_tokenizer
+from .vae import kl_vae
 
 
 @dataclass(frozen=True)
@@ -128,24 +129,7 @@ def build_flux_preset(folder: Path, size: str) -> None:
     )
 
     torch.manual_seed(1)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=cfg.vae_block_out_channels,
-        layers_per_block=cfg.vae_layers_per_block,
-        act_fn="silu",
-        latent_channels=cfg.latent_channels,
-        norm_num_groups=cfg.vae_norm_num_groups,
-        sample_size=1024,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        force_upcast=True,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=True,
-    )
+    vae = kl_vae(cfg, scaling_factor=0.3611, shift_factor=0.1159)
 
     torch.manual_seed(2)
     text_encoder = CLIPTextModel(

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 from diffusers import (
-    AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
@@ -27,6 +26,7 @@ from transformers import (
 )
 
 from .tokenizers import write_clip_tokenizer, write_t5_tokenizer
+from .vae import kl_vae
 
 
 @dataclass(frozen=True)
@@ -135,24 +135,7 @@ def build_sd3_preset(folder: Path, size: str = "tiny") -> None:
     )
 
     torch.manual_seed(1)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=cfg.vae_block_out_channels,
-        layers_per_block=cfg.vae_layers_per_block,
-        act_fn="silu",
-        latent_channels=cfg.latent_channels,
-        norm_num_groups=cfg.vae_norm_num_groups,
-        sample_size=1024,
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        force_upcast=True,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=True,
-    )
+    vae = kl_vae(cfg, scaling_factor=1.5305, shift_factor=0.0609)
 
     torch.manual_seed(2)
     text_encoder = _clip_text_encoder(tokenizer, cfg.clip_l_hidden_size, "quick_gelu", cfg)  # CLIP-L
