@@ -169,7 +169,9 @@ async def serve(options: ServerOptions) -> int:
 
 def follow(options: ServerOptions) -> int:
     """A non-zero sequence-parallel rank: load the model and run what rank 0 broadcasts. Ctrl-C in a
-    terminal reaches every rank; rank 0 alone decides when the group stops."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    terminal, or torchrun passing on a SIGTERM, reaches every rank; rank 0 alone decides when the
+    group stops (it lets the running rollouts finish, then tells the others)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     build_engine(options).follow()
     return 0
