@@ -22,9 +22,12 @@ class LocalServer:
     log_path: Path
 
     @classmethod
-    def start(cls, log_path: Path, *args: str, timeout: float = 120.0) -> "LocalServer":
-        """Start ``rollout-server serve --port 0 ARGS`` and return once it accepts connections."""
-        command = [sys.executable, "-m", "rollout_server", "serve", "--port", "0", *args]
+    def start(
+        cls, log_path: Path, *args: str, launcher: tuple[str, ...] = (), timeout: float = 120.0
+    ) -> "LocalServer":
+        """Start ``rollout-server serve --port 0 ARGS`` (under ``python LAUNCHER``, e.g. torchrun's
+        ``-m torch.distributed.run --nproc-per-node 2``) and return once it accepts connections."""
+        command = [sys.executable, *launcher, "-m", "rollout_server", "serve", "--port", "0", *args]
         with log_path.open("w") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

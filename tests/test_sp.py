@@ -16,6 +16,7 @@ from conftest import start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient, Started, Step, collect, replay_log_probs
+from rollout_server.local import LocalServer
 
 EPS, VELOCITY = rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_VELOCITY
 RANK_READY = re.compile(r"rank (?P<rank>\d+) of 2 ready \(pid (?P<pid>\d+)")
@@ -73,6 +74,23 @@ def test_sp2_matches_sp1(client, sp2_client, tiny_transformer, sampler):
         np.testing.assert_allclose(
             replayed.numpy(), trajectory.log_probs.numpy(), atol=1e-5, rtol=0, equal_nan=True
         )
+
+
+def test_torchrun_launch_matches_sp1(client, cache_dir, tmp_path):
+    """``torchrun --nproc-per-node 2 -m rollout_server serve`` forms the same 2-rank group."""
+    torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2")
+    server = LocalServer.start(
+        tmp_path / "torchrun.log", "--cache-dir", str(cache_dir), "--threads", "1", launcher=torchrun
+    )
+    try:
+        with RolloutClient(server.address, timeout=300) as torchrun_client:
+            assert torchrun_client.server_info().sp_degree == 2
+            launched = torchrun_client.rollout(request(num_steps=3))
+    finally:
+        server.stop()  # torchrun answers its own SIGTERM with exit code 1: only the shutdown is checked
+    for trajectory, reference in zip(launched, client.rollout(request(num_steps=3)), strict=True):
+        assert torch.equal(trajectory.log_probs, reference.log_probs)
+        torch.testing.assert_close(trajectory.latents, reference.latents, atol=1e-5, rtol=0)
 
 
 def test_server_info_reports_the_split(sp2_client):
