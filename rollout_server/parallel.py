@@ -14,12 +14,14 @@ serves gRPC.
 """
 
 import datetime
+import functools
 import logging
 import os
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +53,8 @@ class SequenceParallel:
     attention_split: str = "none"
     timeout_seconds: float = 120.0
     helpers: list[subprocess.Popen] = field(default_factory=list)  # ranks this process spawned
+    # Coordination (commands, flags) runs on a gloo group: on the CPU even when the model uses NCCL.
+    cpu_group: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -124,32 +128,40 @@ class SequenceParallel:
             raise RankFailure(f"{what} failed: {self.describe_failure()}{error}") from error
 
     def broadcast_command(self, command: str, payload: bytes = b"") -> tuple[str, bytes]:
-        """Rank 0 sends (command, payload); the others receive it."""
+        """Rank 0 sends (command, payload); the others receive it. The payload (a request, or a whole
+        weight update) travels as one uint8 tensor on the CPU group, not pickled, never on a GPU."""
         if not self.enabled:
             return command, payload
-        message = [(command, payload)]
-        self._collective(f"broadcast of {command!r}", lambda: dist.broadcast_object_list(message, src=0))
-        return message[0]
+        header = [(command, len(payload))]
+        self._collective(
+            f"broadcast of {command!r}", lambda: dist.broadcast_object_list(header, 0, self.cpu_group)
+        )
+        command, size = header[0]
+        if not size:
+            return command, b""
+        if self.is_leader:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            data = torch.empty(size, dtype=torch.uint8)
+        self._collective(f"{command!r} payload", lambda: dist.broadcast(data, 0, group=self.cpu_group))
+        return command, payload if self.is_leader else data.numpy().tobytes()
 
     def agree(self, flag: bool) -> bool:
         """Rank 0's flag, on every rank (the per-step 'stop now?' decision)."""
         if not self.enabled:
             return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32, device=self._collective_device)
-        self._collective("step agreement", lambda: dist.broadcast(value, src=0))
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        self._collective("step agreement", lambda: dist.broadcast(value, 0, group=self.cpu_group))
         return bool(value.item())
 
     def all_succeeded(self, ok: bool) -> bool:
         """Whether every rank reports success (an all-reduce of the flags)."""
         if not self.enabled:
             return ok
-        value = torch.tensor([int(ok)], dtype=torch.int32, device=self._collective_device)
-        self._collective("success check", lambda: dist.all_reduce(value, op=dist.ReduceOp.MIN))
+        value = torch.tensor([int(ok)], dtype=torch.int32)
+        reduce = functools.partial(dist.all_reduce, value, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        self._collective("success check", reduce)
         return bool(value.item())
-
-    @property
-    def _collective_device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def describe_failure(self) -> str:
         """Which ranks are gone, when this process started them."""
@@ -202,6 +214,10 @@ def start(degree: int, attention_split: str, timeout_seconds: float, device: str
         )
     if backend == "nccl":
         torch.cuda.set_device(group.local_rank)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    dist.init_process_group(backend, timeout=timeout)
+    group.cpu_group = (
+        dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    )
     log.info("rank %d of %d ready (pid %d, %s)", group.rank, world_size, os.getpid(), backend)
     return group
