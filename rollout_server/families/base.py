@@ -101,6 +101,14 @@ class FamilyAdapter(ABC):
         """Decode final latents [B, ...] into images."""
 
 
+def branch_texts(prompts: list[str], negative_prompt: str | None) -> dict[str, list[str]]:
+    """The text of each CFG branch per prompt: ``positive`` always, ``negative`` when CFG is on."""
+    branches = {"positive": prompts}
+    if negative_prompt is not None:
+        branches["negative"] = [negative_prompt] * len(prompts)
+    return branches
+
+
 class PackedLatentAdapter(FamilyAdapter):
     """Families whose pipeline packs 2x2 latent patches into tokens and shifts linspace sigmas by the
     image token count (FluxPipeline, QwenImagePipeline)."""

@@ -14,6 +14,7 @@ from rollout_server.families.base import (
     Conditioning,
     FamilyDefaults,
     PackedLatentAdapter,
+    branch_texts,
 )
 
 MAX_SEQUENCE_LENGTH = 512
@@ -41,11 +42,8 @@ class FluxAdapter(PackedLatentAdapter):
     ) -> Conditioning:
         rows, cols = self._latent_grid(height, width)
         img_ids = self.pipe._prepare_latent_image_ids(1, rows, cols, self.device, self.dtype)
-        branches = {"positive": prompts}
-        if negative_prompt is not None:
-            branches["negative"] = [negative_prompt] * len(prompts)
         envs = {}
-        for branch, texts in branches.items():
+        for branch, texts in branch_texts(prompts, negative_prompt).items():
             unique = sorted(set(texts), key=texts.index)
             embeds, pooled, txt_ids = self.pipe.encode_prompt(
                 prompt=unique, prompt_2=None, device=self.device, max_sequence_length=MAX_SEQUENCE_LENGTH

@@ -16,6 +16,7 @@ from rollout_server.families.base import (
     Conditioning,
     FamilyDefaults,
     PackedLatentAdapter,
+    branch_texts,
 )
 
 MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
@@ -53,11 +54,8 @@ class QwenImageAdapter(PackedLatentAdapter):
             "attention_kwargs": {},
             "return_dict": False,
         }
-        branches = {"positive": prompts}
-        if negative_prompt is not None:
-            branches["negative"] = [negative_prompt] * len(prompts)
         envs = {}
-        for branch, texts in branches.items():
+        for branch, texts in branch_texts(prompts, negative_prompt).items():
             # One encode_prompt call per unique text: a batch would pad every prompt to the longest.
             encoded = {
                 text: self.pipe.encode_prompt(

@@ -16,6 +16,7 @@ from rollout_server.families.base import (
     Conditioning,
     FamilyAdapter,
     FamilyDefaults,
+    branch_texts,
     resolution_shift,
     set_up_schedule,
 )
@@ -67,11 +68,8 @@ class SD3Adapter(FamilyAdapter):
         self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, height: int, width: int
     ) -> Conditioning:
         # guidance_scale is SD3's CFG scale, applied by the engine when it combines the branches.
-        branches = {"positive": prompts}
-        if negative_prompt is not None:
-            branches["negative"] = [negative_prompt] * len(prompts)
         envs = {}
-        for branch, texts in branches.items():
+        for branch, texts in branch_texts(prompts, negative_prompt).items():
             unique = sorted(set(texts), key=texts.index)
             # The negative prompt goes through the prompt path too: without clip_skip it is the same
             # computation as the pipeline's negative branch, and it is encoded once instead of per prompt.

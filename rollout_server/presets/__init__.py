@@ -31,7 +31,7 @@ PRESETS: dict[str, Callable[[Path], None]] = {
     "tiny-qwen-image": functools.partial(build_qwen_image_preset, size="tiny"),
 }
 
-_BUILDER_SOURCES = ("flux.py", "sd3.py", "qwen_image.py", "tokenizers.py", "vae.py")
+_BUILDER_SOURCES = ("flux.py", "sd3.py", "qwen_image.py", "tokenizers.py", "components.py")
 _FINGERPRINTED_PACKAGES = ("diffusers", "transformers", "tokenizers", "sentencepiece", "torch")
 
 

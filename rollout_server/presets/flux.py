@@ -15,13 +15,11 @@ from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTokenizer,
-    T5Config,
-    T5EncoderModel,
     T5TokenizerFast,
 )
 
+from .components import kl_vae, t5_encoder
 from .tokenizers import write_clip_tokenizer, write_t5_tokenizer
-from .vae import kl_vae
 
 
 @dataclass(frozen=True)
@@ -149,20 +147,7 @@ def build_flux_preset(folder: Path, size: str) -> None:
     )
 
     torch.manual_seed(3)
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=cfg.t5_d_model,
-            d_kv=cfg.t5_d_model // cfg.t5_heads,
-            d_ff=int(2.5 * cfg.t5_d_model),  # t5-v1_1-xxl: 4096 -> 10240
-            num_layers=cfg.t5_layers,
-            num_heads=cfg.t5_heads,
-            feed_forward_proj="gated-gelu",
-            tie_word_embeddings=False,
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-        )
-    )
+    text_encoder_2 = t5_encoder(tokenizer_2, cfg)
 
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
