@@ -6,6 +6,9 @@ from rollout.v1 import rollout_pb2
 
 # Just below 4 MiB, so grpcurl and default gRPC clients (4 MiB receive limit) work unchanged.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024
+# Policy versions (an update's, a request's minimum) stay below 2^63: a version at the top of the
+# uint64 range would leave no room for the next update.
+MAX_POLICY_VERSION = 2**63 - 1
 
 
 @dataclass(frozen=True)

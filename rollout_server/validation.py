@@ -37,12 +37,34 @@ DEBUG_TENSORS = {
 MIN_NOISE_LEVEL = 1e-6
 
 
+# A rejection lists at most this many violations (the rest are counted): the list travels in the
+# status trailer, which gRPC caps at a few KiB, and in the server log.
+MAX_LISTED_VIOLATIONS = 20
+# Client strings quoted in messages and logs are cut to this many characters.
+MAX_QUOTED_CHARS = 120
+
+
+def quoted(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """A client-supplied string made safe for a log line or an error message: escaped (no newline or
+    control character survives, so it cannot forge a log line) and cut to ``limit`` characters."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 class InvalidRequest(Exception):
-    """One or more request fields are invalid: ``violations`` is a list of (field, description)."""
+    """One or more request fields are invalid: ``violations`` is a list of (field, description).
+
+    Only the first ``MAX_LISTED_VIOLATIONS`` are kept, followed by a count of the others."""
 
     def __init__(self, violations: list[tuple[str, str]]):
-        self.violations = violations
-        super().__init__("invalid request: " + "; ".join(f"{field}: {what}" for field, what in violations))
+        hidden = len(violations) - MAX_LISTED_VIOLATIONS
+        self.violations = list(violations[:MAX_LISTED_VIOLATIONS])
+        if hidden > 0:
+            self.violations.append(("...", f"and {hidden} more violations"))
+        super().__init__(
+            "invalid request: " + "; ".join(f"{field}: {what}" for field, what in self.violations)
+        )
 
 
 @dataclass(frozen=True)
