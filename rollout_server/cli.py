@@ -9,7 +9,7 @@ from pathlib import Path
 from rollout_server.families import UnsupportedModel
 from rollout_server.limits import Limits
 from rollout_server.parallel import ATTENTION_SPLITS, RankFailure, start
-from rollout_server.presets import resolve_model
+from rollout_server.presets import PRESETS, resolve_model
 from rollout_server.server import ServerOptions, follow, serve
 
 
@@ -18,7 +18,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     s = commands.add_parser("serve", help="serve rollouts over gRPC")
     s.add_argument(
-        "--model", default="tiny-flux", help="preset name (tiny-flux, small-flux) or a diffusers folder"
+        "--model", default="tiny-flux", help=f"preset name ({', '.join(PRESETS)}) or a diffusers folder"
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
@@ -29,7 +29,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--max-message-bytes", type=int, default=Limits.max_message_bytes)
     s.add_argument("--max-batch-size", type=int, default=Limits.max_batch_size, help="samples per forward")
     s.add_argument("--max-samples", type=int, default=Limits.max_samples, help="samples per request")
-    s.add_argument("--max-queued", type=int, default=Limits.max_queued_requests)
+    s.add_argument(
+        "--max-queued", type=int, default=Limits.max_queued_requests, help="rollouts queued or running"
+    )
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=Limits.max_waiting_requests,
+        help="requests waiting for their min_policy_version (they hold no rollout slot)",
+    )
+    s.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=Limits.stall_seconds,
+        help="end a stream (ABORTED) whose client has read nothing for this long, freeing its work",
+    )
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (per rank)")
     s.add_argument(
         "--sp", type=int, default=1, help="sequence-parallel ranks (processes) to run the model on"
@@ -62,7 +76,13 @@ def main(argv=None) -> None:
         max_batch_size=args.max_batch_size,
         max_message_bytes=args.max_message_bytes,
         max_queued_requests=args.max_queued,
+        max_waiting_requests=args.max_waiting,
+        stall_seconds=args.stall_seconds,
     )
+    try:
+        limits.check()
+    except ValueError as error:
+        sys.exit(f"rollout-server: {error}")
     if not 0 < args.collective_timeout <= 120:
         sys.exit("rollout-server: --collective-timeout must be in (0, 120] seconds")
     if args.weights_root is not None and not args.weights_root.is_dir():

@@ -31,7 +31,14 @@ from rollout_client.transformer_call import apply_guidance, call_transformer, st
 from rollout_server import weights
 from rollout_server.families.base import Conditioning, FamilyAdapter
 from rollout_server.parallel import HEARTBEAT, ROLLOUT, STOP, UPDATE, RankFailure, SequenceParallel
-from rollout_server.sampler import RolloutCancelled, SamplerHooks, SamplerPlan, sample, stochastic_steps
+from rollout_server.sampler import (
+    NonFiniteStep,
+    RolloutCancelled,
+    SamplerHooks,
+    SamplerPlan,
+    sample,
+    stochastic_steps,
+)
 from rollout_server.stream import LATENT_DTYPES, StreamEncoder, env_payload, latents_sent
 from rollout_server.validation import SAMPLER_NAMES, InvalidRequest
 
@@ -133,7 +140,7 @@ class RolloutEngine:
                     continue
                 try:
                     future.set_result(work())
-                except (RolloutCancelled, InvalidRequest, weights.StaleUpdate) as error:
+                except (RolloutCancelled, InvalidRequest, NonFiniteStep, weights.StaleUpdate) as error:
                     future.set_exception(error)  # every rank stopped at the same point
                 except BaseException as error:
                     if self.parallel.enabled and not isinstance(error, RankFailure):
@@ -189,8 +196,8 @@ class RolloutEngine:
                 request = rollout_pb2.RolloutRequest.FromString(payload)
                 try:
                     self.execute(request, lambda message: None, lambda: self.parallel.agree(False), 0.0)
-                except (RolloutCancelled, InvalidRequest):
-                    continue
+                except (RolloutCancelled, InvalidRequest, NonFiniteStep):
+                    continue  # rank 0 met the same (the gathered velocity is the same on every rank)
             elif command == UPDATE:
                 self._follow_update(payload)
 
@@ -230,6 +237,11 @@ class RolloutEngine:
     def release(self) -> None:
         with self._lock:
             self._admitted -= 1
+
+    @property
+    def in_flight(self) -> int:
+        """Rollouts admitted and not yet finished (queued or running)."""
+        return self._admitted
 
     def _micro_batches(self, prompt_indices: list[int], conditioning: Conditioning) -> list[tuple]:
         """(sample rows, batched env per branch) per transformer call. Samples are grouped by the

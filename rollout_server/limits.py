@@ -3,12 +3,19 @@
 from dataclasses import dataclass
 
 from rollout.v1 import rollout_pb2
+from rollout_client import steps
+from rollout_client.client import MAX_RECEIVE_BYTES
 
 # Just below 4 MiB, so grpcurl and default gRPC clients (4 MiB receive limit) work unchanged.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024
 # Policy versions (an update's, a request's minimum) stay below 2^63: a version at the top of the
 # uint64 range would leave no room for the next update.
 MAX_POLICY_VERSION = 2**63 - 1
+# Room in a started event for everything but its prompts and tensor bytes (schedule, layout, env
+# JSON, framing).
+_STARTED_EVENT_ALLOWANCE = 64 * 1024
+# Bytes a prompt character may take in UTF-8.
+_UTF8_MAX_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -20,8 +27,34 @@ class Limits:
     max_prompt_chars: int = 4096
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_queued_requests: int = 16
-    max_noise_level: float = 1.0
+    max_waiting_requests: int = 64
     max_request_id_chars: int = 128
+    stall_seconds: float = 60.0
+
+    @property
+    def min_message_bytes(self) -> int:
+        """The smallest message limit that fits a started event of the largest request: its resolved
+        request echoes every prompt and the negative prompt (payloads are chunked, this is not)."""
+        prompt_bytes = (self.max_samples + 1) * self.max_prompt_chars * _UTF8_MAX_BYTES
+        return prompt_bytes + _STARTED_EVENT_ALLOWANCE
+
+    def check(self) -> None:
+        """ValueError naming the option whose value leaves a server that cannot work."""
+        if not self.min_message_bytes <= self.max_message_bytes <= MAX_RECEIVE_BYTES:
+            raise ValueError(
+                f"--max-message-bytes must be in [{self.min_message_bytes}, {MAX_RECEIVE_BYTES}], got "
+                f"{self.max_message_bytes}: a started event of {self.max_samples} prompts of "
+                f"{self.max_prompt_chars} characters must fit, and clients receive at most the upper bound"
+            )
+        for option, value in (
+            ("--max-samples", self.max_samples),
+            ("--max-batch-size", self.max_batch_size),
+            ("--max-queued", self.max_queued_requests),
+            ("--max-waiting", self.max_waiting_requests),
+            ("--stall-seconds", self.stall_seconds),
+        ):
+            if not value > 0:
+                raise ValueError(f"{option} must be positive, got {value}")
 
     def to_proto(self, side_multiple: int) -> rollout_pb2.Limits:
         return rollout_pb2.Limits(
@@ -33,5 +66,8 @@ class Limits:
             max_prompt_chars=self.max_prompt_chars,
             max_message_bytes=self.max_message_bytes,
             max_queued_requests=self.max_queued_requests,
-            max_noise_level=self.max_noise_level,
+            max_noise_level=max(steps.MAX_NOISE_LEVELS.values()),
+            max_noise_levels=steps.MAX_NOISE_LEVELS,
+            max_waiting_requests=self.max_waiting_requests,
+            stall_seconds=self.stall_seconds,
         )

@@ -23,6 +23,21 @@ class RolloutCancelled(Exception):
     """The caller went away or its deadline expired; the rollout stops at the next step."""
 
 
+class NonFiniteStep(Exception):
+    """A step produced NaN or infinity (a broken policy, or a model that overflows in its dtype): the
+    rollout fails there instead of streaming numbers no trainer can use."""
+
+
+def check_finite(what: str, i: int, tensor: torch.Tensor) -> None:
+    """NonFiniteStep naming the step and the first sample whose ``tensor`` [B, ...] is not finite."""
+    if torch.isfinite(tensor).all():
+        return
+    bad_rows = (~torch.isfinite(tensor.flatten(1))).any(dim=1).nonzero().flatten().tolist()
+    raise NonFiniteStep(
+        f"step {i}: the {what} of sample {bad_rows[0]} is not finite ({len(bad_rows)} samples)"
+    )
+
+
 @dataclass(frozen=True)
 class SamplerPlan:
     """Everything the loop needs besides the model."""
@@ -93,6 +108,7 @@ def sample(
         if cancelled():
             raise RolloutCancelled(f"cancelled before step {i}")
         v = velocity(x, i)
+        check_finite("velocity", i, v)
         stochastic = plan.stochastic[i]
         kind = plan.sampler_type if stochastic else "ODE"
         mean = steps.transition_mean(kind, x, v, plan.sigmas, i, plan.noise_level)
@@ -106,6 +122,7 @@ def sample(
             log_probs = steps.log_prob(residual, sd, plan.log_prob_constants)
         else:
             x_next = _round(mean, plan.latent_dtype)
+        check_finite("next latent", i, x_next)
         hooks.on_step(StepRecord(i, stochastic, x_next, log_probs, sd, eps, mean, v))
         x = x_next
     return x

@@ -8,11 +8,12 @@ from importlib.metadata import version
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 import rollout_server
-from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout.v1 import rollout_pb2
 from rollout_server import families, presets
 from rollout_server.engine import DTYPE_NAMES, RolloutEngine
 from rollout_server.limits import Limits
@@ -21,7 +22,17 @@ from rollout_server.service import RolloutService
 from rollout_server.validation import SAMPLER_NAMES, ServingContext, defaults_proto
 
 log = logging.getLogger("rollout_server")
-SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
+SERVICE_NAME = SERVICE.full_name
+# How often a shutting-down server checks whether its rollouts have finished.
+_DRAIN_POLL_SECONDS = 0.05
+# The gRPC handler factory for each (client streaming, server streaming) method shape.
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,34 @@ def build_service(options: ServerOptions) -> RolloutService:
     return RolloutService(engine, serving, info, options.weights_root)
 
 
+def _parse_or_none(message_type):
+    """A request deserializer that gives the handler None for bytes that are not a ``message_type``,
+    so it can answer INVALID_ARGUMENT (gRPC itself would answer INTERNAL and log a traceback)."""
+
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError:
+            return None
+
+    return parse
+
+
+def add_rollout_service(service: RolloutService, server: grpc.aio.Server) -> None:
+    """Register ``service`` as the generated ``add_RolloutServiceServicer_to_server`` does, with
+    ``_parse_or_none`` as every method's request deserializer."""
+    handlers = {
+        method.name: _HANDLER_KINDS[method.client_streaming, method.server_streaming](
+            getattr(service, method.name),
+            request_deserializer=_parse_or_none(getattr(rollout_pb2, method.input_type.name)),
+            response_serializer=getattr(rollout_pb2, method.output_type.name).SerializeToString,
+        )
+        for method in SERVICE.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class RolloutServer:
     """A running gRPC server: ``await start()``, then ``await stop()`` (or wait for a signal)."""
 
@@ -107,7 +146,7 @@ class RolloutServer:
         self.server = grpc.aio.server(
             options=[("grpc.max_send_message_length", max_message), ("grpc.so_reuseport", 0)]
         )
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(service, self.server)
+        add_rollout_service(service, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -137,11 +176,17 @@ class RolloutServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self) -> None:
-        """Health goes NOT_SERVING, new rollouts get UNAVAILABLE, running ones get the grace period."""
-        self.service.shutting_down = True
+        """Drain, then close: health goes NOT_SERVING and new calls get UNAVAILABLE "shutting down"
+        while the running rollouts get the grace period; then the listener closes, cancelling what
+        is left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace_seconds
+        self.service.begin_shutdown()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.stop(self.grace_seconds)
+        while self.service.engine.in_flight and loop.time() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_SECONDS)
+        await self.server.stop(max(deadline - loop.time(), 0.0))
         await asyncio.to_thread(self.service.engine.close)  # the loop must keep running meanwhile
 
     async def serve_until_stopped(self) -> int:

@@ -4,7 +4,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
@@ -16,19 +17,40 @@ from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server import weights
 from rollout_server.engine import Overloaded, RolloutEngine
 from rollout_server.parallel import RankFailure
-from rollout_server.sampler import RolloutCancelled
-from rollout_server.validation import InvalidRequest, ServingContext, resolve
+from rollout_server.sampler import NonFiniteStep, RolloutCancelled
+from rollout_server.validation import InvalidRequest, ServingContext, quoted, resolve
 
 log = logging.getLogger("rollout_server.service")
 # Messages buffered between the worker and the network before the worker waits for the client.
 STREAM_BUFFER = 8
 _POLL_SECONDS = 0.25
+_END_OF_STREAM = object()
+# What a handler receives in place of a request whose bytes do not parse (see server.py).
+NOT_A_PROTOBUF = "the message is not a valid protobuf of the method's request type"
 # How a weight update's expected failures reach the caller (InvalidRequest: INVALID_ARGUMENT with
 # BadRequest details); anything else is INTERNAL.
 UPDATE_FAILURES = (
     (weights.StaleUpdate, grpc.StatusCode.FAILED_PRECONDITION),
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (RankFailure, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+class StreamStalled(Exception):
+    """The client read nothing for the server's stall limit."""
+
+
+class CallerLeft(Exception):
+    """A message could not be written: the caller cancelled or disconnected."""
+
+
+# How a rollout's failures reach the caller (InvalidRequest: INVALID_ARGUMENT with BadRequest
+# details); anything else is INTERNAL, with the traceback in the log.
+ROLLOUT_FAILURES = (
+    (RolloutCancelled, grpc.StatusCode.CANCELLED),
+    (StreamStalled, grpc.StatusCode.ABORTED),
+    (NonFiniteStep, grpc.StatusCode.INTERNAL),
     (RankFailure, grpc.StatusCode.UNAVAILABLE),
 )
 
@@ -43,6 +65,14 @@ def bad_request_status(error: InvalidRequest) -> status_pb2.Status:
     packed = any_pb2.Any()
     packed.Pack(details)
     return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(error), details=[packed])
+
+
+async def _parsed(messages: AsyncIterator) -> AsyncIterator:
+    """A client stream's messages; InvalidRequest at the first one that did not parse."""
+    async for message in messages:
+        if message is None:
+            raise InvalidRequest([("request", NOT_A_PROTOBUF)])
+        yield message
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
@@ -60,8 +90,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         self.shutting_down = False
         # Set, and replaced by a fresh one, whenever a weight update job ends (see _wait_for_policy).
         self._policy_changed = asyncio.Event()
+        self._waiting = 0  # requests waiting for their min_policy_version
 
     async def GetServerInfo(self, request, context):
+        if request is None:
+            await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
         info = rollout_pb2.GetServerInfoResponse()
         info.CopyFrom(self.server_info)
         lora_adapter = self.engine.lora_adapter
@@ -75,13 +108,15 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if self.shutting_down:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         max_bytes = self.server_info.limits.max_update_bytes
-        received = weights.receive(request_iterator, lambda: self.engine.policy_version, max_bytes)
+        received = weights.receive(_parsed(request_iterator), lambda: self.engine.policy_version, max_bytes)
         update = await self._updating(context, received)
         await self._updating(context, self._apply(update))
         return rollout_pb2.UpdateWeightsResponse(**self._applied(update, started_at))
 
     async def LoadWeights(self, request, context):
         started_at = time.perf_counter()
+        if request is None:
+            await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
         if self.shutting_down:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if self.weights_root is None:
@@ -108,13 +143,37 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         self._policy_changed.set()
         self._policy_changed = asyncio.Event()
 
-    async def _wait_for_policy(self, version: int) -> None:
-        """Return once the engine runs ``version`` or later; the call's deadline cancels the wait."""
-        while True:
-            changed = self._policy_changed  # taken before the check, so no update is missed
-            if self.engine.policy_version >= version:
-                return
-            await changed.wait()
+    def begin_shutdown(self) -> None:
+        """Refuse new calls from now on, and end the ones waiting for a policy version."""
+        self.shutting_down = True
+        self._policy_advanced()
+
+    async def _wait_for_policy(self, context, resolved: rollout_pb2.RolloutRequest) -> None:
+        """Return once the engine runs ``resolved.min_policy_version`` or later. Waiting requests hold
+        no rollout slot: they have a bounded list of their own. The call's deadline bounds the wait."""
+        version = resolved.min_policy_version
+        if self.engine.policy_version >= version:
+            return
+        limit = self.serving.limits.max_waiting_requests
+        if self._waiting >= limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._waiting} requests already wait for a policy version (limit {limit})",
+            )
+        self._waiting += 1
+        try:
+            while True:
+                changed = self._policy_changed  # taken before the check, so no update is missed
+                if self.engine.policy_version >= version:
+                    return
+                if self.shutting_down:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+                await changed.wait()
+        except asyncio.CancelledError:  # the deadline passed, or the caller left
+            log.info("rollout id=%s gave up waiting for policy version %d", resolved.request_id, version)
+            raise
+        finally:
+            self._waiting -= 1
 
     @staticmethod
     def _applied(update: weights.WeightUpdate, started_at: float) -> dict:
@@ -148,11 +207,14 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     async def Rollout(self, request, context):
         if self.shutting_down:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if request is None:
+            await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
         try:
             resolved = resolve(request, self.serving)
         except InvalidRequest as error:
-            log.info("rejected request id=%s: %s", request.request_id or "-", error)
-            await context.abort_with_status(rpc_status.to_status(bad_request_status(error)))
+            await self._reject(context, quoted(request.request_id or "-"), error)
+        if resolved.HasField("min_policy_version"):
+            await self._wait_for_policy(context, resolved)
         try:
             self.engine.admit()
         except Overloaded as error:
@@ -160,85 +222,86 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
 
         request_id = resolved.request_id
         admitted_at = time.perf_counter()
-        if resolved.HasField("min_policy_version"):
-            try:
-                await self._wait_for_policy(resolved.min_policy_version)
-            except asyncio.CancelledError:  # the deadline passed, or the caller left
-                self.engine.release()
-                log.info(
-                    "rollout id=%s gave up waiting for policy version %d",
-                    request_id,
-                    resolved.min_policy_version,
-                )
-                raise
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_BUFFER)
+        # The worker hands messages over through an unbounded queue, but holds at most STREAM_BUFFER
+        # of them there at once (credits): a slow reader slows the worker instead of growing memory.
+        queue: asyncio.Queue = asyncio.Queue()
+        credits = threading.Semaphore(STREAM_BUFFER)
         cancel = threading.Event()
 
         def emit(message: rollout_pb2.RolloutResponse) -> None:
             """Hand a message to the stream; once the caller is gone, drop it (the sampler stops at
             its next step, on every rank at once)."""
-            future = asyncio.run_coroutine_threadsafe(queue.put(message), loop)
-            while True:
-                try:
-                    return future.result(timeout=_POLL_SECONDS)
-                except TimeoutError:
-                    if cancel.is_set():
-                        future.cancel()
-                        return
+            while not credits.acquire(timeout=_POLL_SECONDS):
+                if cancel.is_set():
+                    return
+            loop.call_soon_threadsafe(queue.put_nowait, message)
 
-        work = asyncio.wrap_future(self.engine.submit(resolved, emit, cancel.is_set, admitted_at))
+        def finished(work: Future) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, _END_OF_STREAM)
+            loop.call_soon_threadsafe(self.engine.release)
+            # Once the caller has gone, nobody looks at the outcome: a failure other than the expected
+            # RolloutCancelled is logged here.
+            error = work.exception()
+            if cancel.is_set() and error is not None and not isinstance(error, RolloutCancelled):
+                log.error("rollout %s failed after its caller left", request_id, exc_info=error)
 
-        def finished(future: asyncio.Future) -> None:
-            self.engine.release()
-            # Once the caller has gone, nobody awaits the work: retrieve its outcome here, so that the
-            # expected RolloutCancelled is not logged as "Future exception was never retrieved".
-            if cancel.is_set() and not future.cancelled():
-                error = future.exception()
-                if error is not None and not isinstance(error, RolloutCancelled):
-                    log.error("rollout %s failed after its caller left", request_id, exc_info=error)
-
+        work = self.engine.submit(resolved, emit, cancel.is_set, admitted_at)
         work.add_done_callback(finished)
-        samples, steps = len(resolved.seeds), resolved.num_steps
-        outcome = "OK"
+        outcome, failure = "OK", None
         try:
-            while True:
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({getter, work}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    yield getter.result()
-                    continue
-                getter.cancel()
-                while not queue.empty():
-                    yield queue.get_nowait()
-                work.result()
-                break
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "CANCELLED"
-            cancel.set()
+            while (message := await queue.get()) is not _END_OF_STREAM:
+                await self._write(context, message)
+                credits.release()
+            work.result()
+        except (asyncio.CancelledError, CallerLeft):
+            outcome = "CANCELLED"  # the caller left or its deadline passed
             raise
-        except RolloutCancelled:
-            outcome = "CANCELLED"
-        except InvalidRequest as error:  # found once the prompts are encoded, e.g. an unsplittable length
-            outcome = "INVALID_ARGUMENT"
-            await context.abort_with_status(rpc_status.to_status(bad_request_status(error)))
-        except RankFailure as error:
-            outcome = "UNAVAILABLE"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {request_id}: {error}")
-        except Exception as error:  # noqa: BLE001 - every unexpected failure becomes INTERNAL with the id
-            outcome = "INTERNAL"
-            log.exception("rollout %s failed", request_id)
-            await context.abort(
-                grpc.StatusCode.INTERNAL,
-                f"request {request_id}: internal error: {type(error).__name__}: {error}",
-            )
+        except Exception as error:  # noqa: BLE001 - each failure becomes the call's status
+            outcome, failure = self._rollout_failure(request_id, error)
         finally:
             cancel.set()
             log.info(
                 "rollout id=%s samples=%d steps=%d seconds=%.3f status=%s",
                 request_id,
-                samples,
-                steps,
+                len(resolved.seeds),
+                resolved.num_steps,
                 time.perf_counter() - admitted_at,
                 outcome,
             )
+        if failure is not None:
+            # For a stalled stream the status goes out once the client reads what is already sent.
+            await context.abort_with_status(failure)
+
+    async def _write(self, context, message: rollout_pb2.RolloutResponse) -> None:
+        """Send one message: StreamStalled if the client does not take it within the stall limit,
+        CallerLeft if the call ended meanwhile."""
+        stall_seconds = self.serving.limits.stall_seconds
+        try:
+            await asyncio.wait_for(context.write(message), stall_seconds)
+        except TimeoutError:
+            raise StreamStalled(
+                f"the client read nothing for {stall_seconds:g} s (the server's --stall-seconds), so "
+                "the rollout was stopped"
+            ) from None
+        except Exception as error:  # noqa: BLE001 - gRPC fails a write only once the call is over
+            raise CallerLeft(f"the call ended: {error}") from error
+
+    @staticmethod
+    def _rollout_failure(request_id: str, error: Exception) -> tuple[str, grpc.Status]:
+        """(outcome for the log, the call's status) for a rollout that failed with ``error``."""
+        # InvalidRequest here was found once the prompts were encoded, e.g. an unsplittable length.
+        if isinstance(error, InvalidRequest):
+            return "INVALID_ARGUMENT", rpc_status.to_status(bad_request_status(error))
+        code = next((code for kind, code in ROLLOUT_FAILURES if isinstance(error, kind)), None)
+        if code is None:
+            log.error("rollout %s failed", request_id, exc_info=error)
+            code, error = grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+        else:
+            log.info("rollout %s ended: %s", request_id, error)
+        status = status_pb2.Status(code=code.value[0], message=f"request {request_id}: {error}")
+        return code.name, rpc_status.to_status(status)
+
+    async def _reject(self, context, request_id: str, error: InvalidRequest) -> None:
+        log.info("rejected request id=%s: %s", request_id, error)
+        await context.abort_with_status(rpc_status.to_status(bad_request_status(error)))

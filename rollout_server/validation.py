@@ -13,7 +13,7 @@ from rollout.v1 import rollout_pb2
 from rollout_client import noise, steps
 from rollout_client.trajectory import SAMPLER_NAMES
 from rollout_server.families.base import FamilyDefaults
-from rollout_server.limits import Limits
+from rollout_server.limits import MAX_POLICY_VERSION, Limits
 
 LATENT_SELECTIONS = {
     rollout_pb2.LATENT_SELECTION_ALL,
@@ -114,35 +114,39 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         bad.append(("request_id", f"must be printable and at most {limits.max_request_id_chars} characters"))
     resolved.request_id = request_id
 
-    if not request.prompts:
-        bad.append(("prompts", "at least one prompt is required"))
-    for i, prompt in enumerate(request.prompts):
-        if not prompt.strip():
-            bad.append((f"prompts[{i}]", "must not be empty"))
-        elif len(prompt) > limits.max_prompt_chars:
-            bad.append((f"prompts[{i}]", f"longer than {limits.max_prompt_chars} characters ({len(prompt)})"))
-
     group = resolved.samples_per_prompt
     total = group * len(request.prompts)
-    if len(request.prompts) > limits.max_samples:
+    # Counts are checked before any per-item check: a million prompts must cost no more than one.
+    too_many_prompts = len(request.prompts) > limits.max_samples
+    if not request.prompts:
+        bad.append(("prompts", "at least one prompt is required"))
+    elif too_many_prompts:
         bad.append(("prompts", f"{len(request.prompts)} prompts exceed {limits.max_samples} samples"))
-    elif group < 1:
-        bad.append(("samples_per_prompt", "must be at least 1"))
-    elif total > limits.max_samples:
-        bad.append(
-            ("samples_per_prompt", f"prompts x samples_per_prompt = {total} exceeds {limits.max_samples}")
-        )
+    else:
+        for i, prompt in enumerate(request.prompts):
+            if not prompt.strip():
+                bad.append((f"prompts[{i}]", "must not be empty"))
+            elif len(prompt) > limits.max_prompt_chars:
+                bad.append(
+                    (f"prompts[{i}]", f"longer than {limits.max_prompt_chars} characters ({len(prompt)})")
+                )
+        if group < 1:
+            bad.append(("samples_per_prompt", "must be at least 1"))
+        elif total > limits.max_samples:
+            bad.append(
+                ("samples_per_prompt", f"prompts x samples_per_prompt = {total} exceeds {limits.max_samples}")
+            )
 
     if request.seeds:
-        # Both are accepted only when they agree, so a started event's resolved request can be resent.
-        if request.HasField("base_seed") and list(request.seeds) != noise.derive_seeds(
-            request.base_seed, len(request.seeds)
-        ):
-            bad.append(("base_seed", "seeds are not the ones base_seed derives; give one or the other"))
         if len(request.seeds) != total:
             bad.append(("seeds", f"expected {total} seeds (one per sample), got {len(request.seeds)}"))
         elif len(set(request.seeds)) != len(request.seeds):
             bad.append(("seeds", "seeds must be distinct: equal seeds draw identical noise"))
+        # Both are accepted only when they agree, so a started event's resolved request can be resent.
+        elif request.HasField("base_seed") and list(request.seeds) != noise.derive_seeds(
+            request.base_seed, len(request.seeds)
+        ):
+            bad.append(("base_seed", "seeds are not the ones base_seed derives; give one or the other"))
         resolved.seeds.extend(request.seeds)
     else:
         if not request.HasField("base_seed"):
@@ -174,8 +178,15 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         resolved.sampler = rollout_pb2.SAMPLER_TYPE_FLOW_SDE
     elif request.sampler not in SAMPLER_NAMES:
         bad.append(("sampler", f"unknown sampler type {request.sampler}"))
-    if not _finite_in(resolved.noise_level, 0.0, limits.max_noise_level):
-        bad.append(("noise_level", f"must be in [0, {limits.max_noise_level}], got {resolved.noise_level}"))
+    sampler_name = SAMPLER_NAMES.get(resolved.sampler, "ODE")
+    max_noise_level = steps.MAX_NOISE_LEVELS[sampler_name]
+    if not _finite_in(resolved.noise_level, 0.0, max_noise_level):
+        bad.append(
+            (
+                "noise_level",
+                f"must be in [0, {max_noise_level}] for {sampler_name}, got {resolved.noise_level}",
+            )
+        )
     elif 0.0 < resolved.noise_level < MIN_NOISE_LEVEL:
         bad.append(("noise_level", f"must be 0 or at least {MIN_NOISE_LEVEL}, got {resolved.noise_level}"))
 
@@ -189,9 +200,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
             bad.append(("stochastic_steps", "indices must be strictly increasing"))
         resolved.stochastic_steps.extend(chosen)
     if not request.HasField("log_prob_constants"):
-        resolved.log_prob_constants = steps.DEFAULT_LOG_PROB_CONSTANTS[
-            SAMPLER_NAMES.get(resolved.sampler, "ODE")
-        ]
+        resolved.log_prob_constants = steps.DEFAULT_LOG_PROB_CONSTANTS[sampler_name]
 
     if request.latents == rollout_pb2.LATENT_SELECTION_UNSPECIFIED:
         resolved.latents = rollout_pb2.LATENT_SELECTION_ALL
@@ -201,6 +210,11 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         resolved.latent_dtype = rollout_pb2.TENSOR_DTYPE_FLOAT32
     elif request.latent_dtype not in LATENT_DTYPES:
         bad.append(("latent_dtype", f"unknown tensor dtype {request.latent_dtype}"))
+
+    if request.HasField("min_policy_version") and request.min_policy_version > MAX_POLICY_VERSION:
+        bad.append(
+            ("min_policy_version", f"must be at most {MAX_POLICY_VERSION} (policy versions stay below 2^63)")
+        )
 
     debug = list(request.debug_tensors)
     if any(d not in DEBUG_TENSORS for d in debug):

@@ -1,4 +1,7 @@
-"""Malformed requests: INVALID_ARGUMENT with google.rpc.BadRequest details naming the field (DESIGN §6)."""
+"""Malformed requests: INVALID_ARGUMENT with google.rpc.BadRequest details naming the field.
+
+Hostile requests too: huge violation lists stay small, client strings never reach the log raw, and
+bytes that are not a protobuf are INVALID_ARGUMENT, not INTERNAL. The server keeps serving."""
 
 import math
 
@@ -46,7 +49,9 @@ MALFORMED = [
     ("unknown-sampler", {"sampler": 99}, "sampler"),
     ("negative-noise", {"noise_level": -0.1}, "noise_level"),
     ("infinite-noise", {"noise_level": math.inf}, "noise_level"),
-    ("noise-above-max", {"noise_level": 1.5}, "noise_level"),
+    ("noise-above-max", {"noise_level": 3.5}, "noise_level"),
+    ("cps-noise-above-one", {"sampler": rollout_pb2.SAMPLER_TYPE_CPS, "noise_level": 1.2}, "noise_level"),
+    ("min-policy-version-at-uint64-max", {"min_policy_version": 2**64 - 1}, "min_policy_version"),
     ("noise-underflows", {"noise_level": 1e-30}, "noise_level"),
     ("stochastic-step-out-of-range", {"stochastic_steps": [2]}, "stochastic_steps"),
     ("stochastic-steps-decreasing", {"stochastic_steps": [1, 0]}, "stochastic_steps"),
@@ -111,3 +116,62 @@ def test_server_still_serves_after_malformed_requests(client):
     assert [trajectory.sample_index for trajectory in trajectories] == [0, 1]
     for trajectory in trajectories:
         assert trajectory.latent_mask.all() and trajectory.log_probs.isfinite().all()
+
+
+def test_huge_requests_get_a_short_answer(stub, server):
+    """A million empty prompts are counted before they are checked: one violation, answered at once;
+    64 empty prompts list the first 20 and count the rest, so the status fits gRPC's trailer."""
+    violations = rejection(stub, make_request(prompts=[""] * 1_000_000))
+    assert [(v.field, v.description) for v in violations] == [
+        ("prompts", "1000000 prompts exceed 64 samples")
+    ]
+
+    violations = rejection(stub, make_request(prompts=[""] * 64))
+    assert [v.field for v in violations] == [f"prompts[{i}]" for i in range(20)] + ["..."]
+    assert violations[-1].description == "and 44 more violations"
+    assert max(map(len, server.log().splitlines())) < 4000
+
+
+def test_client_strings_reach_the_log_escaped_and_cut(stub, server):
+    """A rejected request's id is logged escaped (no forged log line) and cut (no 1 MB line)."""
+    rejection(stub, make_request(request_id="abc\nINJECTED fake log line", prompts=[""]))
+    rejection(stub, make_request(request_id="x" * 1_000_000, prompts=[""]))
+    lines = server.log().splitlines()
+    assert not any(line.startswith("INJECTED") for line in lines)
+    assert any("'abc\\nINJECTED fake log line'" in line for line in lines)
+    assert max(map(len, lines)) < 4000
+
+
+@pytest.mark.parametrize("method", ["Rollout", "GetServerInfo", "LoadWeights", "UpdateWeights"])
+def test_bytes_that_are_not_a_protobuf(server, method):
+    """Garbage bytes as a request are INVALID_ARGUMENT naming the request, with no traceback."""
+    path = f"/rollout.v1.RolloutService/{method}"
+    garbage = b"\xff\xff\xff\xff"
+    with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as raised:
+        if method == "Rollout":
+            list(channel.unary_stream(path)(garbage, timeout=60))
+        elif method == "UpdateWeights":
+            channel.stream_unary(path)(iter([garbage]), timeout=60)
+        else:
+            channel.unary_unary(path)(garbage, timeout=60)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+    assert "request: the message is not a valid protobuf" in raised.value.details()
+    assert "Traceback" not in server.log()
+
+
+@pytest.mark.parametrize(
+    "sampler, noise_level",
+    [
+        (rollout_pb2.SAMPLER_TYPE_FLOW_SDE, 1.2),
+        (rollout_pb2.SAMPLER_TYPE_DANCE, 3.0),
+        (rollout_pb2.SAMPLER_TYPE_CPS, 1.0),
+    ],
+)
+def test_noise_level_bound_is_per_sampler(client, sampler, noise_level):
+    """FlowGRPO's larger SDE noise levels are accepted (CPS stays at most 1, see MALFORMED)."""
+    info = client.server_info()
+    assert dict(info.limits.max_noise_levels) == {"FLOW_SDE": 3.0, "DANCE": 3.0, "CPS": 1.0, "ODE": 3.0}
+    (trajectory,) = client.rollout(
+        make_request(sampler=sampler, noise_level=noise_level, manifest_only=False)
+    )
+    assert trajectory.log_probs[trajectory.stochastic].isfinite().all()

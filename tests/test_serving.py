@@ -9,6 +9,8 @@ of hanging the suite.
 
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -19,6 +21,7 @@ from conftest import start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_server.presets import PRESETS
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 WAIT_SECONDS = 30.0
@@ -196,19 +199,112 @@ def test_graceful_shutdown_on_sigterm(launch):
         while (status := health_status(channel)) == SERVING:
             assert time.monotonic() < signalled_at + WAIT_SECONDS, "health still SERVING after SIGTERM"
             time.sleep(0.05)
-        # A check that is in flight when the server stops accepting calls is cancelled by gRPC.
-        going_away = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING or status in going_away
-
+        # During the grace period the server still answers: connected clients see it going away.
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as raised:
             run_small_rollout(stub)
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in raised.value.details()
+        going_away = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
         assert server.process.wait(timeout=WAIT_SECONDS) == 0
         assert time.monotonic() - signalled_at >= 1.9  # the grace period was honoured
         assert drain(running) in going_away
     assert "shutting down (grace 2 s)" in server.log()
     assert logged_status(server, request_id) == "CANCELLED"
+
+
+def test_stalled_reader_is_ended_and_frees_the_worker(launch):
+    """A client with no deadline that stops reading holds its rollout only for --stall-seconds: then
+    its stream ends with ABORTED and the worker moves on, so a rollout queued behind it (30 s
+    deadline) completes."""
+    server = launch("--stall-seconds", "2")
+    with holding_channel(server.address) as held, grpc.insecure_channel(server.address) as other:
+        stalled_id = unique_id("stalled")
+        stalled = rollout_pb2_grpc.RolloutServiceStub(held).Rollout(long_request(stalled_id))
+        assert next(stalled).WhichOneof("event") == "started"  # then never read again meanwhile
+
+        victim = rollout_pb2_grpc.RolloutServiceStub(other)
+        assert run_small_rollout(victim)[-1] == "finished"
+        assert logged_status(server, stalled_id) == "ABORTED"
+        with pytest.raises(grpc.RpcError) as raised:
+            for _ in stalled:
+                pass
+        assert raised.value.code() == grpc.StatusCode.ABORTED
+        assert "--stall-seconds" in raised.value.details()
+        assert_serves(victim)
+        assert health_status(other) == SERVING
+    assert "Traceback" not in server.log()
+
+
+def test_requests_waiting_for_a_policy_version_hold_no_rollout_slot(launch):
+    """Requests waiting for a future policy version wait in a list of their own: with one rollout
+    slot and two waiters, rollouts still run; a third waiter is refused at once; a version beyond
+    2^63 - 1 is refused as invalid."""
+    server = launch("--max-queued", "1", "--max-waiting", "2")
+    with grpc.insecure_channel(server.address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        info = stub.GetServerInfo(rollout_pb2.GetServerInfoRequest(), timeout=WAIT_SECONDS)
+        assert info.limits.max_waiting_requests == 2
+        future = info.policy_version + 5
+        waiting = rollout_pb2.RolloutRequest(
+            prompts=["a blue bird"], height=64, width=64, num_steps=2, min_policy_version=future
+        )
+        waiters = [stub.Rollout(waiting, timeout=WAIT_SECONDS) for _ in range(2)]
+        deadline = time.monotonic() + WAIT_SECONDS
+        while True:  # until both are in the wait list, a third one is admitted to it
+            try:
+                with pytest.raises(grpc.RpcError) as raised:
+                    next(stub.Rollout(waiting, timeout=1))
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, raised.value.details()
+        assert "wait for a policy version (limit 2)" in raised.value.details()
+
+        assert_serves(stub)  # the one rollout slot is free
+        for waiter in waiters:
+            waiter.cancel()
+
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stub.Rollout(rollout_pb2.RolloutRequest(prompts=["x"], min_policy_version=2**64 - 1)))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "min_policy_version" in raised.value.details()
+        assert_serves(stub)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--max-message-bytes", "100000"), "--max-message-bytes must be in"),
+        (("--max-message-bytes", str(2**30)), "--max-message-bytes must be in"),
+        (("--stall-seconds", "0"), "--stall-seconds must be positive"),
+    ],
+)
+def test_unworkable_limits_are_startup_errors(flags, message):
+    """A limit that leaves a server unable to stream is refused at start-up, in one line."""
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout_server", "serve", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_is_quiet_and_lists_every_preset():
+    """``serve --help`` shows our own text only, with the presets from the preset table."""
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout_server", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0
+    assert result.stderr == ""
+    assert result.stdout.startswith("usage: rollout-server serve")
+    squeezed = "".join(result.stdout.split())  # argparse wraps lines, even inside a preset name
+    assert f"presetname({','.join(PRESETS)})" in squeezed
+    assert len(PRESETS) == 4
 
 
 def test_sigint_stops_the_server(launch):

@@ -34,6 +34,10 @@ import torch
 SAMPLER_TYPES = ("FLOW_SDE", "DANCE", "CPS", "ODE")
 # FlowGRPO's conventions: the SDE samplers score the full Gaussian density, CPS drops the constants.
 DEFAULT_LOG_PROB_CONSTANTS = {"FLOW_SDE": True, "DANCE": True, "CPS": False, "ODE": False}
+# The largest noise level each sampler takes. CPS: sd = s' sin(a pi / 2) must stay <= s', and past
+# a = 1 the sine falls again. The SDE samplers take FlowGRPO's larger settings (1.2 for Qwen-Image,
+# up to 1.5 for editing models) with room to spare; ODE ignores the level.
+MAX_NOISE_LEVELS = {"FLOW_SDE": 3.0, "DANCE": 3.0, "CPS": 1.0, "ODE": 3.0}
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 
 

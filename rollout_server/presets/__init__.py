@@ -8,27 +8,27 @@ yields a fresh folder instead of silently reusing a stale one.
 import dataclasses
 import functools
 import hashlib
+import importlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rollout_server.families.base import FamilyDefaults
-
-from .flux import build_flux_preset
-from .qwen_image import build_qwen_image_preset
-from .sd3 import build_sd3_preset
+if TYPE_CHECKING:
+    from rollout_server.families.base import FamilyDefaults
 
 logger = logging.getLogger(__name__)
 
-PRESETS: dict[str, Callable[[Path], None]] = {
-    "tiny-flux": functools.partial(build_flux_preset, size="tiny"),
-    "small-flux": functools.partial(build_flux_preset, size="small"),
-    "tiny-sd3": functools.partial(build_sd3_preset, size="tiny"),
-    "tiny-qwen-image": functools.partial(build_qwen_image_preset, size="tiny"),
+# name -> (builder module in this package, its build function, size). Builders are imported only to
+# build, so listing the presets (e.g. in --help) loads no model library.
+PRESETS: dict[str, tuple[str, str, str]] = {
+    "tiny-flux": ("flux", "build_flux_preset", "tiny"),
+    "small-flux": ("flux", "build_flux_preset", "small"),
+    "tiny-sd3": ("sd3", "build_sd3_preset", "tiny"),
+    "tiny-qwen-image": ("qwen_image", "build_qwen_image_preset", "tiny"),
 }
 
 _BUILDER_SOURCES = ("flux.py", "sd3.py", "qwen_image.py", "tokenizers.py", "components.py")
@@ -84,7 +84,8 @@ def _build_preset_once(name: str, cache_dir: Path) -> Path:
     logger.info("Building model preset %r into %s", name, target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=models_dir))
     try:
-        PRESETS[name](staging)
+        module, builder, size = PRESETS[name]
+        getattr(importlib.import_module(f".{module}", __package__), builder)(staging, size=size)
         staging.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
         try:
             os.rename(staging, target)
@@ -105,6 +106,6 @@ PRESET_DEFAULTS: dict[str, dict[str, int]] = {
 }
 
 
-def defaults_for(name_or_path: str, family_defaults: FamilyDefaults) -> FamilyDefaults:
+def defaults_for(name_or_path: str, family_defaults: "FamilyDefaults") -> "FamilyDefaults":
     """The family's usual defaults, with a preset's own overrides."""
     return dataclasses.replace(family_defaults, **PRESET_DEFAULTS.get(name_or_path, {}))
