@@ -30,6 +30,7 @@ from rollout_client import noise
 from rollout_client.transformer_call import apply_guidance, call_transformer, stack_envs
 from rollout_server import weights
 from rollout_server.families.base import Conditioning, FamilyAdapter
+from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import HEARTBEAT, ROLLOUT, STOP, UPDATE, RankFailure, SequenceParallel
 from rollout_server.sampler import RolloutCancelled, SamplerHooks, SamplerPlan, sample, stochastic_steps
 from rollout_server.stream import LATENT_DTYPES, StreamEncoder, env_payload, latents_sent
@@ -88,6 +89,8 @@ class RolloutEngine:
         else:
             self.adapter = load_adapter()
         self.weight_spec = weights.TransformerSpec.of(self.adapter.transformer, self.parallel.enabled)
+        self.metrics = ServerMetrics()
+        self.metrics.watch(self)
 
     def submit(self, request, emit: Callable, cancelled: Callable[[], bool], admitted_at: float) -> Future:
         """Queue a resolved request for the worker; the future ends when its stream has been emitted."""
@@ -102,6 +105,16 @@ class RolloutEngine:
         future: Future = Future()
         self._jobs.put((future, work))
         return future
+
+    @property
+    def admitted(self) -> int:
+        """Rollouts admitted and not yet finished."""
+        return self._admitted
+
+    @property
+    def queued_jobs(self) -> int:
+        """Rollouts and weight updates waiting for the worker."""
+        return self._jobs.qsize()
 
     def close(self) -> None:
         """Stop the worker after the queued rollouts, and release the other ranks."""
@@ -268,6 +281,7 @@ class RolloutEngine:
             t = timesteps[i].item()
             v = torch.empty_like(x)
             for rows, envs in batches:
+                self.metrics.forwards(len(rows), len(envs))
                 per_branch = {
                     branch: call_transformer(
                         adapter.transformer, x[rows], t, env, adapter.dtype, adapter.timestep_divisor
@@ -370,10 +384,10 @@ class RolloutEngine:
             started=prepared.started,
             env_tensors=prepared.env_tensors,
             sent=latents_sent(request.latents, prepared.plan.stochastic),
-            emit=emit,
+            emit=self.metrics.counting(emit),
             max_message_bytes=self.max_message_bytes,
         )
-        final = sample(prepared.plan, prepared.velocity, encoder, cancelled)
+        final = sample(prepared.plan, prepared.velocity, self.metrics.timing(encoder), cancelled)
         denoised_at = time.perf_counter()
 
         if request.images:

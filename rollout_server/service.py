@@ -73,6 +73,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     async def UpdateWeights(self, request_iterator, context):
         started_at = time.perf_counter()
         if self.shutting_down:
+            self.engine.metrics.reject("shutting_down")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         max_bytes = self.server_info.limits.max_update_bytes
         received = weights.receive(request_iterator, lambda: self.engine.policy_version, max_bytes)
@@ -83,6 +84,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     async def LoadWeights(self, request, context):
         started_at = time.perf_counter()
         if self.shutting_down:
+            self.engine.metrics.reject("shutting_down")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if self.weights_root is None:
             await context.abort(
@@ -116,10 +118,10 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 return
             await changed.wait()
 
-    @staticmethod
-    def _applied(update: weights.WeightUpdate, started_at: float) -> dict:
+    def _applied(self, update: weights.WeightUpdate, started_at: float) -> dict:
         """The fields UpdateWeightsResponse and LoadWeightsResponse share."""
         seconds = time.perf_counter() - started_at
+        self.engine.metrics.weight_update(update.nbytes, seconds)
         log.info("weights %s: %d bytes in %.3f s, status=OK", update.describe(), update.nbytes, seconds)
         return {
             "policy_version": update.policy_version,
@@ -134,6 +136,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             return await stage
         except InvalidRequest as error:
             log.info("rejected weight update: %s", error)
+            self.engine.metrics.reject("invalid_argument")
             await context.abort_with_status(rpc_status.to_status(bad_request_status(error)))
         except tuple(kind for kind, _ in UPDATE_FAILURES) as error:
             log.info("refused weight update: %s", error)
@@ -147,15 +150,18 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def Rollout(self, request, context):
         if self.shutting_down:
+            self.engine.metrics.reject("shutting_down")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         try:
             resolved = resolve(request, self.serving)
         except InvalidRequest as error:
             log.info("rejected request id=%s: %s", request.request_id or "-", error)
+            self.engine.metrics.reject("invalid_argument")
             await context.abort_with_status(rpc_status.to_status(bad_request_status(error)))
         try:
             self.engine.admit()
         except Overloaded as error:
+            self.engine.metrics.reject("overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
         request_id = resolved.request_id
@@ -234,6 +240,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             )
         finally:
             cancel.set()
+            self.engine.metrics.rollouts.labels(outcome).inc()
             log.info(
                 "rollout id=%s samples=%d steps=%d seconds=%.3f status=%s",
                 request_id,
