@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 import rollout_server
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server import families, presets
+from rollout_server.auth import ServerTLS, TokenInterceptor, TokenPolicy, exposure_warning
 from rollout_server.engine import DTYPE_NAMES, RolloutEngine
 from rollout_server.limits import Limits
 from rollout_server.parallel import SequenceParallel
@@ -37,6 +38,10 @@ class ServerOptions:
     model_path: Path | None = None  # model resolved (and built, for a preset) beforehand
     parallel: SequenceParallel = field(default_factory=SequenceParallel)
     weights_root: Path | None = None  # LoadWeights reads only under it (resolved); None disables it
+    tls: ServerTLS | None = None  # None: plaintext
+    tokens: TokenPolicy = TokenPolicy()
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no metrics endpoint
 
 
 def versions() -> dict[str, str]:
@@ -100,12 +105,25 @@ def build_service(options: ServerOptions) -> RolloutService:
 class RolloutServer:
     """A running gRPC server: ``await start()``, then ``await stop()`` (or wait for a signal)."""
 
-    def __init__(self, service: RolloutService, host: str, port: int, grace_seconds: float):
+    def __init__(
+        self,
+        service: RolloutService,
+        host: str,
+        port: int,
+        grace_seconds: float,
+        tls: ServerTLS | None = None,
+        tokens: TokenPolicy | None = None,
+    ):
         self.service = service
         self.grace_seconds = grace_seconds
         max_message = service.engine.max_message_bytes
+        metrics = service.engine.metrics
+        interceptors = []
+        if tokens is not None and tokens.enabled:
+            interceptors.append(TokenInterceptor(tokens, lambda code: metrics.reject(code.name.lower())))
         self.server = grpc.aio.server(
-            options=[("grpc.max_send_message_length", max_message), ("grpc.so_reuseport", 0)]
+            options=[("grpc.max_send_message_length", max_message), ("grpc.so_reuseport", 0)],
+            interceptors=interceptors,
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(service, self.server)
         self.health = health.aio.HealthServicer()
@@ -118,7 +136,10 @@ class RolloutServer:
             ),
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials())
         self.address = f"{host}:{self.port}"
         self.stopping = asyncio.Event()
         self.exit_code = 0
@@ -158,13 +179,35 @@ class RolloutServer:
 async def serve(options: ServerOptions) -> int:
     """Rank 0 (or the only rank): the gRPC front end. Returns the process exit code."""
     service = build_service(options)
-    server = RolloutServer(service, options.host, options.port, options.grace_seconds)
+    server = RolloutServer(
+        service, options.host, options.port, options.grace_seconds, options.tls, options.tokens
+    )
     await server.start()
+    if options.metrics_port is not None:
+        port = service.engine.metrics.serve(options.metrics_host, options.metrics_port)
+        log.info("metrics at http://%s:%d/metrics", options.metrics_host, port)
+    log.info("security: %s", describe_security(options))
+    warning = exposure_warning(options.host, options.tokens.enabled)
+    if warning:
+        log.warning("\n%s", warning)
     info = service.server_info
     log.info(
         "serving %s (%s, %s on %s) at %s", info.model, info.family, info.dtype, info.device, server.address
     )
     return await server.serve_until_stopped()
+
+
+def describe_security(options: ServerOptions) -> str:
+    """One line for the log: transport and tokens, never a token itself."""
+    if options.tls is None:
+        transport = "plaintext"
+    elif options.tls.client_ca is None:
+        transport = "TLS"
+    else:
+        transport = "mutual TLS (client certificates required)"
+    tokens = options.tokens
+    named = (("rollout", tokens.rollout_token), ("admin", tokens.admin_token))
+    return f"{transport}, tokens: {', '.join(name for name, token in named if token) or 'none'}"
 
 
 def follow(options: ServerOptions) -> int:
