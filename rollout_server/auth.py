@@ -31,11 +31,15 @@ class StartupError(Exception):
     """A security option that cannot be used; the message is the whole explanation."""
 
 
-def _read_file(path: Path, what: str) -> bytes:
+def _read_pem(path: Path, what: str, label: str) -> bytes:
+    """The file's bytes, if it holds a PEM block whose label ends with ``label``."""
     try:
-        return path.read_bytes()
+        data = path.read_bytes()
     except OSError as error:
         raise StartupError(f"cannot read {what} {path}: {error.strerror or error}") from None
+    if f"{label}-----".encode() not in data:
+        raise StartupError(f"{what} {path} holds no PEM {label}")
+    return data
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,9 @@ class ServerTLS:
         if cert is None or key is None:
             raise StartupError("--tls-cert and --tls-key go together: give both or neither")
         return cls(
-            key=_read_file(key, "--tls-key"),
-            cert=_read_file(cert, "--tls-cert"),
-            client_ca=_read_file(client_ca, "--tls-client-ca") if client_ca else None,
+            key=_read_pem(key, "--tls-key", "PRIVATE KEY"),
+            cert=_read_pem(cert, "--tls-cert", "CERTIFICATE"),
+            client_ca=_read_pem(client_ca, "--tls-client-ca", "CERTIFICATE") if client_ca else None,
         )
 
     def server_credentials(self) -> grpc.ServerCredentials:

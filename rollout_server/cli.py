@@ -118,6 +118,8 @@ def main(argv=None) -> None:
         code = asyncio.run(serve(options)) if parallel.is_leader else follow(options)
     except UnsupportedModel as error:
         code = f"rollout-server: cannot load model {args.model!r}: {error}"
+    except StartupError as error:
+        code = f"rollout-server: {error}"
     except RankFailure as error:
         code = f"rollout-server rank {parallel.rank}: {error}"
     finally:

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 import rollout_server
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server import families, presets
-from rollout_server.auth import ServerTLS, TokenInterceptor, TokenPolicy, exposure_warning
+from rollout_server.auth import ServerTLS, StartupError, TokenInterceptor, TokenPolicy, exposure_warning
 from rollout_server.engine import DTYPE_NAMES, RolloutEngine
 from rollout_server.limits import Limits
 from rollout_server.parallel import SequenceParallel
@@ -139,7 +139,13 @@ class RolloutServer:
         if tls is None:
             self.port = self.server.add_insecure_port(f"{host}:{port}")
         else:
-            self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+            try:
+                self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+            except RuntimeError:  # gRPC's error for a key that does not fit the certificate, too
+                raise StartupError(
+                    f"cannot serve TLS on {host}:{port}: the address is taken, or --tls-key does not "
+                    "belong to --tls-cert"
+                ) from None
         self.address = f"{host}:{self.port}"
         self.stopping = asyncio.Event()
         self.exit_code = 0

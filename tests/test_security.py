@@ -344,7 +344,12 @@ def test_readable_token_file_warns_without_the_token(tmp_path, caplog):
 @pytest.fixture
 def files(tmp_path, pki) -> dict[str, str]:
     (tmp_path / "empty").write_text(" \n")
-    return {"missing": str(tmp_path / "missing.pem"), "empty": str(tmp_path / "empty"), "ca": str(pki.ca)}
+    return {
+        "missing": str(tmp_path / "missing.pem"),
+        "empty": str(tmp_path / "empty"),
+        "ca": str(pki.ca),
+        "key": str(pki.client_key),
+    }
 
 
 @pytest.mark.parametrize(
@@ -354,8 +359,10 @@ def files(tmp_path, pki) -> dict[str, str]:
         (["--tls-cert", "{ca}"], "--tls-cert and --tls-key go together"),
         (["--tls-client-ca", "{ca}"], "--tls-client-ca needs --tls-cert and --tls-key"),
         (["--tls-cert", "{ca}", "--tls-key", "{missing}"], "cannot read --tls-key"),
+        (["--tls-cert", "{empty}", "--tls-key", "{ca}"], "holds no PEM PRIVATE KEY"),
+        (["--tls-cert", "{empty}", "--tls-key", "{key}"], "--tls-cert {empty} holds no PEM CERTIFICATE"),
         (
-            ["--tls-cert", "{ca}", "--tls-key", "{ca}", "--tls-client-ca", "{missing}"],
+            ["--tls-cert", "{ca}", "--tls-key", "{key}", "--tls-client-ca", "{missing}"],
             "cannot read --tls-client-ca",
         ),
         (["--auth-token-file", "{missing}"], "cannot read --auth-token-file"),
@@ -367,7 +374,22 @@ def test_security_startup_errors(files, args, message):
     with pytest.raises(SystemExit) as stopped:
         cli.main(["serve", *(arg.format(**files) for arg in args)])
     text = str(stopped.value.code)
-    assert text.startswith("rollout-server: ") and message in text and "\n" not in text
+    assert text.startswith("rollout-server: ") and message.format(**files) in text and "\n" not in text
+
+
+def test_key_of_another_certificate_is_a_startup_error(pki, tiny_flux_folder, cache_dir, tmp_path):
+    """Caught where gRPC builds the TLS context, after the model loads: still one line, no traceback."""
+    with pytest.raises(RuntimeError, match="exited with 1") as failed:
+        start_server(
+            cache_dir,
+            tmp_path / "server.log",
+            "--tls-cert",
+            str(pki.server_cert),
+            "--tls-key",
+            str(pki.client_key),
+        )
+    assert "rollout-server: cannot serve TLS on 127.0.0.1:0" in str(failed.value)
+    assert "Traceback" not in str(failed.value)
 
 
 def test_startup_error_is_one_line_without_traceback(files):

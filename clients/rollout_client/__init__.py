@@ -4,7 +4,7 @@ Imports torch, safetensors and grpc, never diffusers: a trainer can use it with 
 """
 
 from rollout_client.client import RolloutClient
-from rollout_client.credentials import TLS
+from rollout_client.credentials import TLS, read_token
 from rollout_client.events import Finished, Image, Started, Step
 from rollout_client.replay import replay_log_probs
 from rollout_client.trajectory import Trajectory, collect
@@ -18,5 +18,6 @@ __all__ = [
     "TLS",
     "Trajectory",
     "collect",
+    "read_token",
     "replay_log_probs",
 ]
