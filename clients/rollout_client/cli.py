@@ -1,6 +1,6 @@
 """rollout-client: inspect a rollout server and save rollouts to disk.
 
-    rollout-client info [--address HOST:PORT]
+    rollout-client info [--address HOST:PORT] [--tls-ca CA.pem] [--token-file FILE]
     rollout-client rollout "a red fox" "a blue bird" --samples-per-prompt 4 --seed 7 --out rollouts/
 
 The rollout command writes, per sample k, sample-<k>.png and sample-<k>.safetensors (a Trajectory),
