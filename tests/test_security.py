@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_grpcurl import GRPCURL
 
 from rollout_client import TLS, RolloutClient
+from rollout_client import cli as client_cli
 from rollout_server import cli
 from rollout_server.auth import TokenPolicy, exposure_warning, load_token
 
@@ -270,6 +271,20 @@ def test_tokens_through_grpcurl(secured_server, pki):
     assert call(ROLLOUT_TOKEN, load, weights) == GRPCURL_EXIT[grpc.StatusCode.PERMISSION_DENIED]
     # Past the token check: the server has no --weights-root.
     assert call(ADMIN_TOKEN, load, weights) == GRPCURL_EXIT[grpc.StatusCode.FAILED_PRECONDITION]
+
+
+def test_rollout_client_cli_flags(secured_server, pki, tmp_path, capsys):
+    """rollout-client info over mutual TLS with --token-file; without the token, UNAUTHENTICATED."""
+    flags = ["--address", secured_server.address, "--tls-ca", str(pki.ca)]
+    flags += ["--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]
+    token = ["--token-file", str(token_file(tmp_path, "token", ROLLOUT_TOKEN))]
+    assert client_cli.main(["info", *flags, *token]) == 0
+    assert json.loads(capsys.readouterr().out)["family"] == "flux"
+    assert client_cli.main(["info", *flags]) == client_cli.EXIT_RPC_ERROR
+    assert capsys.readouterr().err.startswith("rollout-client: UNAUTHENTICATED")
+    assert (
+        client_cli.main(["info", *flags, "--token-file", str(tmp_path / "missing")]) == client_cli.EXIT_USAGE
+    )
 
 
 ROLLOUT, INFO = f"/{SERVICE}/Rollout", f"/{SERVICE}/GetServerInfo"
