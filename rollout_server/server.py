@@ -190,8 +190,12 @@ async def serve(options: ServerOptions) -> int:
     )
     await server.start()
     if options.metrics_port is not None:
-        port = service.engine.metrics.serve(options.metrics_host, options.metrics_port)
-        log.info("metrics at http://%s:%d/metrics", options.metrics_host, port)
+        host = options.metrics_host
+        try:
+            port = service.engine.metrics.serve(host, options.metrics_port)
+        except (OSError, OverflowError) as error:
+            raise StartupError(f"cannot serve metrics on {host}:{options.metrics_port}: {error}") from None
+        log.info("metrics at http://%s:%d/metrics", host, port)
     log.info("security: %s", describe_security(options))
     warning = exposure_warning(options.host, options.tokens.enabled)
     if warning:
