@@ -6,6 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
+from rollout_server.auth import ServerTLS, StartupError, TokenPolicy, load_token
 from rollout_server.families import UnsupportedModel
 from rollout_server.limits import Limits
 from rollout_server.parallel import ATTENTION_SPLITS, RankFailure, start
@@ -61,6 +62,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="folder LoadWeights may read policy weights from (default: LoadWeights disabled)",
     )
+    s.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS (with --tls-key)")
+    s.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    s.add_argument(
+        "--tls-client-ca", type=Path, help="PEM CA: require client certificates it signed (mutual TLS)"
+    )
+    s.add_argument(
+        "--auth-token-file", type=Path, help="file with the bearer token for Rollout and GetServerInfo"
+    )
+    s.add_argument(
+        "--admin-token-file",
+        type=Path,
+        help="file with the bearer token for UpdateWeights and LoadWeights (it also allows rollouts)",
+    )
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     return parser.parse_args(argv)
 
 
@@ -88,6 +104,14 @@ def main(argv=None) -> None:
     if args.weights_root is not None and not args.weights_root.is_dir():
         sys.exit(f"rollout-server: --weights-root {args.weights_root} is not a folder")
     try:
+        tls = ServerTLS.load(args.tls_cert, args.tls_key, args.tls_client_ca)
+        tokens = TokenPolicy(
+            rollout_token=load_token(args.auth_token_file, "--auth-token-file"),
+            admin_token=load_token(args.admin_token_file, "--admin-token-file"),
+        )
+    except StartupError as error:
+        sys.exit(f"rollout-server: {error}")
+    try:
         # Before torch.distributed starts: transformers' save_pretrained writes nothing on ranks > 0.
         model_path = resolve_model(args.model, args.cache_dir)
     except FileNotFoundError as error:
@@ -105,11 +129,17 @@ def main(argv=None) -> None:
         model_path=model_path,
         parallel=parallel,
         weights_root=args.weights_root.resolve() if args.weights_root else None,
+        tls=tls,
+        tokens=tokens,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
     try:
         code = asyncio.run(serve(options)) if parallel.is_leader else follow(options)
     except UnsupportedModel as error:
         code = f"rollout-server: cannot load model {args.model!r}: {error}"
+    except StartupError as error:
+        code = f"rollout-server: {error}"
     except RankFailure as error:
         code = f"rollout-server rank {parallel.rank}: {error}"
     finally:

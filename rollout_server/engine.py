@@ -30,6 +30,7 @@ from rollout_client import noise
 from rollout_client.transformer_call import apply_guidance, call_transformer, stack_envs
 from rollout_server import weights
 from rollout_server.families.base import Conditioning, FamilyAdapter
+from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import HEARTBEAT, ROLLOUT, STOP, UPDATE, RankFailure, SequenceParallel
 from rollout_server.sampler import (
     NonFiniteStep,
@@ -95,6 +96,8 @@ class RolloutEngine:
         else:
             self.adapter = load_adapter()
         self.weight_spec = weights.TransformerSpec.of(self.adapter.transformer, self.parallel.enabled)
+        self.metrics = ServerMetrics()
+        self.metrics.watch(self)
 
     def submit(self, request, emit: Callable, cancelled: Callable[[], bool], admitted_at: float) -> Future:
         """Queue a resolved request for the worker; the future ends when its stream has been emitted."""
@@ -109,6 +112,16 @@ class RolloutEngine:
         future: Future = Future()
         self._jobs.put((future, work))
         return future
+
+    @property
+    def admitted(self) -> int:
+        """Rollouts admitted and not yet finished."""
+        return self._admitted
+
+    @property
+    def queued_jobs(self) -> int:
+        """Rollouts and weight updates waiting for the worker."""
+        return self._jobs.qsize()
 
     def close(self) -> None:
         """Stop the worker after the queued rollouts, and release the other ranks."""
@@ -238,11 +251,6 @@ class RolloutEngine:
         with self._lock:
             self._admitted -= 1
 
-    @property
-    def in_flight(self) -> int:
-        """Rollouts admitted and not yet finished (queued or running)."""
-        return self._admitted
-
     def _micro_batches(self, prompt_indices: list[int], conditioning: Conditioning) -> list[tuple]:
         """(sample rows, batched env per branch) per transformer call. Samples are grouped by the
         shapes of their env tensors (e.g. prompt token lengths), so every call sees exactly the env a
@@ -280,6 +288,7 @@ class RolloutEngine:
             t = timesteps[i].item()
             v = torch.empty_like(x)
             for rows, envs in batches:
+                self.metrics.forwards(len(rows), len(envs))
                 per_branch = {
                     branch: call_transformer(
                         adapter.transformer, x[rows], t, env, adapter.dtype, adapter.timestep_divisor
@@ -382,10 +391,10 @@ class RolloutEngine:
             started=prepared.started,
             env_tensors=prepared.env_tensors,
             sent=latents_sent(request.latents, prepared.plan.stochastic),
-            emit=emit,
+            emit=self.metrics.counting(emit),
             max_message_bytes=self.max_message_bytes,
         )
-        final = sample(prepared.plan, prepared.velocity, encoder, cancelled)
+        final = sample(prepared.plan, prepared.velocity, self.metrics.timing(encoder), cancelled)
         denoised_at = time.perf_counter()
 
         if request.images:

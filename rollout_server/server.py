@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 import rollout_server
 from rollout.v1 import rollout_pb2
 from rollout_server import families, presets
+from rollout_server.auth import ServerTLS, StartupError, TokenInterceptor, TokenPolicy, exposure_warning
 from rollout_server.engine import DTYPE_NAMES, RolloutEngine
 from rollout_server.limits import Limits
 from rollout_server.parallel import SequenceParallel
@@ -48,6 +49,10 @@ class ServerOptions:
     model_path: Path | None = None  # model resolved (and built, for a preset) beforehand
     parallel: SequenceParallel = field(default_factory=SequenceParallel)
     weights_root: Path | None = None  # LoadWeights reads only under it (resolved); None disables it
+    tls: ServerTLS | None = None  # None: plaintext
+    tokens: TokenPolicy = TokenPolicy()
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no metrics endpoint
 
 
 def versions() -> dict[str, str]:
@@ -139,12 +144,25 @@ def add_rollout_service(service: RolloutService, server: grpc.aio.Server) -> Non
 class RolloutServer:
     """A running gRPC server: ``await start()``, then ``await stop()`` (or wait for a signal)."""
 
-    def __init__(self, service: RolloutService, host: str, port: int, grace_seconds: float):
+    def __init__(
+        self,
+        service: RolloutService,
+        host: str,
+        port: int,
+        grace_seconds: float,
+        tls: ServerTLS | None = None,
+        tokens: TokenPolicy | None = None,
+    ):
         self.service = service
         self.grace_seconds = grace_seconds
         max_message = service.engine.max_message_bytes
+        metrics = service.engine.metrics
+        interceptors = []
+        if tokens is not None and tokens.enabled:
+            interceptors.append(TokenInterceptor(tokens, lambda code: metrics.reject(code.name.lower())))
         self.server = grpc.aio.server(
-            options=[("grpc.max_send_message_length", max_message), ("grpc.so_reuseport", 0)]
+            options=[("grpc.max_send_message_length", max_message), ("grpc.so_reuseport", 0)],
+            interceptors=interceptors,
         )
         add_rollout_service(service, self.server)
         self.health = health.aio.HealthServicer()
@@ -157,7 +175,16 @@ class RolloutServer:
             ),
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            try:
+                self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+            except RuntimeError:  # gRPC's error for a key that does not fit the certificate, too
+                raise StartupError(
+                    f"cannot serve TLS on {host}:{port}: the address is taken, or --tls-key does not "
+                    "belong to --tls-cert"
+                ) from None
         self.address = f"{host}:{self.port}"
         self.stopping = asyncio.Event()
         self.exit_code = 0
@@ -184,7 +211,7 @@ class RolloutServer:
         self.service.begin_shutdown()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        while self.service.engine.in_flight and loop.time() < deadline:
+        while self.service.engine.admitted and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_POLL_SECONDS)
         await self.server.stop(max(deadline - loop.time(), 0.0))
         await asyncio.to_thread(self.service.engine.close)  # the loop must keep running meanwhile
@@ -203,13 +230,39 @@ class RolloutServer:
 async def serve(options: ServerOptions) -> int:
     """Rank 0 (or the only rank): the gRPC front end. Returns the process exit code."""
     service = build_service(options)
-    server = RolloutServer(service, options.host, options.port, options.grace_seconds)
+    server = RolloutServer(
+        service, options.host, options.port, options.grace_seconds, options.tls, options.tokens
+    )
     await server.start()
+    if options.metrics_port is not None:
+        host = options.metrics_host
+        try:
+            port = service.engine.metrics.serve(host, options.metrics_port)
+        except (OSError, OverflowError) as error:
+            raise StartupError(f"cannot serve metrics on {host}:{options.metrics_port}: {error}") from None
+        log.info("metrics at http://%s:%d/metrics", host, port)
+    log.info("security: %s", describe_security(options))
+    warning = exposure_warning(options.host, options.tokens.enabled)
+    if warning:
+        log.warning("\n%s", warning)
     info = service.server_info
     log.info(
         "serving %s (%s, %s on %s) at %s", info.model, info.family, info.dtype, info.device, server.address
     )
     return await server.serve_until_stopped()
+
+
+def describe_security(options: ServerOptions) -> str:
+    """One line for the log: transport and tokens, never a token itself."""
+    if options.tls is None:
+        transport = "plaintext"
+    elif options.tls.client_ca is None:
+        transport = "TLS"
+    else:
+        transport = "mutual TLS (client certificates required)"
+    tokens = options.tokens
+    named = (("rollout", tokens.rollout_token), ("admin", tokens.admin_token))
+    return f"{transport}, tokens: {', '.join(name for name, token in named if token) or 'none'}"
 
 
 def follow(options: ServerOptions) -> int:

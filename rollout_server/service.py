@@ -106,6 +106,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     async def UpdateWeights(self, request_iterator, context):
         started_at = time.perf_counter()
         if self.shutting_down:
+            self.engine.metrics.reject("shutting_down")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         max_bytes = self.server_info.limits.max_update_bytes
         received = weights.receive(_parsed(request_iterator), lambda: self.engine.policy_version, max_bytes)
@@ -118,6 +119,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if request is None:
             await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
         if self.shutting_down:
+            self.engine.metrics.reject("shutting_down")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if self.weights_root is None:
             await context.abort(
@@ -156,6 +158,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             return
         limit = self.serving.limits.max_waiting_requests
         if self._waiting >= limit:
+            self.engine.metrics.reject("overloaded")
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self._waiting} requests already wait for a policy version (limit {limit})",
@@ -175,10 +178,10 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         finally:
             self._waiting -= 1
 
-    @staticmethod
-    def _applied(update: weights.WeightUpdate, started_at: float) -> dict:
+    def _applied(self, update: weights.WeightUpdate, started_at: float) -> dict:
         """The fields UpdateWeightsResponse and LoadWeightsResponse share."""
         seconds = time.perf_counter() - started_at
+        self.engine.metrics.weight_update(update.nbytes, seconds)
         log.info("weights %s: %d bytes in %.3f s, status=OK", update.describe(), update.nbytes, seconds)
         return {
             "policy_version": update.policy_version,
@@ -193,6 +196,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             return await stage
         except InvalidRequest as error:
             log.info("rejected weight update: %s", error)
+            self.engine.metrics.reject("invalid_argument")
             await context.abort_with_status(rpc_status.to_status(bad_request_status(error)))
         except tuple(kind for kind, _ in UPDATE_FAILURES) as error:
             log.info("refused weight update: %s", error)
@@ -206,6 +210,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def Rollout(self, request, context):
         if self.shutting_down:
+            self.engine.metrics.reject("shutting_down")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if request is None:
             await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
@@ -218,6 +223,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             self.engine.admit()
         except Overloaded as error:
+            self.engine.metrics.reject("overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
         request_id = resolved.request_id
@@ -261,6 +267,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             outcome, failure = self._rollout_failure(request_id, error)
         finally:
             cancel.set()
+            self.engine.metrics.rollouts.labels(outcome).inc()
             log.info(
                 "rollout id=%s samples=%d steps=%d seconds=%.3f status=%s",
                 request_id,
@@ -304,4 +311,5 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def _reject(self, context, request_id: str, error: InvalidRequest) -> None:
         log.info("rejected request id=%s: %s", request_id, error)
+        self.engine.metrics.reject("invalid_argument")
         await context.abort_with_status(rpc_status.to_status(bad_request_status(error)))

@@ -4,6 +4,7 @@ Imports torch, safetensors and grpc, never diffusers: a trainer can use it with 
 """
 
 from rollout_client.client import RolloutClient
+from rollout_client.credentials import TLS, read_token
 from rollout_client.events import Finished, Image, Started, Step
 from rollout_client.replay import replay_log_probs
 from rollout_client.trajectory import Trajectory, collect
@@ -14,7 +15,9 @@ __all__ = [
     "RolloutClient",
     "Started",
     "Step",
+    "TLS",
     "Trajectory",
     "collect",
+    "read_token",
     "replay_log_probs",
 ]

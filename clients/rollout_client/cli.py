@@ -1,6 +1,6 @@
 """rollout-client: inspect a rollout server and save rollouts to disk.
 
-    rollout-client info [--address HOST:PORT]
+    rollout-client info [--address HOST:PORT] [--tls-ca CA.pem] [--token-file FILE]
     rollout-client rollout "a red fox" "a blue bird" --samples-per-prompt 4 --seed 7 --out rollouts/
 
 The rollout command writes, per sample k, sample-<k>.png and sample-<k>.safetensors (a Trajectory),
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from rollout.v1 import rollout_pb2
 from rollout_client.client import RolloutClient
+from rollout_client.credentials import TLS, read_token
 from rollout_client.events import Event, Finished, Started, Step
 from rollout_client.images import contact_sheet
 from rollout_client.trajectory import Trajectory, collect
@@ -49,6 +50,7 @@ REQUEST_FIELDS = (
 ENUM_PREFIXES = {"sampler": "SAMPLER_TYPE_", "latents": "LATENT_SELECTION_", "latent_dtype": "TENSOR_DTYPE_"}
 FINISHED_FIELDS = rollout_pb2.RolloutFinished.DESCRIPTOR.fields
 EXIT_RPC_ERROR = 2
+EXIT_USAGE = 1
 
 
 def _unsigned(bits: int):
@@ -74,6 +76,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--address", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})"
     )
     common.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
+    common.add_argument(
+        "--tls", action="store_true", help="connect over TLS (implied by the --tls-* options below)"
+    )
+    common.add_argument("--tls-ca", type=Path, help="PEM CA of the server's certificate (default: system)")
+    common.add_argument("--tls-cert", type=Path, help="PEM client certificate, for mutual TLS")
+    common.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    common.add_argument("--token-file", type=Path, help="file holding the bearer token to present")
 
     parser = argparse.ArgumentParser(
         prog="rollout-client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -214,9 +223,23 @@ def describe_error(error: grpc.RpcError) -> str:
     return f"{error.code().name}: {' '.join(text.split())}"
 
 
+def connect(args: argparse.Namespace) -> RolloutClient:
+    """The client the connection options describe; ValueError or OSError for an unusable file."""
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
+        tls = TLS(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+    token = read_token(args.token_file) if args.token_file else None
+    return RolloutClient(args.address, timeout=args.timeout, tls=tls, token=token)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with RolloutClient(args.address, timeout=args.timeout) as client:
+    try:
+        client = connect(args)
+    except (ValueError, OSError) as error:
+        print(f"rollout-client: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    with client:
         try:
             if args.command == "info":
                 print(json_format.MessageToJson(client.server_info(), preserving_proto_field_name=True))

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import codec
+from rollout_client.credentials import TLS, bearer_metadata
 from rollout_client.events import Event, decode_stream
 from rollout_client.trajectory import Trajectory, collect
 
@@ -55,25 +56,35 @@ class RolloutClient:
 
     >>> with RolloutClient("127.0.0.1:50051") as client:
     ...     trajectories = client.rollout(prompts=["a red fox"], samples_per_prompt=4, base_seed=7)
+
+    ``tls``: connect over TLS (``TLS(ca=..., cert=..., key=...)``; None: plaintext). ``token``: sent
+    as ``authorization: Bearer <token>`` on every call, for a server started with token files.
     """
 
-    def __init__(self, address: str, timeout: float | None = None):
+    def __init__(
+        self, address: str, timeout: float | None = None, tls: TLS | None = None, token: str | None = None
+    ):
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
-        )
+        self.metadata = bearer_metadata(token)
+        options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+        if tls is None:
+            self.channel = grpc.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
 
     def server_info(self) -> rollout_pb2.GetServerInfoResponse:
-        return self.stub.GetServerInfo(rollout_pb2.GetServerInfoRequest(), timeout=self.timeout)
+        return self.stub.GetServerInfo(
+            rollout_pb2.GetServerInfoRequest(), timeout=self.timeout, metadata=self.metadata
+        )
 
     def stream(self, request: rollout_pb2.RolloutRequest | None = None, **fields) -> Iterator[Event]:
         """Typed events of one rollout as they arrive; closing the iterator cancels the rollout."""
         if request is not None and fields:
             raise TypeError("pass either a RolloutRequest or its fields, not both")
         request = request or rollout_pb2.RolloutRequest(**fields)
-        call = self.stub.Rollout(request, timeout=self.timeout)
+        call = self.stub.Rollout(request, timeout=self.timeout, metadata=self.metadata)
         try:
             yield from decode_stream(call)
         finally:
@@ -113,7 +124,9 @@ class RolloutClient:
         with tqdm(
             total=total_bytes, unit="B", unit_scale=True, desc=f"policy v{version}", disable=quiet
         ) as bar:
-            return self.stub.UpdateWeights(_update_messages(header, pieces, bar), timeout=self.timeout)
+            return self.stub.UpdateWeights(
+                _update_messages(header, pieces, bar), timeout=self.timeout, metadata=self.metadata
+            )
 
     def load_weights(
         self, path: str, version: int, kind: str | None = None, adapter_name: str = ""
@@ -127,7 +140,7 @@ class RolloutClient:
             kind=WEIGHTS_KINDS[kind] if kind else rollout_pb2.WEIGHTS_KIND_UNSPECIFIED,
             adapter_name=adapter_name,
         )
-        return self.stub.LoadWeights(request, timeout=self.timeout)
+        return self.stub.LoadWeights(request, timeout=self.timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

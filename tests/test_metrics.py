@@ -1,0 +1,90 @@
+"""Prometheus metrics of a real server, scraped over HTTP around real calls."""
+
+import re
+import urllib.request
+
+import grpc
+import pytest
+from conftest import start_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_client import RolloutClient
+
+TOKEN = "metrics-test-token"
+METRICS_LINE = re.compile(r"metrics at (?P<url>http://\S+/metrics)")
+TO_Q = "transformer_blocks.0.attn.to_q.weight"
+STEPS = 3
+REQUEST = rollout_pb2.RolloutRequest(
+    prompts=["a red fox"], samples_per_prompt=2, height=64, width=64, num_steps=STEPS
+)
+
+
+@pytest.fixture(scope="module")
+def metered_server(tiny_flux_folder, cache_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("metered")
+    token_file = folder / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    server = start_server(
+        cache_dir, folder / "server.log", "--metrics-port", "0", "--auth-token-file", str(token_file)
+    )
+    yield server
+    assert server.stop() == 0
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """Every sample of the endpoint: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_what_was_done(metered_server, tiny_transformer):
+    """A rollout, an invalid request, a call without a token and a weight update move exactly the
+    counters they should, and the gauges show the idle server at the pushed policy version."""
+    url = METRICS_LINE.search(metered_server.log())["url"]
+    before = scrape(url)
+
+    with RolloutClient(metered_server.address, timeout=120, token=TOKEN) as client:
+        stub = rollout_pb2_grpc.RolloutServiceStub(client.channel)
+        messages = list(stub.Rollout(REQUEST, metadata=client.metadata, timeout=120))
+        with pytest.raises(grpc.RpcError) as invalid:
+            client.rollout(prompts=["a red fox"], height=72)
+        assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        version = client.server_info().policy_version + 1
+        subset = {TO_Q: tiny_transformer.state_dict()[TO_Q].clone()}
+        update = client.update_weights(subset, version, kind="subset")
+    with (
+        RolloutClient(metered_server.address, timeout=120) as anonymous,
+        pytest.raises(grpc.RpcError) as refused,
+    ):
+        anonymous.server_info()
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    after = scrape(url)
+
+    def moved(name: str, **labels) -> float:
+        key = (f"rollout_server_{name}", tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    started = messages[0].started
+    forwards = STEPS * len(started.transformer_call.branches)
+    assert moved("rollouts_total", status="OK") == 1
+    assert moved("steps_total") == STEPS
+    assert moved("step_seconds_count") == STEPS and moved("step_seconds_sum") > 0
+    assert moved("samples_per_forward_count") == forwards
+    assert moved("samples_per_forward_sum") == forwards * len(started.seeds)
+    assert moved("streamed_bytes_total") == sum(message.ByteSize() for message in messages)
+    assert moved("rejected_requests_total", reason="invalid_argument") == 1
+    assert moved("rejected_requests_total", reason="unauthenticated") == 1
+    assert moved("rejected_requests_total", reason="permission_denied") == 0
+    assert moved("weight_update_seconds_count") == 1
+    assert moved("weight_update_bytes_total") == update.bytes > 0
+    assert after[("rollout_server_policy_version", ())] == version
+    assert after[("rollout_server_in_flight_rollouts", ())] == 0
+    assert after[("rollout_server_queue_depth", ())] == 0
