@@ -38,7 +38,12 @@ UPDATE_FAILURES = (
 
 
 class StreamStalled(Exception):
-    """The client read nothing for the server's stall limit."""
+    """The client read nothing for the server's stall limit; ``write`` is the message still pending.
+    (Cancelling it would leave gRPC unable to send the call's status, which must follow it.)"""
+
+    def __init__(self, message: str, write: asyncio.Future):
+        super().__init__(message)
+        self.write = write
 
 
 class CallerLeft(Exception):
@@ -254,7 +259,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
 
         work = self.engine.submit(resolved, emit, cancel.is_set, admitted_at)
         work.add_done_callback(finished)
-        outcome, failure = "OK", None
+        outcome, failure, unsent = "OK", None, None
         try:
             while (message := await queue.get()) is not _END_OF_STREAM:
                 await self._write(context, message)
@@ -263,6 +268,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         except (asyncio.CancelledError, CallerLeft):
             outcome = "CANCELLED"  # the caller left or its deadline passed
             raise
+        except StreamStalled as error:
+            outcome, failure = self._rollout_failure(request_id, error)
+            unsent = error.write
         except Exception as error:  # noqa: BLE001 - each failure becomes the call's status
             outcome, failure = self._rollout_failure(request_id, error)
         finally:
@@ -276,21 +284,30 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 time.perf_counter() - admitted_at,
                 outcome,
             )
+        if unsent is not None:
+            # The work is freed already; the status goes out once the client takes the pending message.
+            try:
+                await unsent
+            except Exception:  # noqa: BLE001 - the caller left meanwhile: nobody to tell
+                return
         if failure is not None:
-            # For a stalled stream the status goes out once the client reads what is already sent.
             await context.abort_with_status(failure)
 
     async def _write(self, context, message: rollout_pb2.RolloutResponse) -> None:
-        """Send one message: StreamStalled if the client does not take it within the stall limit,
-        CallerLeft if the call ended meanwhile."""
+        """Send one message: StreamStalled if the client takes nothing for the stall limit, CallerLeft
+        if the call ended."""
         stall_seconds = self.serving.limits.stall_seconds
+        write = asyncio.ensure_future(context.write(message))
         try:
-            await asyncio.wait_for(context.write(message), stall_seconds)
-        except TimeoutError:
-            raise StreamStalled(
-                f"the client read nothing for {stall_seconds:g} s (the server's --stall-seconds), so "
-                "the rollout was stopped"
-            ) from None
+            if not (await asyncio.wait({write}, timeout=stall_seconds))[0]:
+                raise StreamStalled(
+                    f"the client read nothing for {stall_seconds:g} s (the server's --stall-seconds), "
+                    "so the rollout was stopped",
+                    write,
+                )
+            write.result()
+        except StreamStalled:
+            raise
         except Exception as error:  # noqa: BLE001 - gRPC fails a write only once the call is over
             raise CallerLeft(f"the call ended: {error}") from error
 
