@@ -1,0 +1,96 @@
+"""The sampler's NaN guard: a step whose velocity or next latent is not finite fails the rollout
+with INTERNAL naming the step and the sample, instead of streaming NaN under status OK."""
+
+import math
+
+import grpc
+import pytest
+import torch
+from conftest import start_server
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rollout_client import RolloutClient
+from rollout_server.sampler import NonFiniteStep, SamplerHooks, SamplerPlan, sample
+
+REQUEST = {"prompts": ["a red fox"], "samples_per_prompt": 2, "height": 64, "width": 64, "num_steps": 3}
+
+
+def plan(noise_level: float = 0.7) -> SamplerPlan:
+    return SamplerPlan(
+        sampler_type="FLOW_SDE",
+        sigmas=torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]),
+        stochastic=[True, True, True, False],
+        noise_level=noise_level,
+        log_prob_constants=True,
+        latent_dtype=torch.float32,
+        seeds=[11, 12, 13],
+        latent_shape=(4, 8),
+        device=torch.device("cpu"),
+    )
+
+
+class Recorder(SamplerHooks):
+    def __init__(self):
+        self.steps = []
+
+    def on_step(self, record) -> None:
+        self.steps.append(record.index)
+
+
+def test_non_finite_velocity_names_step_and_sample():
+    """Sample 1's velocity turns NaN at step 2: the rollout stops there, having streamed steps 0-1."""
+
+    def velocity(x: torch.Tensor, i: int) -> torch.Tensor:
+        v = -x
+        if i == 2:
+            v[1, 3, 5] = math.nan
+        return v
+
+    hooks = Recorder()
+    with pytest.raises(
+        NonFiniteStep, match=r"^step 2: the velocity of sample 1 is not finite \(1 samples\)$"
+    ):
+        sample(plan(), velocity, hooks)
+    assert hooks.steps == [0, 1]
+
+
+def test_overflowing_next_latent_is_caught():
+    """A finite velocity of 3e38 passes step 0 (velocity coefficient dt = -0.25), but at step 1 the
+    FLOW_SDE mean scales it by (1 + std_t^2 (1 - s) / (2 s)) dt = -1.375 at noise level 3: x_{i+1}
+    overflows float32, and that is caught too."""
+    hooks = Recorder()
+    with pytest.raises(
+        NonFiniteStep, match=r"^step 1: the next latent of sample 0 is not finite \(3 samples\)$"
+    ):
+        sample(plan(noise_level=3.0), lambda x, i: torch.full_like(x, 3e38), hooks)
+    assert hooks.steps == [0]
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tiny_flux_folder, cache_dir, tmp_path_factory):
+    server = start_server(cache_dir, tmp_path_factory.mktemp("logs") / "nan-guard.log")
+    yield server
+    assert server.stop() == 0
+
+
+def test_a_policy_that_overflows_fails_its_rollouts(guarded_server, tiny_transformer):
+    """A finite update whose output layer overflows float32 is accepted, but every rollout on it
+    fails with INTERNAL at step 0 instead of streaming NaN; the server keeps serving, and restoring
+    the weights restores the rollouts."""
+    original = {name: tiny_transformer.state_dict()[name] for name in ("proj_out.weight", "proj_out.bias")}
+    huge = {name: torch.full_like(tensor, 3e38) for name, tensor in original.items()}
+    with RolloutClient(guarded_server.address, timeout=120) as client:
+        client.update_weights(huge, version=1, kind="subset")
+        with pytest.raises(grpc.RpcError) as raised:
+            client.rollout(**REQUEST)
+        assert raised.value.code() == grpc.StatusCode.INTERNAL
+        assert "step 0: the velocity of sample 0 is not finite (2 samples)" in raised.value.details()
+        health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+        client.update_weights(original, version=2, kind="subset")
+        trajectories = client.rollout(**REQUEST)
+        assert all(
+            t.latents.isfinite().all() and t.log_probs[t.stochastic].isfinite().all() for t in trajectories
+        )
+        assert trajectories[0].policy_version == 2
