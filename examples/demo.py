@@ -20,7 +20,7 @@ PROMPTS = ["a red fox in the snow", "a lighthouse at dusk"]
 SAMPLES_PER_PROMPT = 4
 BASE_SEED = 2024
 REPLAYED_SAMPLE = 5  # the second sample of the second prompt
-TOLERANCE = 1e-5  # fp32 replay parity (DESIGN.md section 3)
+TOLERANCE = 1e-5  # fp32 replay parity (docs/design.md, invariant 1)
 
 
 def replay(model_path: Path, trajectory_path: Path) -> float:

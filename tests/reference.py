@@ -1,5 +1,5 @@
-"""Independent float64 NumPy reference of the step formulas in DESIGN §3 (shares no code with the
-sampler)."""
+"""Independent float64 NumPy reference of the step formulas (docs/design.md, invariant 2); it shares
+no code with the sampler."""
 
 import math
 

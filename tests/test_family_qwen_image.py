@@ -1,5 +1,5 @@
 """The Qwen-Image family over gRPC on the tiny-qwen-image preset: detection, server info, the pipeline's own
-schedule and sampling, per-prompt conditioning lengths (DESIGN §8) and replay parity (DESIGN §3, invariant 1)
+schedule and sampling, per-prompt conditioning lengths and replay parity (docs/design.md)
 with true CFG (norm rescale) on and off.
 
 Qwen-Image's env differs from Flux's where SGLang-Diffusion's users got hurt: every prompt has its own text
@@ -158,7 +158,7 @@ def test_streamed_log_probs_replay(qwen_client, qwen_transformer, qwen_pipe, sam
         for i, value in bare.items():
             assert abs(value - streamed[i].item()) <= TOLERANCE, (i, value, streamed[i].item())
 
-    # Distinct samples of a group are scored separately (DESIGN §8), and the env matters: the long
+    # Distinct samples of a group are scored separately (docs/design.md), and the env matters: the long
     # prompt's env does not replay a short-prompt sample.
     assert not torch.equal(trajectories[0].log_probs, trajectories[1].log_probs)
     trajectories[0].env = trajectories[2].env

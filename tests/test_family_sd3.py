@@ -1,5 +1,5 @@
 """The SD3 family over gRPC on the tiny-sd3 preset: detection, server info, the pipeline's own schedule
-and sampling, and replay parity (DESIGN §3, invariant 1) with SD3's classic CFG on and off.
+and sampling, and replay parity (docs/design.md, invariant 1) with SD3's classic CFG on and off.
 
 SD3 differs from Flux in every convention a trainer replays with: unpacked [C, H/8, W/8] latents, the raw
 timestep (no / 1000), a static-shift schedule, and CFG driven by ``guidance_scale`` with the negative

@@ -1,4 +1,4 @@
-"""grpcurl against a real server, through reflection only (no .proto file): DESIGN §4 and §7."""
+"""grpcurl against a real server, through reflection only (no .proto file)."""
 
 import base64
 import json

@@ -1,5 +1,5 @@
 """Noise ownership and what the stream carries: group independence, batch invariance of noise,
-stochastic-step lists, latent selections and manifest-only mode (DESIGN §3 invariants 3-4, §4)."""
+stochastic-step lists, latent selections and manifest-only mode (docs/design.md, invariants 3-4)."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Replay parity over gRPC through the real tiny transformer (DESIGN §3, invariant 1).
+"""Replay parity over gRPC through the real tiny transformer (docs/design.md, invariant 1).
 
 For every stochastic step a trainer recomputes the log-prob from the streamed x_i, timestep and env
 and scores the streamed x_{i+1}; it must match the streamed log-prob within 1e-5. Checked twice: with

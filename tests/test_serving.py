@@ -1,4 +1,4 @@
-"""Serving behaviour on real server processes (DESIGN §6): cancellation, deadlines, overload, shutdown.
+"""Serving behaviour on real server processes: cancellation, deadlines, overload, shutdown.
 
 A "long" rollout is 100 steps of two 64x64 samples (about 230 KiB of step messages). The test
 channels turn off gRPC's BDP probing, which would otherwise grow the flow-control window to megabytes:

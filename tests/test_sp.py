@@ -1,4 +1,4 @@
-"""Sequence parallelism over two gloo ranks (DESIGN §5): the same request at SP=1 and SP=2 gives
+"""Sequence parallelism over two gloo ranks: the same request at SP=1 and SP=2 gives
 bitwise-equal noise and log-probs, latents and velocities within 1e-5, and a replayable stream; a
 rank that dies turns into a clear error and a non-zero exit, never a hang."""
 

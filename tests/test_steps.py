@@ -1,4 +1,4 @@
-"""Formula parity: every step type against an independent float64 NumPy reference of DESIGN §3."""
+"""Formula parity: every step type against an independent float64 NumPy reference of each formula."""
 
 import math
 
