@@ -47,6 +47,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="folder LoadWeights may read policy weights from (default: LoadWeights disabled)",
     )
+    s.add_argument(
+        "--upload-idle-seconds",
+        type=float,
+        default=30.0,
+        help="seconds an UpdateWeights stream may send nothing before it is dropped",
+    )
     return parser.parse_args(argv)
 
 
@@ -65,6 +71,8 @@ def main(argv=None) -> None:
     )
     if not 0 < args.collective_timeout <= 120:
         sys.exit("rollout-server: --collective-timeout must be in (0, 120] seconds")
+    if not args.upload_idle_seconds > 0:
+        sys.exit("rollout-server: --upload-idle-seconds must be above 0")
     if args.weights_root is not None and not args.weights_root.is_dir():
         sys.exit(f"rollout-server: --weights-root {args.weights_root} is not a folder")
     try:
@@ -85,6 +93,7 @@ def main(argv=None) -> None:
         model_path=model_path,
         parallel=parallel,
         weights_root=args.weights_root.resolve() if args.weights_root else None,
+        upload_idle_seconds=args.upload_idle_seconds,
     )
     try:
         code = asyncio.run(serve(options)) if parallel.is_leader else follow(options)

@@ -37,6 +37,7 @@ class ServerOptions:
     model_path: Path | None = None  # model resolved (and built, for a preset) beforehand
     parallel: SequenceParallel = field(default_factory=SequenceParallel)
     weights_root: Path | None = None  # LoadWeights reads only under it (resolved); None disables it
+    upload_idle_seconds: float = 30.0  # an UpdateWeights stream silent this long is dropped
 
 
 def versions() -> dict[str, str]:
@@ -94,7 +95,7 @@ def build_service(options: ServerOptions) -> RolloutService:
         timestep_rule=adapter.timestep_rule,
     )
     info.limits.max_update_bytes = engine.weight_spec.max_update_bytes
-    return RolloutService(engine, serving, info, options.weights_root)
+    return RolloutService(engine, serving, info, options.weights_root, options.upload_idle_seconds)
 
 
 class RolloutServer:
