@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import torch
 from peft import get_peft_model_state_dict, inject_adapter_in_model
 from peft.tuners.lora import LoraModel
@@ -49,6 +50,7 @@ HEADER_ALLOWANCE_BYTES = 16 * 1024 * 1024
 # LoadWeights paths: checked before the filesystem sees them (Linux PATH_MAX and NAME_MAX).
 MAX_PATH_CHARS = 4096
 MAX_PATH_PART_BYTES = 255
+BFLOAT16_EXPONENT = 0x7F80
 PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # PeftModel.save_pretrained prefixes the names it saves with this.
 PEFT_SAVED_PREFIX = "base_model.model."
@@ -94,12 +96,22 @@ def check_version(new: int, current: int, field: str = "policy_version") -> None
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """InvalidRequest on ``data`` if a floating-point tensor holds a NaN or an infinity. One pass
-    without a temporary: aminmax propagates NaN, and an infinity is an extreme."""
-    if tensor.is_floating_point() and tensor.numel():
-        low, high = torch.aminmax(tensor)
-        if not (math.isfinite(low) and math.isfinite(high)):
-            raise _reject("data", f"tensor {quoted(name)} holds NaN or infinite values")
+    """InvalidRequest on ``data`` if a floating-point (CPU) tensor holds a NaN or an infinity.
+
+    numpy, single-threaded and without a temporary: it runs on the event loop as each received tensor
+    completes, where torch's thread pool would contend with gRPC's threads for the cores (measured: 3x
+    slower on a loaded 2-core machine). min and max propagate NaN, and an infinity is an extreme;
+    bfloat16, which numpy lacks, is checked on its exponent bits (all ones: inf or NaN)."""
+    if not tensor.is_floating_point() or not tensor.numel():
+        return
+    if tensor.dtype == torch.bfloat16:
+        bits = tensor.view(torch.int16).numpy()
+        finite = not numpy.any((bits & BFLOAT16_EXPONENT) == BFLOAT16_EXPONENT)
+    else:
+        values = tensor.numpy()
+        finite = math.isfinite(values.min()) and math.isfinite(values.max())
+    if not finite:
+        raise _reject("data", f"tensor {quoted(name)} holds NaN or infinite values")
 
 
 def base_tensors(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
