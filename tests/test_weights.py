@@ -24,6 +24,7 @@ from safetensors.torch import load, save_file
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient, Started, Step, codec, collect, replay_log_probs
+from rollout_client.client import data_message
 from rollout_client.events import decode_stream
 from rollout_server.upload import TensorAssembler
 
@@ -149,6 +150,12 @@ def test_update_pieces_form_the_safetensors_buffer(piece_bytes):
         assert decoded.keys() == tensors.keys()
         for name, tensor in tensors.items():
             assert decoded[name].dtype == tensor.dtype and torch.equal(decoded[name], tensor), name
+
+
+@pytest.mark.parametrize("size", [1, 127, 128, 16383, 16384, 1024 * 1024])
+def test_hand_serialised_data_message_is_the_protobuf_one(size):
+    piece = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    assert data_message(piece) == rollout_pb2.UpdateWeightsRequest(data=piece).SerializeToString()
 
 
 def test_full_update_matches_a_fresh_server_and_replays(
