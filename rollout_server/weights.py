@@ -2,9 +2,10 @@
 
 An update is one of three kinds (rollout.v1 ``WeightsKind``):
 
-* FULL: every tensor of the transformer's state dict, under its plain (checkpoint) name; copied into
-  the existing parameters, so the model is never held twice; a loaded LoRA adapter is removed.
-* SUBSET: some of those tensors, copied the same way; the rest and any adapter stay.
+* FULL: every tensor of the transformer's state dict, under its plain (checkpoint) name; the
+  received tensors become the parameters' data (no copy; the old data is kept only until the update
+  is complete, to restore it if a step fails); a loaded LoRA adapter is removed.
+* SUBSET: some of those tensors, replaced the same way; the rest and any adapter stay.
 * LORA: a PEFT LoRA adapter (``peft.get_peft_model_state_dict`` names) and its ``LoraConfig``, loaded
   through diffusers' PEFT integration on top of the base weights; it replaces the previous adapter.
 
