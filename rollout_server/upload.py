@@ -59,10 +59,13 @@ def _entry(name: str, info: object, begin_expected: int) -> tuple[Entry, int]:
     return Entry(name, dtype, tuple(shape), nbytes), end
 
 
-def _data_start(item: tuple[str, object]) -> int:
-    """Where a header entry says its data begins (-1 if it does not say, which _entry refuses)."""
+def _data_order(item: tuple[str, object]) -> tuple:
+    """A header entry's data offsets, to sort by (an empty tensor before the one starting where it
+    does); (-1,) if they are malformed, which _entry then refuses."""
     offsets = item[1].get("data_offsets") if isinstance(item[1], dict) else None
-    return offsets[0] if isinstance(offsets, list) and offsets and type(offsets[0]) is int else -1
+    if isinstance(offsets, list) and all(type(n) is int for n in offsets):
+        return tuple(offsets)
+    return (-1,)
 
 
 def parse_header(text: bytes, data_bytes: int) -> list[Entry]:
@@ -76,7 +79,7 @@ def parse_header(text: bytes, data_bytes: int) -> list[Entry]:
         raise MalformedBuffer("the header is not a JSON object")
     header.pop("__metadata__", None)
     entries, end = [], 0
-    for name, info in sorted(header.items(), key=_data_start):
+    for name, info in sorted(header.items(), key=_data_order):
         entry, end = _entry(name, info, end)
         entries.append(entry)
     if end != data_bytes:
