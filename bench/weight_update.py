@@ -4,8 +4,9 @@ stream (same message size, same byte count, a bare grpc.aio servicer in its own 
 the same run, alternately, so machine noise hits both alike.
 
 Prints a Markdown table: payload size, median seconds per update as the trainer sees it (safetensors
-encoding, transfer, the server's checks and the in-place apply), the server's own seconds (first
-message to applied), and GB/s of both.
+encoding, transfer, the server's checks and the apply), the server's own seconds (first message to
+applied), and GB/s of both; then the cost of the server's finiteness check on the FULL payload alone,
+in this process with the server's thread count.
 
     python bench/weight_update.py                 # small-flux, 5 repeats
     python bench/weight_update.py --repeats 10
@@ -32,6 +33,7 @@ from rollout_client import RolloutClient, codec
 from rollout_client.client import UPDATE_CHUNK_BYTES
 from rollout_server.local import LocalServer
 from rollout_server.presets import resolve_model
+from rollout_server.weights import check_finite
 
 SINK_METHOD = "/bench.Sink/Push"
 # FlowGRPO's LoRA targets: every attention projection of the transformer blocks.
@@ -106,6 +108,17 @@ def measure(client: RolloutClient, push, label: str, tensors: dict, options: dic
     }
 
 
+def finiteness_check_seconds(tensors: dict, repeats: int) -> float:
+    """Median seconds of the server's finiteness check over every tensor of ``tensors``."""
+    runs = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        for name, tensor in tensors.items():
+            check_finite(name, tensor)
+        runs.append(time.perf_counter() - begin)
+    return statistics.median(runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -130,9 +143,10 @@ def main() -> None:
                 grpc.insecure_channel(f"127.0.0.1:{ports.get(timeout=60)}") as sink_channel,
             ):
                 push = sink_channel.stream_unary(SINK_METHOD)
+                updates = payloads(args.model, args.cache_dir)
                 rows = [
                     measure(client, push, label, tensors, options, args.repeats)
-                    for label, tensors, options in payloads(args.model, args.cache_dir)
+                    for label, tensors, options in updates
                 ]
         finally:
             server.stop()
@@ -148,6 +162,9 @@ def main() -> None:
             f"| {r['label']} | {r['mib']:.1f} | {r['update']:.3f} | {r['gbps']:.2f} | {r['server']:.3f} "
             f"| {r['server_gbps']:.2f} | {r['raw']:.3f} | {r['raw_gbps']:.2f} |"
         )
+    label, full, _ = updates[0]
+    seconds = finiteness_check_seconds(full, args.repeats)
+    print(f"\nfiniteness check of the {label} payload: {seconds * 1000:.1f} ms")
 
 
 if __name__ == "__main__":

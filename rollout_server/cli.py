@@ -77,6 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    s.add_argument(
+        "--upload-idle-seconds",
+        type=float,
+        default=30.0,
+        help="seconds an UpdateWeights stream may send nothing before it is dropped",
+    )
     return parser.parse_args(argv)
 
 
@@ -101,6 +107,8 @@ def main(argv=None) -> None:
         sys.exit(f"rollout-server: {error}")
     if not 0 < args.collective_timeout <= 120:
         sys.exit("rollout-server: --collective-timeout must be in (0, 120] seconds")
+    if not args.upload_idle_seconds > 0:
+        sys.exit("rollout-server: --upload-idle-seconds must be above 0")
     if args.weights_root is not None and not args.weights_root.is_dir():
         sys.exit(f"rollout-server: --weights-root {args.weights_root} is not a folder")
     try:
@@ -133,6 +141,7 @@ def main(argv=None) -> None:
         tokens=tokens,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        upload_idle_seconds=args.upload_idle_seconds,
     )
     try:
         code = asyncio.run(serve(options)) if parallel.is_leader else follow(options)

@@ -9,9 +9,10 @@ the same prepare and sampler loop without streaming (``follow``); every step sta
 agreeing on whether to go on, so a cancel stops all of them at the same step.
 
 Weight updates are jobs on the same worker: one runs after the rollouts queued before it and before
-later ones, so no rollout ever mixes two policy versions. Under sequence parallelism rank 0 broadcasts
-the update and every rank applies it; a rank that cannot takes the server down (``RankFailure``)
-rather than let the ranks serve different weights.
+later ones, so no rollout ever mixes two policy versions. A single-rank server whose update fails
+while applying restores the previous weights and keeps serving. Under sequence parallelism rank 0
+broadcasts the update and every rank applies it; a rank that cannot takes the server down
+(``RankFailure``) rather than let the ranks serve different weights.
 """
 
 import logging
@@ -189,13 +190,8 @@ class RolloutEngine:
 
     def _apply_update(self, update: weights.WeightUpdate) -> None:
         started_at = time.perf_counter()
-        try:
-            self.lora_adapter = weights.apply(self.adapter.transformer, update, self.lora_adapter)
-        except Exception as error:
-            raise RankFailure(
-                f"rank {self.parallel.rank} failed to apply {update.describe()} and may hold part of it: "
-                f"{type(error).__name__}: {error}"
-            ) from error
+        # If this fails, the previous weights are back in place (weights.apply restores them).
+        self.lora_adapter = weights.apply(self.adapter.transformer, update, self.lora_adapter)
         self.policy_version = update.policy_version
         log.info("applied %s in %.3f s", update.describe(), time.perf_counter() - started_at)
 
@@ -224,8 +220,12 @@ class RolloutEngine:
 
     def _apply_on_every_rank(self, get_update: Callable[[], weights.WeightUpdate]) -> None:
         """Apply the update here, then learn whether every rank did. Ranks serving different weights
-        would be worse than no server: any failure is a RankFailure on every rank (so the update call
-        fails and the server goes down)."""
+        would be worse than no server: under sequence parallelism any failure is a RankFailure on every
+        rank (so the update call fails and the server goes down). A single rank restored its previous
+        weights: the error fails the call only."""
+        if not self.parallel.enabled:
+            self._apply_update(get_update())
+            return
         failure = None
         try:
             self._apply_update(get_update())
@@ -234,7 +234,8 @@ class RolloutEngine:
         if not self.parallel.all_succeeded(failure is None):
             if failure is not None:
                 raise RankFailure(
-                    f"rank {self.parallel.rank} cannot apply the weight update: {failure}"
+                    f"rank {self.parallel.rank} cannot apply the weight update: "
+                    f"{type(failure).__name__}: {failure}"
                 ) from failure
             raise RankFailure(
                 f"another rank could not apply the weight update; {self.parallel.describe_failure()}"

@@ -53,6 +53,7 @@ class ServerOptions:
     tokens: TokenPolicy = TokenPolicy()
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no metrics endpoint
+    upload_idle_seconds: float = 30.0  # an UpdateWeights stream silent this long is dropped
 
 
 def versions() -> dict[str, str]:
@@ -110,7 +111,7 @@ def build_service(options: ServerOptions) -> RolloutService:
         timestep_rule=adapter.timestep_rule,
     )
     info.limits.max_update_bytes = engine.weight_spec.max_update_bytes
-    return RolloutService(engine, serving, info, options.weights_root)
+    return RolloutService(engine, serving, info, options.weights_root, options.upload_idle_seconds)
 
 
 def _parse_or_none(message_type):

@@ -1,6 +1,7 @@
 """The RolloutService servicer: validation, admission, the stream of one rollout, weight updates."""
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ NOT_A_PROTOBUF = "the message is not a valid protobuf of the method's request ty
 # BadRequest details); anything else is INTERNAL.
 UPDATE_FAILURES = (
     (weights.StaleUpdate, grpc.StatusCode.FAILED_PRECONDITION),
+    (weights.UploadIdle, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
     (RankFailure, grpc.StatusCode.UNAVAILABLE),
@@ -87,11 +89,16 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         serving: ServingContext,
         server_info: rollout_pb2.GetServerInfoResponse,
         weights_root: Path | None = None,
+        upload_idle_seconds: float = 30.0,
     ):
         self.engine = engine
         self.serving = serving
         self.server_info = server_info
         self.weights_root = weights_root
+        self.upload_idle_seconds = upload_idle_seconds
+        # One weight update (UpdateWeights or LoadWeights) at a time: each may hold a model's worth
+        # of memory until it is applied.
+        self._update_in_progress = False
         self.shutting_down = False
         # Set, and replaced by a fresh one, whenever a weight update job ends (see _wait_for_policy).
         self._policy_changed = asyncio.Event()
@@ -114,9 +121,15 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             self.engine.metrics.reject("shutting_down")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         max_bytes = self.server_info.limits.max_update_bytes
-        received = weights.receive(_parsed(request_iterator), lambda: self.engine.policy_version, max_bytes)
-        update = await self._updating(context, received)
-        await self._updating(context, self._apply(update))
+        async with self._update_slot(context):
+            received = weights.receive(
+                _parsed(request_iterator),
+                lambda: self.engine.policy_version,
+                max_bytes,
+                self.upload_idle_seconds,
+            )
+            update = await self._updating(context, received)
+            await self._updating(context, self._apply(update))
         return rollout_pb2.UpdateWeightsResponse(**self._applied(update, started_at))
 
     async def LoadWeights(self, request, context):
@@ -131,10 +144,28 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "LoadWeights is disabled: the server was started without --weights-root",
             )
-        read = asyncio.to_thread(weights.read_update, self.weights_root, request, self.engine.policy_version)
-        update = await self._updating(context, read)
-        await self._updating(context, self._apply(update))
+        async with self._update_slot(context):
+            read = asyncio.to_thread(
+                weights.read_update, self.weights_root, request, self.engine.policy_version
+            )
+            update = await self._updating(context, read)
+            await self._updating(context, self._apply(update))
         return rollout_pb2.LoadWeightsResponse(**self._applied(update, started_at))
+
+    @contextlib.asynccontextmanager
+    async def _update_slot(self, context) -> AsyncIterator[None]:
+        """Hold the one weight-update slot for the body (released however it ends, the caller's
+        cancel included); RESOURCE_EXHAUSTED at once while another update holds it."""
+        if self._update_in_progress:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "another weight update is in progress; the server takes one at a time, retry after it",
+            )
+        self._update_in_progress = True
+        try:
+            yield
+        finally:
+            self._update_in_progress = False
 
     async def _apply(self, update: weights.WeightUpdate) -> None:
         """Check ``update`` (off the event loop: a LoRA check builds an empty model), then queue it

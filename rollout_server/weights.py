@@ -2,9 +2,10 @@
 
 An update is one of three kinds (rollout.v1 ``WeightsKind``):
 
-* FULL: every tensor of the transformer's state dict, under its plain (checkpoint) name; copied into
-  the existing parameters, so the model is never held twice; a loaded LoRA adapter is removed.
-* SUBSET: some of those tensors, copied the same way; the rest and any adapter stay.
+* FULL: every tensor of the transformer's state dict, under its plain (checkpoint) name; the
+  received tensors become the parameters' data (no copy; the old data is kept only until the update
+  is complete, to restore it if a step fails); a loaded LoRA adapter is removed.
+* SUBSET: some of those tensors, replaced the same way; the rest and any adapter stay.
 * LORA: a PEFT LoRA adapter (``peft.get_peft_model_state_dict`` names) and its ``LoraConfig``, loaded
   through diffusers' PEFT integration on top of the base weights; it replaces the previous adapter.
 
@@ -14,9 +15,9 @@ adapter is laid out on an empty copy of the transformer on the meta device. So t
 update while rollouts run, and only the engine's worker touches the model, between two rollouts.
 """
 
+import asyncio
 import copy
 import functools
-import json
 import math
 import struct
 import warnings
@@ -24,8 +25,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import torch
-from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+from peft import get_peft_model_state_dict, inject_adapter_in_model
 from peft.tuners.lora import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import SafetensorError
@@ -33,7 +35,10 @@ from safetensors.torch import load_file
 
 from rollout.v1 import rollout_pb2
 from rollout_client import codec
-from rollout_server.validation import InvalidRequest
+from rollout_server.limits import MAX_POLICY_VERSION
+from rollout_server.lora_config import parse_lora_config
+from rollout_server.upload import MalformedBuffer, TensorAssembler, assemble
+from rollout_server.validation import InvalidRequest, quoted
 
 FULL, SUBSET, LORA = (
     rollout_pb2.WEIGHTS_KIND_FULL,
@@ -43,9 +48,10 @@ FULL, SUBSET, LORA = (
 DEFAULT_ADAPTER_NAME = "default"
 # Room for the safetensors header on top of the tensor bytes (about 100 bytes per tensor).
 HEADER_ALLOWANCE_BYTES = 16 * 1024 * 1024
-# LoRA inits that only set the adapter's own weights. The others (PiSSA, OLoRA, CorDA, LoftQ, ...) also
-# rewrite the base weights when the adapter is created, which would silently change the policy here.
-SAFE_LORA_INITS = (True, False, "gaussian", "orthogonal")
+# LoadWeights paths: checked before the filesystem sees them (Linux PATH_MAX and NAME_MAX).
+MAX_PATH_CHARS = 4096
+MAX_PATH_PART_BYTES = 255
+BFLOAT16_EXPONENT = 0x7F80
 PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # PeftModel.save_pretrained prefixes the names it saves with this.
 PEFT_SAVED_PREFIX = "base_model.model."
@@ -55,6 +61,10 @@ warnings.filterwarnings("ignore", message="Already found a `peft_config` attribu
 
 class StaleUpdate(Exception):
     """The update's policy version is not above the server's current one."""
+
+
+class UploadIdle(Exception):
+    """The client sent nothing for longer than the server's upload idle timeout."""
 
 
 @dataclass(frozen=True)
@@ -77,31 +87,32 @@ def _reject(field: str, description: str) -> InvalidRequest:
     return InvalidRequest([(field, description)])
 
 
-def check_version(new: int, current: int) -> None:
+def check_version(new: int, current: int, field: str = "policy_version") -> None:
+    """StaleUpdate unless ``new`` is above ``current`` (so 0 never is); InvalidRequest on ``field`` if
+    it is above MAX_POLICY_VERSION, which would leave no room for later versions."""
     if new <= current:
         raise StaleUpdate(f"policy version {new} is not above the server's current version {current}")
+    if new > MAX_POLICY_VERSION:
+        raise _reject(field, f"must be at most {MAX_POLICY_VERSION} (2^63 - 1), got {new}")
 
 
-def parse_lora_config(text: str) -> LoraConfig:
-    """The update's LoraConfig, or InvalidRequest saying what is wrong with it."""
-    field = "header.lora_config_json"
-    try:
-        values = json.loads(text)
-        # from_peft_type picks the config class from peft_type and drops keys of newer peft versions.
-        config = LoraConfig.from_peft_type(**values)
-    except (ValueError, TypeError, KeyError) as error:
-        raise _reject(field, f"not a peft LoraConfig as JSON: {error}") from error
-    if not isinstance(config, LoraConfig):
-        raise _reject(field, f"peft_type {values.get('peft_type')!r} is not LORA")
-    if config.init_lora_weights not in SAFE_LORA_INITS:
-        raise _reject(
-            field,
-            f"init_lora_weights={config.init_lora_weights!r} rewrites base weights when the adapter is "
-            f"created; send the adapter with one of {SAFE_LORA_INITS} (its weights all come from the update)",
-        )
-    if config.modules_to_save:
-        raise _reject(field, "modules_to_save is not supported: push those modules as a SUBSET update")
-    return config
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """InvalidRequest on ``data`` if a floating-point (CPU) tensor holds a NaN or an infinity.
+
+    numpy, single-threaded and without a temporary: it runs on the event loop as each received tensor
+    completes, where torch's thread pool would contend with gRPC's threads for the cores (measured: 3x
+    slower on a loaded 2-core machine). min and max propagate NaN, and an infinity is an extreme;
+    bfloat16, which numpy lacks, is checked on its exponent bits (all ones: inf or NaN)."""
+    if not tensor.is_floating_point() or not tensor.numel():
+        return
+    if tensor.dtype == torch.bfloat16:
+        bits = tensor.view(torch.int16).numpy()
+        finite = not numpy.any((bits & BFLOAT16_EXPONENT) == BFLOAT16_EXPONENT)
+    else:
+        values = tensor.numpy()
+        finite = math.isfinite(values.min()) and math.isfinite(values.max())
+    if not finite:
+        raise _reject("data", f"tensor {quoted(name)} holds NaN or infinite values")
 
 
 def base_tensors(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -184,13 +195,13 @@ def check(spec: TransformerSpec, update: WeightUpdate) -> None:
     what = "the adapter" if adapter else "the transformer"
     for name, tensor in update.tensors.items():
         if name not in expected:
-            raise _reject("data", f"unknown tensor {name!r}: {what} has no tensor of that name")
+            raise _reject("data", f"unknown tensor {quoted(name)}: {what} has no tensor of that name")
         dtype, shape = expected[name]
         if tensor.dtype != dtype:
-            raise _reject("data", f"tensor {name!r} is {tensor.dtype}; {what} holds it as {dtype}")
+            raise _reject("data", f"tensor {quoted(name)} is {tensor.dtype}; {what} holds it as {dtype}")
         if tuple(tensor.shape) != shape:
             raise _reject(
-                "data", f"tensor {name!r} has shape {list(tensor.shape)}; {what}'s is {list(shape)}"
+                "data", f"tensor {quoted(name)} has shape {list(tensor.shape)}; {what}'s is {list(shape)}"
             )
     missing = [name for name in expected if name not in update.tensors]
     if missing and update.kind != SUBSET:
@@ -208,17 +219,41 @@ def _peft_name(policy_version: int) -> str:
 def apply(
     transformer: torch.nn.Module, update: WeightUpdate, loaded: rollout_pb2.LoraAdapter | None
 ) -> rollout_pb2.LoraAdapter | None:
-    """Apply a checked update in place; returns the LoRA adapter loaded afterwards, if any."""
+    """Apply a checked update; returns the LoRA adapter loaded afterwards, if any. If it fails
+    part-way, the previous weights and adapter are restored before the error propagates."""
     if update.kind == LORA:
         return _load_lora(transformer, update, loaded)
     live = base_tensors(transformer)
-    with torch.no_grad():
-        for name, tensor in update.tensors.items():
-            live[name].copy_(tensor)
-    if update.kind == FULL and loaded is not None:
-        transformer.unload_lora()  # the pushed tensors are the whole policy
-        return None
+    replaced: dict[str, torch.Tensor] = {}
+    try:
+        with torch.no_grad():
+            for name, tensor in update.tensors.items():
+                replaced[name] = _replace(live[name], tensor)
+            if update.kind == FULL and loaded is not None:
+                transformer.unload_lora()  # the pushed tensors are the whole policy
+                return None
+    except BaseException:
+        with torch.no_grad():
+            for name, previous in replaced.items():
+                _replace(live[name], previous)
+        raise
     return loaded
+
+
+def _replace(target: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Make ``new`` the value of ``target`` and return the previous value, to restore it with.
+
+    On the model's device the received tensor (which owns its memory) becomes the parameter's data and
+    the old data is kept: no copy, no extra memory beyond the update itself, which is already held. On
+    another device (an accelerator) the values are copied in, after a host copy of the old ones: the
+    update's size in host memory, none on the device."""
+    if new.device == target.device:
+        previous = target.data
+        target.data = new
+        return previous
+    previous = target.detach().to("cpu", copy=True)
+    target.copy_(new)
+    return previous
 
 
 def _load_lora(
@@ -228,16 +263,23 @@ def _load_lora(
     name = _peft_name(update.policy_version)
     # Sorted, so the first name is a lora_A one: diffusers takes anything else for a non-PEFT format.
     tensors = dict(sorted(update.tensors.items()))
-    transformer.load_lora_adapter(tensors, prefix=None, adapter_name=name, metadata=config.to_dict())
-    transformer.set_adapter(name)
+    try:
+        transformer.load_lora_adapter(tensors, prefix=None, adapter_name=name, metadata=config.to_dict())
+        transformer.set_adapter(name)
+    except BaseException:
+        # Drop what was loaded of the new adapter; the previous one (or none) stays in force.
+        if name in getattr(transformer, "peft_config", {}):
+            transformer.delete_adapters(name)
+        if loaded is not None:
+            transformer.set_adapter(_peft_name(loaded.policy_version))
+        raise
     if loaded is not None:
         transformer.delete_adapters(_peft_name(loaded.policy_version))
-    targets = config.target_modules
     return rollout_pb2.LoraAdapter(
         name=update.adapter_name or DEFAULT_ADAPTER_NAME,
         rank=config.r,
         alpha=config.lora_alpha,
-        target_modules=[targets] if isinstance(targets, str) else sorted(targets or ()),
+        target_modules=sorted(config.target_modules),
         tensors=len(update.tensors),
         policy_version=update.policy_version,
     )
@@ -247,43 +289,51 @@ async def receive(
     requests: AsyncIterator[rollout_pb2.UpdateWeightsRequest],
     current_version: Callable[[], int],
     max_bytes: int,
+    idle_seconds: float,
 ) -> WeightUpdate:
-    """Reassemble an UpdateWeights stream into one update. The buffer is allocated once from the
-    header's total_bytes and filled in place; a stale version is refused before any data arrives."""
-    header, buffer, filled = None, bytearray(), 0
-    async for message in requests:
+    """Reassemble an UpdateWeights stream into one update, each tensor built and checked for finite
+    values as its bytes arrive. A stale version is refused before any data is read; a stream silent for
+    ``idle_seconds`` ends with UploadIdle."""
+    messages = aiter(requests)
+    header, assembler = None, None
+    while True:
+        try:
+            message = await asyncio.wait_for(anext(messages), idle_seconds)
+        except StopAsyncIteration:
+            break
+        except TimeoutError as error:
+            raise UploadIdle(f"no update message for {idle_seconds:g} s: the upload was dropped") from error
         if header is None:
             if not message.HasField("header"):
                 raise _reject("header", "the first message must carry the header")
             header = message.header
-            check_version(header.policy_version, current_version())
+            check_version(header.policy_version, current_version(), "header.policy_version")
             if not 0 < header.total_bytes <= max_bytes:
                 raise _reject("header.total_bytes", f"must be in [1, {max_bytes}], got {header.total_bytes}")
-            buffer = bytearray(header.total_bytes)
+            assembler = TensorAssembler(header.total_bytes, HEADER_ALLOWANCE_BYTES, check_finite)
         elif message.HasField("header"):
             raise _reject("header", "only the first message carries a header")
-        data = message.data
-        if filled + len(data) > len(buffer):
-            raise _reject("data", f"more bytes than header.total_bytes = {len(buffer)}")
-        buffer[filled : filled + len(data)] = data
-        filled += len(data)
+        try:
+            assembler.feed(message.data)
+        except MalformedBuffer as error:
+            raise _reject("data", str(error)) from error
     if header is None:
         raise _reject("header", "the stream was empty")
-    if filled < len(buffer):
-        raise _reject("data", f"truncated: the stream ended after {filled} of {len(buffer)} bytes")
-    return _from_header(header, buffer)
-
-
-def _from_header(header: rollout_pb2.WeightsUpdateHeader, buffer: bytearray) -> WeightUpdate:
     try:
-        tensors = codec.views(buffer)
-    except ValueError as error:
+        tensors = assembler.result()
+    except MalformedBuffer as error:
         raise _reject("data", str(error)) from error
+    return _from_header(header, tensors, header.total_bytes)
+
+
+def _from_header(
+    header: rollout_pb2.WeightsUpdateHeader, tensors: dict[str, torch.Tensor], nbytes: int
+) -> WeightUpdate:
     return WeightUpdate(
         policy_version=header.policy_version,
         kind=header.kind,
         tensors=tensors,
-        nbytes=len(buffer),
+        nbytes=nbytes,
         lora_config_json=header.lora_config_json,
         adapter_name=header.adapter_name,
     )
@@ -302,33 +352,52 @@ def to_payload(update: WeightUpdate) -> bytes:
 
 
 def from_payload(payload: bytes) -> WeightUpdate:
+    """The update rank 0 broadcast (it checked the values): every tensor in its own memory."""
     (size,) = struct.unpack("<Q", payload[:8])
     header = rollout_pb2.WeightsUpdateHeader.FromString(payload[8 : 8 + size])
-    return _from_header(header, bytearray(memoryview(payload)[8 + size :]))
+    data = memoryview(payload)[8 + size :]
+    return _from_header(header, assemble(data, HEADER_ALLOWANCE_BYTES, lambda name, tensor: None), len(data))
+
+
+def check_path(requested: str) -> None:
+    """InvalidRequest on ``path`` unless the filesystem can take ``requested`` as a path at all."""
+    if "\0" in requested:
+        raise _reject("path", "must not contain a NUL character")
+    if len(requested) > MAX_PATH_CHARS:
+        raise _reject("path", f"is {len(requested)} characters; at most {MAX_PATH_CHARS}")
+    for part in Path(requested).parts:
+        if len(part.encode(errors="surrogatepass")) > MAX_PATH_PART_BYTES:
+            raise _reject("path", f"the name {quoted(part)} is longer than {MAX_PATH_PART_BYTES} bytes")
 
 
 def resolve_under(root: Path, requested: str) -> Path:
     """``requested`` (relative to ``root``, or absolute) with '..' and symbolic links resolved:
     PermissionError unless it lies inside ``root`` (itself resolved), FileNotFoundError if absent."""
-    path = (root / requested).resolve()
+    check_path(requested)
+    try:
+        path = (root / requested).resolve()
+    except RuntimeError as error:  # Python 3.11 reports a symbolic link loop this way
+        raise _reject("path", f"{quoted(requested)} is a symbolic link loop") from error
     if not path.is_relative_to(root):
-        raise PermissionError(f"{requested!r} is outside the server's --weights-root")
+        raise PermissionError(f"{quoted(requested)} is outside the server's --weights-root")
     if not path.exists():
-        raise FileNotFoundError(f"{requested!r} does not exist under the server's --weights-root")
+        raise FileNotFoundError(f"{quoted(requested)} does not exist under the server's --weights-root")
     return path
 
 
 def read_update(root: Path, request: rollout_pb2.LoadWeightsRequest, current_version: int) -> WeightUpdate:
     """The update stored at ``request.path`` under ``root``: a PEFT adapter folder (LORA), or the
     safetensors weights of a file, a diffusers model folder or a pipeline folder's transformer/. A
-    stale version is refused before anything is read."""
-    check_version(request.policy_version, current_version)
+    stale version is refused before anything is read; non-finite values once read."""
+    check_version(request.policy_version, current_version, "policy_version")
     path = resolve_under(root, request.path)
-    is_adapter = (path / PEFT_CONFIG_FILE).is_file()
-    kind = request.kind or (LORA if is_adapter else FULL)
-    if (kind == LORA) != is_adapter:
-        raise _reject("kind", f"{request.path!r} {'is' if is_adapter else 'is not'} a PEFT adapter folder")
     try:
+        is_adapter = (path / PEFT_CONFIG_FILE).is_file()
+        kind = request.kind or (LORA if is_adapter else FULL)
+        if (kind == LORA) != is_adapter:
+            raise _reject(
+                "kind", f"{quoted(request.path)} {'is' if is_adapter else 'is not'} a PEFT adapter folder"
+            )
         if is_adapter:
             config_json = (path / PEFT_CONFIG_FILE).read_text()
             tensors = {
@@ -338,8 +407,10 @@ def read_update(root: Path, request: rollout_pb2.LoadWeightsRequest, current_ver
             config_json, tensors = "", {}
             for file in _weight_files(path):
                 tensors.update(load_file(file))
-    except (OSError, SafetensorError) as error:
-        raise _reject("path", f"cannot read the weights: {error}") from error
+    except (OSError, SafetensorError, UnicodeDecodeError) as error:
+        raise _reject("path", f"cannot read the weights: {quoted(str(error))}") from error
+    for name, tensor in tensors.items():
+        check_finite(name, tensor)
     return WeightUpdate(
         policy_version=request.policy_version,
         kind=kind,
@@ -353,7 +424,7 @@ def read_update(root: Path, request: rollout_pb2.LoadWeightsRequest, current_ver
 def _weight_files(path: Path) -> list[Path]:
     if path.is_file():
         if path.suffix != ".safetensors":
-            raise _reject("path", f"{path.name} is not a .safetensors file")
+            raise _reject("path", f"{quoted(path.name)} is not a .safetensors file")
         return [path]
     if (path / "model_index.json").is_file():  # a pipeline: its transformer is the policy
         path = path / "transformer"

@@ -20,11 +20,13 @@ import pytest
 import torch
 from conftest import start_server
 from peft import LoraConfig, get_peft_model_state_dict
-from safetensors.torch import load, save_file
+from safetensors.torch import load, save, save_file
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient, Started, Step, codec, collect, replay_log_probs
+from rollout_client.client import data_message
 from rollout_client.events import decode_stream
+from rollout_server.upload import TensorAssembler, assemble
 
 EPS = rollout_pb2.DEBUG_TENSOR_EPS
 REQUEST = {
@@ -125,7 +127,8 @@ def restore_base(client: RolloutClient, tiny_transformer) -> int:
 
 @pytest.mark.parametrize("piece_bytes", [1, 13, 4096])
 def test_update_pieces_form_the_safetensors_buffer(piece_bytes):
-    """The client streams a buffer safetensors itself reads back, and the server views it uncopied."""
+    """The client streams a buffer safetensors itself reads back, and the server rebuilds its tensors
+    from the pieces as they come."""
     tensors = {
         "weight": torch.randn(5, 3),
         "transposed": torch.randn(4, 6).t(),
@@ -140,10 +143,21 @@ def test_update_pieces_form_the_safetensors_buffer(piece_bytes):
     assert all(len(piece) == piece_bytes for piece in pieces[:-1]) and 0 < len(pieces[-1]) <= piece_bytes
     buffer = b"".join(pieces)
     assert len(buffer) == total_bytes
-    for decoded in (load(buffer), codec.views(bytearray(buffer))):
+    assembler = TensorAssembler(total_bytes, max_header_bytes=total_bytes, on_tensor=lambda name, t: None)
+    for piece in pieces:
+        assembler.feed(piece)
+    # safetensors' own layout (as rank 0 broadcasts it) orders the data differently from its header.
+    saved = save({name: t.contiguous().clone() for name, t in tensors.items()})
+    for decoded in (load(buffer), assembler.result(), assemble(saved, len(saved), lambda name, t: None)):
         assert decoded.keys() == tensors.keys()
         for name, tensor in tensors.items():
             assert decoded[name].dtype == tensor.dtype and torch.equal(decoded[name], tensor), name
+
+
+@pytest.mark.parametrize("size", [1, 127, 128, 16383, 16384, 1024 * 1024])
+def test_hand_serialised_data_message_is_the_protobuf_one(size):
+    piece = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    assert data_message(piece) == rollout_pb2.UpdateWeightsRequest(data=piece).SerializeToString()
 
 
 def test_full_update_matches_a_fresh_server_and_replays(

@@ -8,7 +8,6 @@ travel the same way, client to server.
 """
 
 import json
-import math
 import struct
 from collections.abc import Iterator, Mapping
 
@@ -72,28 +71,6 @@ def manifest_of(buffer: bytes) -> list[rollout_pb2.TensorInfo]:
 def decode(buffer: bytes) -> dict[str, torch.Tensor]:
     """Tensors of a reassembled safetensors buffer (empty buffer: no tensors)."""
     return safetensors_load(buffer) if buffer else {}
-
-
-def views(buffer: bytearray) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors buffer as views on its memory, without a copy (a weight update is
-    as large as the model; ``decode`` would hold it twice). ValueError if the buffer is malformed."""
-    try:
-        data_start, entries = _header(buffer)
-        tensors = {}
-        for name, entry in entries:
-            dtype, shape = DTYPES[entry["dtype"]], [int(n) for n in entry["shape"]]
-            begin, end = (int(offset) for offset in entry["data_offsets"])
-            count = math.prod(shape)
-            if end - begin != count * dtype.itemsize or not 0 <= begin <= end <= len(buffer) - data_start:
-                raise ValueError(f"tensor {name!r}: its data offsets disagree with its shape and dtype")
-            tensors[name] = (
-                torch.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin).view(shape)
-                if count
-                else torch.empty(shape, dtype=dtype)
-            )
-        return tensors
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"not a valid safetensors buffer: {error}") from error
 
 
 def encode_in_pieces(tensors: Mapping[str, torch.Tensor], size: int) -> tuple[int, Iterator[bytes]]:

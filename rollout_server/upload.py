@@ -1,0 +1,185 @@
+"""An update's safetensors bytes turned into tensors as they arrive.
+
+The JSON header at the front of the buffer is parsed and checked first (dtypes, shapes, offsets that
+tile the data exactly); each tensor then gets its own buffer, allocated uninitialised when its first
+byte arrives and filled straight from the received pieces. So memory grows with the bytes received,
+never with the sizes a client declares, every tensor owns its memory (the engine may adopt it as a
+parameter), and each one is checked as soon as it is complete, while later bytes are still arriving.
+"""
+
+import json
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rollout_client.codec import DTYPES
+from rollout_server.validation import quoted
+
+MAX_DIMS = 8
+MAX_DIM = 2**40
+
+
+class MalformedBuffer(ValueError):
+    """The bytes are not a safetensors buffer this server reads."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _entry(name: str, info: object, begin_expected: int) -> tuple[Entry, int]:
+    """The checked header entry of one tensor and where its data ends."""
+    what = f"tensor {quoted(name)}"
+    if not isinstance(info, dict) or info.get("dtype") not in DTYPES:
+        raise MalformedBuffer(f"{what}: dtype must be one of {sorted(DTYPES)}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= MAX_DIMS
+        and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)
+    ):
+        raise MalformedBuffer(f"{what}: shape must be at most {MAX_DIMS} integers in [0, 2^40]")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)):
+        raise MalformedBuffer(f"{what}: data_offsets must be two integers")
+    dtype = DTYPES[info["dtype"]]
+    nbytes = math.prod(shape) * dtype.itemsize
+    begin, end = offsets
+    if begin != begin_expected or end - begin != nbytes:
+        raise MalformedBuffer(
+            f"{what}: data_offsets {offsets} do not follow the previous tensor's data at "
+            f"{begin_expected} with the {nbytes} bytes of its shape and dtype"
+        )
+    return Entry(name, dtype, tuple(shape), nbytes), end
+
+
+def _data_order(item: tuple[str, object]) -> tuple:
+    """A header entry's data offsets, to sort by (an empty tensor before the one starting where it
+    does); (-1,) if they are malformed, which _entry then refuses."""
+    offsets = item[1].get("data_offsets") if isinstance(item[1], dict) else None
+    if isinstance(offsets, list) and all(type(n) is int for n in offsets):
+        return tuple(offsets)
+    return (-1,)
+
+
+def parse_header(text: bytes, data_bytes: int) -> list[Entry]:
+    """The tensors a safetensors JSON header describes, in data order; MalformedBuffer unless their
+    data exactly fills ``data_bytes``."""
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise MalformedBuffer(f"the header is not JSON: {quoted(str(error))}") from error
+    if not isinstance(header, dict):
+        raise MalformedBuffer("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    entries, end = [], 0
+    for name, info in sorted(header.items(), key=_data_order):
+        entry, end = _entry(name, info, end)
+        entries.append(entry)
+    if end != data_bytes:
+        raise MalformedBuffer(
+            f"the tensors' data is {end} bytes; the buffer holds {data_bytes} after its header"
+        )
+    return entries
+
+
+class TensorAssembler:
+    """Builds the tensors of a safetensors buffer of ``total_bytes`` from consecutive pieces of it.
+    ``on_tensor(name, tensor)`` runs on each tensor once complete (and may raise to refuse it)."""
+
+    def __init__(
+        self, total_bytes: int, max_header_bytes: int, on_tensor: Callable[[str, torch.Tensor], None]
+    ):
+        self.total_bytes = total_bytes
+        self.max_header_bytes = max_header_bytes
+        self.on_tensor = on_tensor
+        self.received = 0
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._prefix = bytearray()  # the length and JSON header, until parsed
+        self._entries: list[Entry] | None = None
+        self._next = 0  # index of the entry being filled
+        self._raw: torch.Tensor | None = None  # its bytes
+        self._raw_view = memoryview(b"")
+        self._filled = 0
+
+    def feed(self, data: bytes) -> None:
+        if self.received + len(data) > self.total_bytes:
+            raise MalformedBuffer(f"more bytes than header.total_bytes = {self.total_bytes}")
+        self.received += len(data)
+        view = memoryview(data)
+        if self._entries is None:
+            view = self._read_header(view)
+            if self._entries is None:
+                return
+        while True:
+            self._complete_empty_tensors()
+            if not view:
+                return
+            if self._raw is None:
+                entry = self._entries[self._next]
+                self._raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+                self._raw_view, self._filled = memoryview(self._raw.numpy()), 0
+            taken = min(len(view), len(self._raw_view) - self._filled)
+            self._raw_view[self._filled : self._filled + taken] = view[:taken]
+            self._filled += taken
+            view = view[taken:]
+            if self._filled == len(self._raw_view):
+                self._finish_tensor()
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """Every tensor; MalformedBuffer if the buffer was not complete."""
+        if self.received < self.total_bytes:
+            raise MalformedBuffer(
+                f"truncated: the stream ended after {self.received} of {self.total_bytes} bytes"
+            )
+        if self._entries is None:
+            raise MalformedBuffer(f"the {self.received} bytes received do not hold a safetensors header")
+        return self.tensors
+
+    def _read_header(self, view: memoryview) -> memoryview:
+        """Collect the header from ``view``; parse it once complete. Returns the bytes after it."""
+        needed = 8 if len(self._prefix) < 8 else 8 + self._header_size()
+        taken = min(len(view), needed - len(self._prefix))
+        self._prefix += view[:taken]
+        view = view[taken:]
+        if len(self._prefix) == 8:
+            size = self._header_size()
+            if not 2 <= size <= min(self.max_header_bytes, self.total_bytes - 8):
+                raise MalformedBuffer(
+                    f"header length {size} is not in [2, {min(self.max_header_bytes, self.total_bytes - 8)}]"
+                )
+            return self._read_header(view) if view else view
+        if len(self._prefix) == needed:
+            self._entries = parse_header(bytes(self._prefix[8:]), self.total_bytes - needed)
+            self._prefix = bytearray()
+        return view
+
+    def _header_size(self) -> int:
+        return struct.unpack("<Q", self._prefix[:8])[0]
+
+    def _complete_empty_tensors(self) -> None:
+        while self._raw is None and self._next < len(self._entries) and not self._entries[self._next].nbytes:
+            self._raw = torch.empty(0, dtype=torch.uint8)
+            self._finish_tensor()
+
+    def _finish_tensor(self) -> None:
+        entry = self._entries[self._next]
+        tensor = self._raw.view(entry.dtype).reshape(entry.shape)
+        self._raw, self._raw_view, self._next = None, memoryview(b""), self._next + 1
+        self.on_tensor(entry.name, tensor)
+        self.tensors[entry.name] = tensor
+
+
+def assemble(
+    data: bytes | memoryview, max_header_bytes: int, on_tensor: Callable[[str, torch.Tensor], None]
+) -> dict[str, torch.Tensor]:
+    """The tensors of a whole safetensors buffer, each in its own memory."""
+    assembler = TensorAssembler(len(data), max_header_bytes, on_tensor)
+    assembler.feed(data)
+    return assembler.result()
