@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 import rollout_server
 from rollout.v1 import rollout_pb2
-from rollout_server import families, presets
+from rollout_server import families, presets, upload
 from rollout_server.auth import ServerTLS, StartupError, TokenInterceptor, TokenPolicy, exposure_warning
 from rollout_server.engine import DTYPE_NAMES, RolloutEngine
 from rollout_server.limits import Limits
@@ -27,6 +27,8 @@ SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
 SERVICE_NAME = SERVICE.full_name
 # How often a shutting-down server checks whether its rollouts have finished.
 _DRAIN_POLL_SECONDS = 0.05
+# Methods whose requests have a parser of their own (see upload.parse_update_message).
+_REQUEST_PARSERS = {"UpdateWeights": upload.parse_update_message}
 # The gRPC handler factory for each (client streaming, server streaming) method shape.
 _HANDLER_KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -129,11 +131,12 @@ def _parse_or_none(message_type):
 
 def add_rollout_service(service: RolloutService, server: grpc.aio.Server) -> None:
     """Register ``service`` as the generated ``add_RolloutServiceServicer_to_server`` does, with
-    ``_parse_or_none`` as every method's request deserializer."""
+    request deserializers that give the handler None for bytes that do not parse."""
     handlers = {
         method.name: _HANDLER_KINDS[method.client_streaming, method.server_streaming](
             getattr(service, method.name),
-            request_deserializer=_parse_or_none(getattr(rollout_pb2, method.input_type.name)),
+            request_deserializer=_REQUEST_PARSERS.get(method.name)
+            or _parse_or_none(getattr(rollout_pb2, method.input_type.name)),
             response_serializer=getattr(rollout_pb2, method.output_type.name).SerializeToString,
         )
         for method in SERVICE.methods

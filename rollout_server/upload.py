@@ -14,12 +14,53 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from google.protobuf.message import DecodeError
 
+from rollout.v1 import rollout_pb2
 from rollout_client.codec import DTYPES
 from rollout_server.validation import quoted
 
 MAX_DIMS = 8
 MAX_DIM = 2**40
+# The wire tag of UpdateWeightsRequest.data (field 2, length-delimited).
+_DATA_TAG = 0x12
+
+
+@dataclass(frozen=True)
+class UpdateMessage:
+    """One UpdateWeightsRequest: its header (the first message's) and its piece of the buffer."""
+
+    header: rollout_pb2.WeightsUpdateHeader | None
+    data: memoryview
+
+
+def _varint(raw: bytes, position: int) -> tuple[int, int]:
+    """(value, position after it) of the protobuf varint at ``position``; value -1 if malformed."""
+    value = shift = 0
+    while position < len(raw) and shift < 64:
+        byte = raw[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, position
+        shift += 7
+    return -1, position
+
+
+def parse_update_message(raw: bytes) -> UpdateMessage | None:
+    """``raw`` as an UpdateWeightsRequest, or None if it is not one (the handler answers
+    INVALID_ARGUMENT). Every message after the first holds its ``data`` field alone: that piece is then
+    a view on ``raw``, where protobuf would copy it twice (into the message and out of it), a model's
+    worth of copies per update. Any other shape goes through protobuf."""
+    if raw[:1] == bytes([_DATA_TAG]):
+        length, start = _varint(raw, 1)
+        if start + length == len(raw):
+            return UpdateMessage(None, memoryview(raw)[start:])
+    try:
+        message = rollout_pb2.UpdateWeightsRequest.FromString(raw)
+    except DecodeError:
+        return None
+    return UpdateMessage(message.header if message.HasField("header") else None, memoryview(message.data))
 
 
 class MalformedBuffer(ValueError):
@@ -108,7 +149,7 @@ class TensorAssembler:
         self._raw_view = memoryview(b"")
         self._filled = 0
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         if self.received + len(data) > self.total_bytes:
             raise MalformedBuffer(f"more bytes than header.total_bytes = {self.total_bytes}")
         self.received += len(data)

@@ -37,7 +37,7 @@ from rollout.v1 import rollout_pb2
 from rollout_client import codec
 from rollout_server.limits import MAX_POLICY_VERSION
 from rollout_server.lora_config import parse_lora_config
-from rollout_server.upload import MalformedBuffer, TensorAssembler, assemble
+from rollout_server.upload import MalformedBuffer, TensorAssembler, UpdateMessage, assemble
 from rollout_server.validation import InvalidRequest, quoted
 
 FULL, SUBSET, LORA = (
@@ -286,7 +286,7 @@ def _load_lora(
 
 
 async def receive(
-    requests: AsyncIterator[rollout_pb2.UpdateWeightsRequest],
+    requests: AsyncIterator[UpdateMessage],
     current_version: Callable[[], int],
     max_bytes: int,
     idle_seconds: float,
@@ -294,29 +294,24 @@ async def receive(
     """Reassemble an UpdateWeights stream into one update, each tensor built and checked for finite
     values as its bytes arrive. A stale version is refused before any data is read; a stream silent for
     ``idle_seconds`` ends with UploadIdle."""
-    messages = aiter(requests)
     header, assembler = None, None
-    while True:
-        try:
-            message = await asyncio.wait_for(anext(messages), idle_seconds)
-        except StopAsyncIteration:
-            break
-        except TimeoutError as error:
-            raise UploadIdle(f"no update message for {idle_seconds:g} s: the upload was dropped") from error
-        if header is None:
-            if not message.HasField("header"):
-                raise _reject("header", "the first message must carry the header")
-            header = message.header
-            check_version(header.policy_version, current_version(), "header.policy_version")
-            if not 0 < header.total_bytes <= max_bytes:
-                raise _reject("header.total_bytes", f"must be in [1, {max_bytes}], got {header.total_bytes}")
-            assembler = TensorAssembler(header.total_bytes, HEADER_ALLOWANCE_BYTES, check_finite)
-        elif message.HasField("header"):
-            raise _reject("header", "only the first message carries a header")
-        try:
-            assembler.feed(message.data)
-        except MalformedBuffer as error:
-            raise _reject("data", str(error)) from error
+    loop = asyncio.get_running_loop()
+    try:
+        # One deadline, moved on at every message (no timer task per message).
+        async with asyncio.timeout(idle_seconds) as idle:
+            async for message in requests:
+                idle.reschedule(loop.time() + idle_seconds)
+                if header is None:
+                    header = _first_header(message, current_version(), max_bytes)
+                    assembler = TensorAssembler(header.total_bytes, HEADER_ALLOWANCE_BYTES, check_finite)
+                elif message.header is not None:
+                    raise _reject("header", "only the first message carries a header")
+                try:
+                    assembler.feed(message.data)
+                except MalformedBuffer as error:
+                    raise _reject("data", str(error)) from error
+    except TimeoutError as error:
+        raise UploadIdle(f"no update message for {idle_seconds:g} s: the upload was dropped") from error
     if header is None:
         raise _reject("header", "the stream was empty")
     try:
@@ -324,6 +319,19 @@ async def receive(
     except MalformedBuffer as error:
         raise _reject("data", str(error)) from error
     return _from_header(header, tensors, header.total_bytes)
+
+
+def _first_header(
+    message: UpdateMessage, current_version: int, max_bytes: int
+) -> rollout_pb2.WeightsUpdateHeader:
+    """The checked header of an update stream's first message."""
+    if message.header is None:
+        raise _reject("header", "the first message must carry the header")
+    header = message.header
+    check_version(header.policy_version, current_version, "header.policy_version")
+    if not 0 < header.total_bytes <= max_bytes:
+        raise _reject("header.total_bytes", f"must be in [1, {max_bytes}], got {header.total_bytes}")
+    return header
 
 
 def _from_header(

@@ -24,9 +24,9 @@ from safetensors.torch import load, save, save_file
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient, Started, Step, codec, collect, replay_log_probs
-from rollout_client.client import data_message
+from rollout_client.client import update_frame
 from rollout_client.events import decode_stream
-from rollout_server.upload import TensorAssembler, assemble
+from rollout_server.upload import TensorAssembler, assemble, parse_update_message
 
 EPS = rollout_pb2.DEBUG_TENSOR_EPS
 REQUEST = {
@@ -155,9 +155,21 @@ def test_update_pieces_form_the_safetensors_buffer(piece_bytes):
 
 
 @pytest.mark.parametrize("size", [1, 127, 128, 16383, 16384, 1024 * 1024])
-def test_hand_serialised_data_message_is_the_protobuf_one(size):
+def test_hand_framed_update_messages_are_the_protobuf_ones(size):
+    """The client frames update pieces itself; the bytes are what protobuf serialises, and what the
+    server's own parser reads back (the data as a view, without a copy)."""
     piece = bytes(range(256)) * (size // 256) + bytes(size % 256)
-    assert data_message(piece) == rollout_pb2.UpdateWeightsRequest(data=piece).SerializeToString()
+    header = rollout_pb2.WeightsUpdateHeader(
+        policy_version=3, kind=rollout_pb2.WEIGHTS_KIND_FULL, total_bytes=9
+    )
+    first = rollout_pb2.UpdateWeightsRequest(header=header, data=piece).SerializeToString()
+    later = rollout_pb2.UpdateWeightsRequest(data=piece).SerializeToString()
+    assert update_frame(header, 0, size) + piece == first
+    assert update_frame(header, 1, size) + piece == later
+    for raw, expected_header in ((first, header), (later, None)):
+        parsed = parse_update_message(raw)
+        assert parsed.header == expected_header and parsed.data == piece
+    assert parse_update_message(b"\xff\xff") is None
 
 
 def test_full_update_matches_a_fresh_server_and_replays(

@@ -57,22 +57,12 @@ def varint(value: int) -> bytes:
     return bytes(encoded)
 
 
-def data_message(piece: bytes) -> bytes:
-    """The serialised ``UpdateWeightsRequest(data=piece)``, built by hand: one copy of the piece, where
-    constructing and serialising the message copies it twice and took longer than sending it."""
-    return DATA_FIELD_TAG + varint(len(piece)) + piece
-
-
-def _update_messages(
-    header: rollout_pb2.WeightsUpdateHeader, pieces: Iterator[bytes], bar: tqdm
-) -> Iterator[bytes]:
-    """The serialised messages of an update: the header with the first piece, then the data pieces."""
-    for index, piece in enumerate(pieces):
-        if index == 0:
-            yield rollout_pb2.UpdateWeightsRequest(header=header, data=piece).SerializeToString()
-        else:
-            yield data_message(piece)
-        bar.update(len(piece))
+def update_frame(header: rollout_pb2.WeightsUpdateHeader, index: int, length: int) -> bytes:
+    """The bytes that make piece ``index`` of an update (``length`` bytes, which follow) a serialised
+    UpdateWeightsRequest: the data field's tag and length, after the header field on the first piece.
+    (Serialised protobuf fields concatenate; building the message would copy every piece twice.)"""
+    head = rollout_pb2.UpdateWeightsRequest(header=header).SerializeToString() if index == 0 else b""
+    return head + DATA_FIELD_TAG + varint(length)
 
 
 class RolloutClient:
@@ -140,21 +130,23 @@ class RolloutClient:
         this call returns report it. A progress bar counts the bytes sent of a large update.
         """
         kind = kind or ("lora" if lora_config is not None else "full")
-        total_bytes, pieces = codec.encode_in_pieces(weights, UPDATE_CHUNK_BYTES)
         header = rollout_pb2.WeightsUpdateHeader(
             policy_version=version,
             kind=WEIGHTS_KINDS[kind],
             lora_config_json=lora_config_json(lora_config) if lora_config is not None else "",
             adapter_name=adapter_name,
-            total_bytes=total_bytes,
         )
-        quiet = not progress or total_bytes < PROGRESS_MIN_BYTES
+
+        def frame(index: int, length: int) -> bytes:
+            bar.update(length)  # called once per piece, as it is sent
+            return update_frame(header, index, length)
+
+        header.total_bytes, messages = codec.encode_in_pieces(weights, UPDATE_CHUNK_BYTES, frame)
+        quiet = not progress or header.total_bytes < PROGRESS_MIN_BYTES
         with tqdm(
-            total=total_bytes, unit="B", unit_scale=True, desc=f"policy v{version}", disable=quiet
+            total=header.total_bytes, unit="B", unit_scale=True, desc=f"policy v{version}", disable=quiet
         ) as bar:
-            return self._update_weights(
-                _update_messages(header, pieces, bar), timeout=self.timeout, metadata=self.metadata
-            )
+            return self._update_weights(messages, timeout=self.timeout, metadata=self.metadata)
 
     def load_weights(
         self, path: str, version: int, kind: str | None = None, adapter_name: str = ""

@@ -9,7 +9,7 @@ travel the same way, client to server.
 
 import json
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -73,10 +73,15 @@ def decode(buffer: bytes) -> dict[str, torch.Tensor]:
     return safetensors_load(buffer) if buffer else {}
 
 
-def encode_in_pieces(tensors: Mapping[str, torch.Tensor], size: int) -> tuple[int, Iterator[bytes]]:
+def encode_in_pieces(
+    tensors: Mapping[str, torch.Tensor], size: int, frame: Callable[[int, int], bytes] | None = None
+) -> tuple[int, Iterator[bytes]]:
     """(length, pieces of at most ``size`` bytes) of a safetensors buffer of ``tensors``, copied
     piece by piece from the tensors' memory: a weight update is as large as the model, and holding the
-    whole buffer next to it would double the trainer's memory. Tensors move to the CPU one at a time."""
+    whole buffer next to it would double the trainer's memory. Tensors move to the CPU one at a time.
+
+    ``frame(index, length)``, if given, returns bytes to put before piece ``index`` (of ``length``
+    bytes) in the same copy, e.g. the fields that make it a serialised message."""
     names = list(tensors)
     header, offset = {}, 0
     for name in names:
@@ -98,18 +103,21 @@ def encode_in_pieces(tensors: Mapping[str, torch.Tensor], size: int) -> tuple[in
             tensor = tensors[name].detach().cpu().contiguous()
             yield memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
+    def joined(index: int, parts: list[memoryview], length: int) -> bytes:
+        return b"".join([frame(index, length), *parts] if frame else parts)
+
     def pieces_of_segments() -> Iterator[bytes]:
-        parts, filled = [], 0
+        parts, filled, index = [], 0, 0
         for segment in segments():
             while segment:
                 part, segment = segment[: size - filled], segment[size - filled :]
                 parts.append(part)
                 filled += len(part)
                 if filled == size:
-                    yield b"".join(parts)
-                    parts, filled = [], 0
+                    yield joined(index, parts, filled)
+                    parts, filled, index = [], 0, index + 1
         if parts:
-            yield b"".join(parts)
+            yield joined(index, parts, filled)
 
     return len(prefix) + offset, pieces_of_segments()
 
