@@ -7,14 +7,19 @@ from conftest import start_server
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import Image, RolloutClient, Started, Step, collect
 from rollout_client.events import decode_stream
+from rollout_server.limits import Limits
 
-LIMIT = 16 * 1024
+# The smallest message limit a server allows when requests hold at most 4 samples (it must fit a
+# started event echoing 4 prompts of the longest length): small enough to split this rollout's env and
+# x_0, debug tensors and images.
+MAX_SAMPLES = 4
+LIMIT = Limits(max_samples=MAX_SAMPLES).min_message_bytes
 REQUEST = {
     "prompts": ["a red fox", "a blue bird"],
     "samples_per_prompt": 2,
     "base_seed": 21,
-    "height": 128,
-    "width": 128,
+    "height": 256,
+    "width": 256,
     "num_steps": 3,
     "true_cfg_scale": 2.0,
     "negative_prompt": "blurry",
@@ -25,7 +30,12 @@ REQUEST = {
 @pytest.fixture(scope="module")
 def small_message_server(tiny_flux_folder, cache_dir, tmp_path_factory):
     process = start_server(
-        cache_dir, tmp_path_factory.mktemp("logs") / "small.log", "--max-message-bytes", str(LIMIT)
+        cache_dir,
+        tmp_path_factory.mktemp("logs") / "small.log",
+        "--max-message-bytes",
+        str(LIMIT),
+        "--max-samples",
+        str(MAX_SAMPLES),
     )
     yield process
     process.stop()
@@ -41,7 +51,12 @@ def test_messages_stay_under_the_limit_and_reassemble(small_message_server, clie
         messages = list(stub.Rollout(rollout_pb2.RolloutRequest(**REQUEST), timeout=120))
     assert max(m.ByteSize() for m in messages) <= LIMIT
     kinds = [m.WhichOneof("event") for m in messages]
-    assert kinds.count("chunk") > 0, "the env and the images must have been split"
+    split = {
+        kind for kind, after in zip(kinds, kinds[1:], strict=False) if kind != "chunk" and after == "chunk"
+    }
+    assert split == {"started", "step", "image"}, (
+        "the env and x_0, the step tensors and the images must be split"
+    )
     assert kinds.count("started") == 1 and kinds.count("finished") == 1 and kinds[-1] == "finished"
 
     chunked = list(decode_stream(messages))
