@@ -25,6 +25,13 @@ _SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 ROLLOUT_METHODS = frozenset(f"/{_SERVICE}/{name}" for name in ("Rollout", "GetServerInfo"))
 WEIGHT_METHODS = frozenset(f"/{_SERVICE}/{name}" for name in ("UpdateWeights", "LoadWeights"))
 _BEARER = "bearer "
+# The gRPC handler factory for each (request streaming, response streaming) method shape.
+HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 class StartupError(Exception):
@@ -176,15 +183,7 @@ def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: st
     async def refuse(request_or_iterator, context):
         await context.abort(code, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        make = grpc.stream_stream_rpc_method_handler
-    elif handler.request_streaming:
-        make = grpc.stream_unary_rpc_method_handler
-    elif handler.response_streaming:
-        make = grpc.unary_stream_rpc_method_handler
-    else:
-        make = grpc.unary_unary_rpc_method_handler
-    return make(
+    return HANDLER_KINDS[handler.request_streaming, handler.response_streaming](
         refuse,
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,

@@ -15,7 +15,14 @@ from grpc_reflection.v1alpha import reflection
 import rollout_server
 from rollout.v1 import rollout_pb2
 from rollout_server import families, presets, upload
-from rollout_server.auth import ServerTLS, StartupError, TokenInterceptor, TokenPolicy, exposure_warning
+from rollout_server.auth import (
+    HANDLER_KINDS,
+    ServerTLS,
+    StartupError,
+    TokenInterceptor,
+    TokenPolicy,
+    exposure_warning,
+)
 from rollout_server.engine import DTYPE_NAMES, RolloutEngine
 from rollout_server.limits import Limits
 from rollout_server.parallel import SequenceParallel
@@ -29,13 +36,6 @@ SERVICE_NAME = SERVICE.full_name
 _DRAIN_POLL_SECONDS = 0.05
 # Methods whose requests have a parser of their own (see upload.parse_update_message).
 _REQUEST_PARSERS = {"UpdateWeights": upload.parse_update_message}
-# The gRPC handler factory for each (client streaming, server streaming) method shape.
-_HANDLER_KINDS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def add_rollout_service(service: RolloutService, server: grpc.aio.Server) -> Non
     """Register ``service`` as the generated ``add_RolloutServiceServicer_to_server`` does, with
     request deserializers that give the handler None for bytes that do not parse."""
     handlers = {
-        method.name: _HANDLER_KINDS[method.client_streaming, method.server_streaming](
+        method.name: HANDLER_KINDS[method.client_streaming, method.server_streaming](
             getattr(service, method.name),
             request_deserializer=_REQUEST_PARSERS.get(method.name)
             or _parse_or_none(getattr(rollout_pb2, method.input_type.name)),
