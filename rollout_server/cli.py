@@ -6,6 +6,8 @@ import logging
 import sys
 from pathlib import Path
 
+import diffusers
+
 from rollout_server.auth import ServerTLS, StartupError, TokenPolicy, load_token
 from rollout_server.families import UnsupportedModel
 from rollout_server.limits import Limits
@@ -89,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components" while the model loads
     if args.threads:
         import torch
 

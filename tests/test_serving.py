@@ -307,6 +307,14 @@ def test_help_is_quiet_and_lists_every_preset():
     assert len(PRESETS) == 4
 
 
+def test_startup_shows_only_our_own_output(server):
+    """From launch to "serving", the server's terminal holds its own log lines only: no library
+    progress bar or import-time notice."""
+    own_line = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING) rollout_server[.\w]*: ")
+    startup = server.log().split(" at " + server.address)[0].splitlines()
+    assert startup and all(own_line.match(line) for line in startup), startup
+
+
 def test_sigint_stops_the_server(launch):
     """SIGINT (Ctrl-C) shuts the server down cleanly too: exit code 0."""
     server = launch()
