@@ -29,8 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from diffusers import FluxTransformer2DModel
 from peft import LoraConfig, get_peft_model_state_dict
 
-from rollout_client import RolloutClient, codec
+from rollout_client import RolloutClient
 from rollout_client.client import UPDATE_CHUNK_BYTES
+from rollout_core import codec
 from rollout_server.local import LocalServer
 from rollout_server.presets import resolve_model
 from rollout_server.weights import check_finite

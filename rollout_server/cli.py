@@ -8,6 +8,7 @@ from pathlib import Path
 
 import diffusers
 
+from rollout_core import dtypes
 from rollout_server.auth import ServerTLS, StartupError, TokenPolicy, load_token
 from rollout_server.families import UnsupportedModel
 from rollout_server.limits import Limits
@@ -26,7 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
     s.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    s.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    s.add_argument("--dtype", default="float32", choices=dtypes.MODEL_DTYPE_NAMES)
     s.add_argument("--cache-dir", type=Path, default=None, help="where presets are built (default: ~/.cache)")
     s.add_argument("--grace-seconds", type=float, default=10.0, help="time running rollouts get at shutdown")
     s.add_argument("--max-message-bytes", type=int, default=Limits.max_message_bytes)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_client import noise
-from rollout_client.transformer_call import apply_guidance, call_transformer, stack_envs
+from rollout_core import dtypes, noise, steps
+from rollout_core.transformer_call import apply_guidance, call_transformer, stack_envs
 from rollout_server import weights
 from rollout_server.families.base import Conditioning, FamilyAdapter
 from rollout_server.metrics import ServerMetrics
@@ -41,11 +41,10 @@ from rollout_server.sampler import (
     sample,
     stochastic_steps,
 )
-from rollout_server.stream import LATENT_DTYPES, StreamEncoder, env_payload, latents_sent
-from rollout_server.validation import SAMPLER_NAMES, InvalidRequest
+from rollout_server.stream import StreamEncoder, env_payload, latents_sent
+from rollout_server.validation import InvalidRequest
 
 log = logging.getLogger("rollout_server.engine")
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass(frozen=True)
@@ -318,7 +317,7 @@ class RolloutEngine:
             request.width,
         )
         sigmas, timesteps = adapter.schedule(request.num_steps, request.height, request.width)
-        sampler_type = SAMPLER_NAMES[request.sampler]
+        sampler_type = steps.SAMPLERS_BY_ENUM[request.sampler].name
         stochastic = stochastic_steps(
             sampler_type, sigmas, request.noise_level, list(request.stochastic_steps)
         )
@@ -332,7 +331,7 @@ class RolloutEngine:
             stochastic=stochastic,
             noise_level=request.noise_level,
             log_prob_constants=request.log_prob_constants,
-            latent_dtype=LATENT_DTYPES[request.latent_dtype],
+            latent_dtype=dtypes.LATENT[request.latent_dtype],
             seeds=list(request.seeds),
             latent_shape=latent_shape,
             device=adapter.device,
@@ -354,7 +353,7 @@ class RolloutEngine:
             ),
             transformer_call=rollout_pb2.TransformerCall(
                 transformer_class=type(adapter.transformer).__name__,
-                model_dtype=DTYPE_NAMES[adapter.dtype],
+                model_dtype=dtypes.NAMES[adapter.dtype],
                 timestep_divisor=adapter.timestep_divisor,
                 timestep_rule=adapter.timestep_rule,
                 guidance_rule=rule,

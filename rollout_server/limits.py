@@ -3,8 +3,8 @@
 from dataclasses import dataclass
 
 from rollout.v1 import rollout_pb2
-from rollout_client import steps
 from rollout_client.client import MAX_RECEIVE_BYTES
+from rollout_core import steps
 
 # Just below 4 MiB, so grpcurl and default gRPC clients (4 MiB receive limit) work unchanged.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024
@@ -66,8 +66,8 @@ class Limits:
             max_prompt_chars=self.max_prompt_chars,
             max_message_bytes=self.max_message_bytes,
             max_queued_requests=self.max_queued_requests,
-            max_noise_level=max(steps.MAX_NOISE_LEVELS.values()),
-            max_noise_levels=steps.MAX_NOISE_LEVELS,
+            max_noise_level=max(sampler.max_noise_level for sampler in steps.SAMPLERS.values()),
+            max_noise_levels={name: sampler.max_noise_level for name, sampler in steps.SAMPLERS.items()},
             max_waiting_requests=self.max_waiting_requests,
             stall_seconds=self.stall_seconds,
         )

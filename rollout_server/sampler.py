@@ -1,8 +1,8 @@
 """The model-agnostic sampler loop: noise, velocity, fp32 step, log-prob, hooks.
 
 The sampler knows no model. It gets a ``velocity(x, i)`` callable (the family adapter's transformer
-call with guidance) and a ``SamplerPlan``; it owns the noise (``rollout_client.noise``) and the step
-math (``rollout_client.steps``), and tells hooks what happened. Hooks observe; they never change
+call with guidance) and a ``SamplerPlan``; it owns the noise (``rollout_core.noise``) and the step
+math (``rollout_core.steps``), and tells hooks what happened. Hooks observe; they never change
 numbers.
 
 The streamed log-prob scores exactly the streamed x_{i+1}: when latents are kept in float32,
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_client import noise, steps
+from rollout_core import noise, steps
 
 
 class RolloutCancelled(Exception):

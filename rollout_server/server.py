@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 import rollout_server
 from rollout.v1 import rollout_pb2
+from rollout_core import dtypes, steps
 from rollout_server import families, presets, upload
 from rollout_server.auth import (
     HANDLER_KINDS,
@@ -23,11 +24,11 @@ from rollout_server.auth import (
     TokenPolicy,
     exposure_warning,
 )
-from rollout_server.engine import DTYPE_NAMES, RolloutEngine
+from rollout_server.engine import RolloutEngine
 from rollout_server.limits import Limits
 from rollout_server.parallel import SequenceParallel
 from rollout_server.service import RolloutService
-from rollout_server.validation import SAMPLER_NAMES, ServingContext, defaults_proto
+from rollout_server.validation import ServingContext, defaults_proto
 
 log = logging.getLogger("rollout_server")
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
@@ -67,7 +68,7 @@ def build_engine(options: ServerOptions) -> RolloutEngine:
     """Load the model (split across the sequence-parallel ranks, if any) into an engine."""
     folder = options.model_path or presets.resolve_model(options.model, options.cache_dir)
     device = options.parallel.device(options.device)
-    dtype = {v: k for k, v in DTYPE_NAMES.items()}[options.dtype]
+    dtype = dtypes.BY_NAME[options.dtype]
 
     def load() -> families.FamilyAdapter:
         adapter = families.load(folder, device, dtype)
@@ -104,7 +105,7 @@ def build_service(options: ServerOptions) -> RolloutService:
         device=str(adapter.device),
         sp_degree=options.parallel.degree,
         attention_split=options.parallel.attention_split,
-        sampler_types=list(SAMPLER_NAMES),
+        sampler_types=list(steps.SAMPLERS_BY_ENUM),
         defaults=defaults_proto(serving),
         limits=limits.to_proto(adapter.side_multiple),
         versions=versions(),

@@ -14,14 +14,9 @@ from typing import Any
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_client import codec
+from rollout_core import codec, dtypes
 from rollout_server.sampler import SamplerHooks, StepRecord
 
-LATENT_DTYPES = {
-    rollout_pb2.TENSOR_DTYPE_FLOAT32: torch.float32,
-    rollout_pb2.TENSOR_DTYPE_BFLOAT16: torch.bfloat16,
-    rollout_pb2.TENSOR_DTYPE_FLOAT16: torch.float16,
-}
 DEBUG_NAMES = {
     rollout_pb2.DEBUG_TENSOR_EPS: "eps",
     rollout_pb2.DEBUG_TENSOR_MEAN: "mean",
@@ -88,7 +83,7 @@ class StreamEncoder(SamplerHooks):
 
     @property
     def _latent_dtype(self) -> torch.dtype:
-        return LATENT_DTYPES[self.request.latent_dtype]
+        return dtypes.LATENT[self.request.latent_dtype]
 
     def _send(self, response: rollout_pb2.RolloutResponse, payload_owner, field: str, data: bytes) -> None:
         """Send ``response`` with ``data`` in ``payload_owner.<field>``, cut into size-bounded messages."""

@@ -17,7 +17,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from rollout.v1 import rollout_pb2
-from rollout_client.codec import DTYPES
+from rollout_core.dtypes import BY_SAFETENSORS
 from rollout_server.validation import quoted
 
 MAX_DIMS = 8
@@ -78,8 +78,8 @@ class Entry:
 def _entry(name: str, info: object, begin_expected: int) -> tuple[Entry, int]:
     """The checked header entry of one tensor and where its data ends."""
     what = f"tensor {quoted(name)}"
-    if not isinstance(info, dict) or info.get("dtype") not in DTYPES:
-        raise MalformedBuffer(f"{what}: dtype must be one of {sorted(DTYPES)}")
+    if not isinstance(info, dict) or info.get("dtype") not in BY_SAFETENSORS:
+        raise MalformedBuffer(f"{what}: dtype must be one of {sorted(BY_SAFETENSORS)}")
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not (
         isinstance(shape, list)
@@ -89,7 +89,7 @@ def _entry(name: str, info: object, begin_expected: int) -> tuple[Entry, int]:
         raise MalformedBuffer(f"{what}: shape must be at most {MAX_DIMS} integers in [0, 2^40]")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)):
         raise MalformedBuffer(f"{what}: data_offsets must be two integers")
-    dtype = DTYPES[info["dtype"]]
+    dtype = BY_SAFETENSORS[info["dtype"]]
     nbytes = math.prod(shape) * dtype.itemsize
     begin, end = offsets
     if begin != begin_expected or end - begin != nbytes:

@@ -10,8 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 from rollout.v1 import rollout_pb2
-from rollout_client import noise, steps
-from rollout_client.trajectory import SAMPLER_NAMES
+from rollout_core import dtypes, noise, steps
 from rollout_server.families.base import FamilyDefaults
 from rollout_server.limits import MAX_POLICY_VERSION, Limits
 
@@ -20,11 +19,6 @@ LATENT_SELECTIONS = {
     rollout_pb2.LATENT_SELECTION_AROUND_STOCHASTIC,
     rollout_pb2.LATENT_SELECTION_FINAL_ONLY,
     rollout_pb2.LATENT_SELECTION_NONE,
-}
-LATENT_DTYPES = {
-    rollout_pb2.TENSOR_DTYPE_FLOAT32,
-    rollout_pb2.TENSOR_DTYPE_BFLOAT16,
-    rollout_pb2.TENSOR_DTYPE_FLOAT16,
 }
 DEBUG_TENSORS = {
     rollout_pb2.DEBUG_TENSOR_EPS,
@@ -176,15 +170,14 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
 
     if request.sampler == rollout_pb2.SAMPLER_TYPE_UNSPECIFIED:
         resolved.sampler = rollout_pb2.SAMPLER_TYPE_FLOW_SDE
-    elif request.sampler not in SAMPLER_NAMES:
+    elif request.sampler not in steps.SAMPLERS_BY_ENUM:
         bad.append(("sampler", f"unknown sampler type {request.sampler}"))
-    sampler_name = SAMPLER_NAMES.get(resolved.sampler, "ODE")
-    max_noise_level = steps.MAX_NOISE_LEVELS[sampler_name]
-    if not _finite_in(resolved.noise_level, 0.0, max_noise_level):
+    sampler = steps.SAMPLERS_BY_ENUM.get(resolved.sampler, steps.SAMPLERS["ODE"])
+    if not _finite_in(resolved.noise_level, 0.0, sampler.max_noise_level):
         bad.append(
             (
                 "noise_level",
-                f"must be in [0, {max_noise_level}] for {sampler_name}, got {resolved.noise_level}",
+                f"must be in [0, {sampler.max_noise_level}] for {sampler.name}, got {resolved.noise_level}",
             )
         )
     elif 0.0 < resolved.noise_level < MIN_NOISE_LEVEL:
@@ -200,7 +193,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
             bad.append(("stochastic_steps", "indices must be strictly increasing"))
         resolved.stochastic_steps.extend(chosen)
     if not request.HasField("log_prob_constants"):
-        resolved.log_prob_constants = steps.DEFAULT_LOG_PROB_CONSTANTS[sampler_name]
+        resolved.log_prob_constants = sampler.log_prob_constants
 
     if request.latents == rollout_pb2.LATENT_SELECTION_UNSPECIFIED:
         resolved.latents = rollout_pb2.LATENT_SELECTION_ALL
@@ -208,7 +201,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         bad.append(("latents", f"unknown latent selection {request.latents}"))
     if request.latent_dtype == rollout_pb2.TENSOR_DTYPE_UNSPECIFIED:
         resolved.latent_dtype = rollout_pb2.TENSOR_DTYPE_FLOAT32
-    elif request.latent_dtype not in LATENT_DTYPES:
+    elif request.latent_dtype not in dtypes.LATENT:
         bad.append(("latent_dtype", f"unknown tensor dtype {request.latent_dtype}"))
 
     if request.HasField("min_policy_version") and request.min_policy_version > MAX_POLICY_VERSION:

@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from rollout.v1 import rollout_pb2
-from rollout_client import codec
+from rollout_core import codec
 from rollout_server.limits import MAX_POLICY_VERSION
 from rollout_server.lora_config import parse_lora_config
 from rollout_server.upload import MalformedBuffer, TensorAssembler, UpdateMessage, assemble

@@ -10,9 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from rollout_client import Trajectory, noise
+from rollout_client import Trajectory
 from rollout_client.cli import build_request, main, parse_args
 from rollout_client.images import contact_sheet
+from rollout_core import noise
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -4,7 +4,8 @@ stochastic-step lists, latent selections and manifest-only mode (docs/design.md,
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_client import Started, Step, noise
+from rollout_client import Started, Step
+from rollout_core import noise
 
 EPS = rollout_pb2.DEBUG_TENSOR_EPS
 MEAN = rollout_pb2.DEBUG_TENSOR_MEAN

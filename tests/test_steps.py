@@ -7,7 +7,7 @@ import pytest
 import reference
 import torch
 
-from rollout_client import noise, steps
+from rollout_core import noise, steps
 
 
 def flux_like_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
@@ -32,7 +32,7 @@ CASES = [
 def test_step_matches_reference(kind, seed, shape, a, num_steps):
     sigmas = flux_like_sigmas(num_steps)
     generator = torch.Generator().manual_seed(seed)
-    constants = steps.DEFAULT_LOG_PROB_CONSTANTS[kind]
+    constants = steps.SAMPLERS[kind].log_prob_constants
     last = num_steps - 2 if kind == "CPS" else num_steps - 1  # CPS into sigma_T = 0 is deterministic
     for i in sorted({0, 1, last}):
         x = torch.randn(shape, generator=generator)

@@ -23,9 +23,10 @@ from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import load, save, save_file
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rollout_client import RolloutClient, Started, Step, codec, collect, replay_log_probs
+from rollout_client import RolloutClient, Started, Step, collect, replay_log_probs
 from rollout_client.client import update_frame
 from rollout_client.events import decode_stream
+from rollout_core import codec
 from rollout_server.upload import TensorAssembler, assemble, parse_update_message
 
 EPS = rollout_pb2.DEBUG_TENSOR_EPS

@@ -25,8 +25,9 @@ from safetensors.torch import save_file
 from test_weights import TO_Q, fingerprint, next_version, perturbed, with_lora
 
 from rollout.v1 import rollout_pb2
-from rollout_client import RolloutClient, codec
+from rollout_client import RolloutClient
 from rollout_client.client import lora_config_json
+from rollout_core import codec
 from rollout_server import weights
 
 GRPC = grpc.StatusCode

@@ -28,6 +28,7 @@ from rollout_client.credentials import TLS, read_token
 from rollout_client.events import Event, Finished, Started, Step
 from rollout_client.images import contact_sheet
 from rollout_client.trajectory import Trajectory, collect
+from rollout_core import dtypes
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 # RolloutRequest fields set from the options of the same name, when given.
@@ -120,7 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("all", "around-stochastic", "final-only", "none"),
         help="which latents to stream",
     )
-    r.add_argument("--latent-dtype", choices=("float32", "bfloat16", "float16"), help="streamed latent dtype")
+    r.add_argument("--latent-dtype", choices=dtypes.MODEL_DTYPE_NAMES, help="streamed latent dtype")
     return parser.parse_args(argv)
 
 

@@ -9,10 +9,10 @@ import torch
 from tqdm import tqdm
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rollout_client import codec
 from rollout_client.credentials import TLS, bearer_metadata
 from rollout_client.events import Event, decode_stream
 from rollout_client.trajectory import Trajectory, collect
+from rollout_core import codec
 
 # Large enough for any message a server sends (its limit is reported by GetServerInfo).
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024

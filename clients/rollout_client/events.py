@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_client import codec
+from rollout_core import codec
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 import torch
 
-from rollout_client import steps
 from rollout_client.trajectory import Trajectory
-from rollout_client.transformer_call import DTYPES, apply_guidance, call_transformer
+from rollout_core import dtypes, steps
+from rollout_core.transformer_call import apply_guidance, call_transformer
 
 
 def _on(value, device: torch.device):
@@ -23,7 +23,7 @@ def replay_log_probs(
     """
     device = torch.device(device)
     call = trajectory.transformer_call
-    model_dtype = DTYPES[call["model_dtype"]]
+    model_dtype = dtypes.BY_NAME[call["model_dtype"]]
     envs = {branch: {k: _on(v, device) for k, v in env.items()} for branch, env in trajectory.env.items()}
     replayed = torch.full((trajectory.num_steps,), float("nan"))
     for i in torch.nonzero(trajectory.stochastic).flatten().tolist():

@@ -12,15 +12,8 @@ from PIL import Image as PILImage
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rollout.v1 import rollout_pb2
 from rollout_client.events import Event, Finished, Image, Started, Step
-
-SAMPLER_NAMES = {
-    rollout_pb2.SAMPLER_TYPE_FLOW_SDE: "FLOW_SDE",
-    rollout_pb2.SAMPLER_TYPE_DANCE: "DANCE",
-    rollout_pb2.SAMPLER_TYPE_CPS: "CPS",
-    rollout_pb2.SAMPLER_TYPE_ODE: "ODE",
-}
+from rollout_core.steps import SAMPLERS_BY_ENUM
 
 
 @dataclass
@@ -183,7 +176,7 @@ def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Tr
                 prompt_index=p,
                 prompt=resolved.prompts[p],
                 seed=seed,
-                sampler_type=SAMPLER_NAMES[resolved.sampler],
+                sampler_type=SAMPLERS_BY_ENUM[resolved.sampler].name,
                 noise_level=resolved.noise_level,
                 log_prob_constants=message.log_prob_constants,
                 sigmas=sigmas,

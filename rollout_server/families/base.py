@@ -52,7 +52,7 @@ class FamilyAdapter(ABC):
     timestep_divisor: ClassVar[float]
     timestep_rule: ClassVar[str]
     # CFG: the request field holding the CFG scale (a second, negative-prompt branch runs when it is
-    # > 1) and the rule of rollout_client.transformer_call that combines the branches.
+    # > 1) and the rule of rollout_core.transformer_call that combines the branches.
     cfg_scale_field: ClassVar[str] = "true_cfg_scale"
     cfg_rule: ClassVar[str] = "true_cfg"
 

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 GUIDANCE_RULES = ("none", "true_cfg", "true_cfg_norm_rescale")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def call_transformer(

@@ -16,21 +16,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from rollout.v1 import rollout_pb2
-
-# safetensors dtype names and the torch dtypes they hold.
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+from rollout_core import dtypes
 
 
 def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[list[rollout_pb2.TensorInfo], bytes]:
@@ -88,7 +74,7 @@ def encode_in_pieces(
         tensor = tensors[name]
         end = offset + tensor.numel() * tensor.element_size()
         header[name] = {
-            "dtype": DTYPE_NAMES[tensor.dtype],
+            "dtype": dtypes.SAFETENSORS_NAMES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [offset, end],
         }
