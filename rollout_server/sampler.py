@@ -1,9 +1,11 @@
 """The model-agnostic sampler loop: noise, velocity, fp32 step, log-prob, hooks.
 
-The sampler knows no model. It gets a ``velocity(x, i)`` callable (the family adapter's transformer
-call with guidance) and a ``SamplerPlan``; it owns the noise (``rollout_core.noise``) and the step
-math (``rollout_core.steps``), and tells hooks what happened. Hooks observe; they never change
-numbers.
+The sampler knows no model and is step-wise: ``init(plan)`` gives a rollout's state at x_0, and
+``advance(plan, state, v)`` takes its next step with a velocity computed elsewhere (the family
+adapter's transformer call with guidance), so an engine may step several rollouts in any
+interleaving. ``sample`` runs one rollout to the end with a ``velocity(x, i)`` callable. The sampler
+owns the noise (``rollout_core.noise``) and the step math (``rollout_core.steps``), and tells hooks
+what happened. Hooks observe; they never change numbers.
 
 The streamed log-prob scores exactly the streamed x_{i+1}: when latents are kept in float32,
 x_{i+1} = mean + sd * eps and the residual is sd * eps, computed from the full noise tensor; when the
@@ -95,6 +97,45 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if dtype == torch.float32 else x.to(dtype).float()
 
 
+@dataclass
+class SamplerState:
+    """Where one rollout stands: ``x`` is x_i [B, ...], the latent that step ``step`` = i denoises."""
+
+    x: torch.Tensor
+    step: int = 0
+
+
+def init(plan: SamplerPlan) -> SamplerState:
+    """x_0 from the per-sample seeds, rounded to the latent dtype, on the plan's device."""
+    return SamplerState(
+        _round(noise.initial_noise(plan.seeds, plan.latent_shape), plan.latent_dtype).to(plan.device)
+    )
+
+
+def advance(plan: SamplerPlan, state: SamplerState, v: torch.Tensor) -> StepRecord:
+    """Take step i = ``state.step`` with the velocity ``v`` of ``state.x`` (after guidance): ``state``
+    moves on to x_{i+1}, and the record says what happened. NonFiniteStep if v or x_{i+1} is not
+    finite. Only the plan and the state enter, so rollouts advance independently of one another."""
+    i, x = state.step, state.x
+    check_finite("velocity", i, v)
+    stochastic = plan.stochastic[i]
+    kind = plan.sampler_type if stochastic else "ODE"
+    mean = steps.transition_mean(kind, x, v, plan.sigmas, i, plan.noise_level)
+    sd = steps.noise_std(kind, plan.sigmas, i, plan.noise_level)
+    eps = log_probs = None
+    if stochastic:
+        eps = noise.step_noise(plan.seeds, i, plan.latent_shape).to(plan.device)
+        scaled_noise = sd.to(plan.device) * eps
+        x_next = _round(mean + scaled_noise, plan.latent_dtype)
+        residual = scaled_noise if plan.latent_dtype == torch.float32 else x_next - mean
+        log_probs = steps.log_prob(residual, sd, plan.log_prob_constants)
+    else:
+        x_next = _round(mean, plan.latent_dtype)
+    check_finite("next latent", i, x_next)
+    state.x, state.step = x_next, i + 1
+    return StepRecord(i, stochastic, x_next, log_probs, sd, eps, mean, v)
+
+
 def sample(
     plan: SamplerPlan,
     velocity: Callable[[torch.Tensor, int], torch.Tensor],
@@ -102,27 +143,10 @@ def sample(
     cancelled: Callable[[], bool] = lambda: False,
 ) -> torch.Tensor:
     """Run the trajectory x_0 -> x_T and return x_T (float32 [B, ...])."""
-    x = _round(noise.initial_noise(plan.seeds, plan.latent_shape), plan.latent_dtype).to(plan.device)
-    hooks.on_start(x)
-    for i in range(plan.num_steps):
+    state = init(plan)
+    hooks.on_start(state.x)
+    while state.step < plan.num_steps:
         if cancelled():
-            raise RolloutCancelled(f"cancelled before step {i}")
-        v = velocity(x, i)
-        check_finite("velocity", i, v)
-        stochastic = plan.stochastic[i]
-        kind = plan.sampler_type if stochastic else "ODE"
-        mean = steps.transition_mean(kind, x, v, plan.sigmas, i, plan.noise_level)
-        sd = steps.noise_std(kind, plan.sigmas, i, plan.noise_level)
-        eps = log_probs = None
-        if stochastic:
-            eps = noise.step_noise(plan.seeds, i, plan.latent_shape).to(plan.device)
-            scaled_noise = sd.to(plan.device) * eps
-            x_next = _round(mean + scaled_noise, plan.latent_dtype)
-            residual = scaled_noise if plan.latent_dtype == torch.float32 else x_next - mean
-            log_probs = steps.log_prob(residual, sd, plan.log_prob_constants)
-        else:
-            x_next = _round(mean, plan.latent_dtype)
-        check_finite("next latent", i, x_next)
-        hooks.on_step(StepRecord(i, stochastic, x_next, log_probs, sd, eps, mean, v))
-        x = x_next
-    return x
+            raise RolloutCancelled(f"cancelled before step {state.step}")
+        hooks.on_step(advance(plan, state, velocity(state.x, state.step)))
+    return state.x
