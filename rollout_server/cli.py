@@ -14,6 +14,7 @@ from rollout_server.families import UnsupportedModel
 from rollout_server.limits import Limits
 from rollout_server.parallel import ATTENTION_SPLITS, RankFailure, start
 from rollout_server.presets import PRESETS, resolve_model
+from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
 from rollout_server.server import ServerOptions, follow, serve
 
 
@@ -81,6 +82,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     s.add_argument(
+        "--prompt-cache-entries",
+        type=int,
+        default=DEFAULT_PROMPT_CACHE_ENTRIES,
+        help="distinct prompt texts kept encoded on the model's device, least recently used out (0: off)",
+    )
+    s.add_argument(
         "--upload-idle-seconds",
         type=float,
         default=30.0,
@@ -111,6 +118,8 @@ def main(argv=None) -> None:
         sys.exit(f"rollout-server: {error}")
     if not 0 < args.collective_timeout <= 120:
         sys.exit("rollout-server: --collective-timeout must be in (0, 120] seconds")
+    if args.prompt_cache_entries < 0:
+        sys.exit("rollout-server: --prompt-cache-entries must be 0 (off) or more")
     if not args.upload_idle_seconds > 0:
         sys.exit("rollout-server: --upload-idle-seconds must be above 0")
     if args.weights_root is not None and not args.weights_root.is_dir():
@@ -146,6 +155,7 @@ def main(argv=None) -> None:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         upload_idle_seconds=args.upload_idle_seconds,
+        prompt_cache_entries=args.prompt_cache_entries,
     )
     try:
         code = asyncio.run(serve(options)) if parallel.is_leader else follow(options)

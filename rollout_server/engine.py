@@ -30,9 +30,10 @@ from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, noise, steps
 from rollout_core.transformer_call import apply_guidance, call_transformer, stack_envs
 from rollout_server import weights
-from rollout_server.families.base import Conditioning, FamilyAdapter
+from rollout_server.families.base import FamilyAdapter
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import HEARTBEAT, ROLLOUT, STOP, UPDATE, RankFailure, SequenceParallel
+from rollout_server.prompt_cache import Conditioning, PromptCache
 from rollout_server.sampler import (
     NonFiniteStep,
     RolloutCancelled,
@@ -55,6 +56,8 @@ class PreparedRollout:
     velocity: Callable[[torch.Tensor, int], torch.Tensor]
     started: rollout_pb2.RolloutStarted  # without tensors
     env_tensors: dict[str, torch.Tensor]
+    prompt_cache_hits: int  # distinct texts whose conditioning came from the prompt cache
+    prompts_encoded: int  # distinct texts encoded for this rollout
 
 
 class Overloaded(Exception):
@@ -72,6 +75,7 @@ class RolloutEngine:
         max_batch_size: int,
         max_message_bytes: int,
         parallel: SequenceParallel | None = None,
+        prompt_cache_entries: int = 0,
     ):
         self.parallel = parallel or SequenceParallel()
         self.model_name = model_name
@@ -96,6 +100,8 @@ class RolloutEngine:
         else:
             self.adapter = load_adapter()
         self.weight_spec = weights.TransformerSpec.of(self.adapter.transformer, self.parallel.enabled)
+        # Used by the worker only (and on every rank alike: each sees the same requests in order).
+        self.prompt_cache = PromptCache(self.adapter, prompt_cache_entries)
         self.metrics = ServerMetrics()
         self.metrics.watch(self)
 
@@ -309,13 +315,14 @@ class RolloutEngine:
         cfg_scale = getattr(request, adapter.cfg_scale_field)
         cfg = cfg_scale > 1.0
         rule = adapter.cfg_rule if cfg else "none"
-        conditioning = adapter.encode_prompts(
+        encoded = self.prompt_cache.encode(
             list(request.prompts),
             request.negative_prompt if cfg else None,
             request.guidance_scale,
             request.height,
             request.width,
         )
+        conditioning = encoded.conditioning
         sigmas, timesteps = adapter.schedule(request.num_steps, request.height, request.width)
         sampler_type = steps.SAMPLERS_BY_ENUM[request.sampler].name
         stochastic = stochastic_steps(
@@ -369,7 +376,7 @@ class RolloutEngine:
             env_json=env_json,
             noise_rule=noise.NOISE_RULE,
         )
-        return PreparedRollout(plan, velocity, started, env_tensors)
+        return PreparedRollout(plan, velocity, started, env_tensors, encoded.hits, encoded.misses)
 
     @torch.inference_mode()
     def execute(
@@ -383,6 +390,7 @@ class RolloutEngine:
         started_at = time.perf_counter()
         prepared = self.prepare(request)
         encoded_at = time.perf_counter()
+        self.metrics.prompt_cache(prepared.prompt_cache_hits, prepared.prompts_encoded)
         if not self.parallel.is_leader:
             sample(prepared.plan, prepared.velocity, SamplerHooks(), cancelled)
             return
@@ -409,6 +417,8 @@ class RolloutEngine:
                 total_seconds=finished_at - admitted_at,
                 queue_seconds=started_at - admitted_at,
                 peak_memory_bytes=peak_memory_bytes(self.adapter.device),
+                prompt_cache_hits=prepared.prompt_cache_hits,
+                prompts_encoded=prepared.prompts_encoded,
             )
         )
 

@@ -58,6 +58,12 @@ class ServerMetrics:
             f"{PREFIX}_queue_depth", "Rollouts and weight updates waiting for the worker", registry=r
         )
         self.policy_version = Gauge(f"{PREFIX}_policy_version", "Policy version being served", registry=r)
+        self.prompt_cache_hits = Counter(
+            f"{PREFIX}_prompt_cache_hits", "Texts whose conditioning came from the prompt cache", registry=r
+        )
+        self.prompts_encoded = Counter(
+            f"{PREFIX}_prompts_encoded", "Texts run through the text encoders", registry=r
+        )
 
     def watch(self, engine) -> None:
         """Read the engine's admission, queue and policy version at each scrape."""
@@ -74,6 +80,10 @@ class ServerMetrics:
         """``calls`` transformer calls (one per CFG branch) of ``samples`` samples each."""
         for _ in range(calls):
             self.samples_per_forward.observe(samples)
+
+    def prompt_cache(self, hits: int, encoded: int) -> None:
+        self.prompt_cache_hits.inc(hits)
+        self.prompts_encoded.inc(encoded)
 
     def weight_update(self, nbytes: int, seconds: float) -> None:
         self.weight_update_seconds.observe(seconds)

@@ -27,6 +27,7 @@ from rollout_server.auth import (
 from rollout_server.engine import RolloutEngine
 from rollout_server.limits import Limits
 from rollout_server.parallel import SequenceParallel
+from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
 from rollout_server.service import RolloutService
 from rollout_server.validation import ServingContext, defaults_proto
 
@@ -57,6 +58,7 @@ class ServerOptions:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no metrics endpoint
     upload_idle_seconds: float = 30.0  # an UpdateWeights stream silent this long is dropped
+    prompt_cache_entries: int = DEFAULT_PROMPT_CACHE_ENTRIES  # distinct texts kept encoded; 0: none
 
 
 def versions() -> dict[str, str]:
@@ -83,6 +85,7 @@ def build_engine(options: ServerOptions) -> RolloutEngine:
         limits.max_batch_size,
         limits.max_message_bytes,
         options.parallel,
+        options.prompt_cache_entries,
     )
 
 

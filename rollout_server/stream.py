@@ -45,20 +45,24 @@ def latents_sent(selection: int, stochastic: list[bool]) -> list[bool]:
 def env_payload(envs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, torch.Tensor], str]:
     """Split the per-prompt env into named tensors and a JSON document of the other values.
 
-    A tensor that several entries share (the negative prompt's embedding, the position ids) is sent
-    once; the other entries name it in the JSON as ``{"tensor": "<name>"}``.
+    A tensor equal to one already named (the negative prompt's embedding, the position ids, which
+    every prompt's env holds alike) is sent once; the other entries name it in the JSON as
+    ``{"tensor": "<name>"}``.
     """
-    tensors, values, seen = {}, {}, {}
+    tensors, values = {}, {}
+    seen: dict[tuple, list[tuple[torch.Tensor, str]]] = {}  # (dtype, shape) -> tensors already named
     for branch, per_prompt in envs.items():
         for p, env in enumerate(per_prompt):
             for key, value in env.items():
                 name = f"env/{branch}/{p}/{key}"
                 if isinstance(value, torch.Tensor):
-                    identity = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
-                    if identity not in seen:
-                        seen[identity], tensors[name] = name, value
+                    alike = seen.setdefault((value.dtype, tuple(value.shape)), [])
+                    earlier = next((named for tensor, named in alike if torch.equal(tensor, value)), None)
+                    if earlier is None:
+                        alike.append((value, name))
+                        tensors[name] = value
                         continue
-                    value = {"tensor": seen[identity]}
+                    value = {"tensor": earlier}
                 values.setdefault(branch, {}).setdefault(str(p), {})[key] = value
     return tensors, json.dumps(values, sort_keys=True)
 

@@ -30,19 +30,6 @@ class FamilyDefaults:
     noise_level: float
 
 
-@dataclass(frozen=True)
-class Conditioning:
-    """The frozen transformer kwargs per branch and prompt.
-
-    ``envs[branch][p]`` holds every ``forward()`` keyword argument besides ``hidden_states`` and
-    ``timestep`` for prompt p; entries named in ``batched_keys`` have a leading batch dimension of 1
-    (or are one-element lists) and are concatenated to batch samples, the rest are shared.
-    """
-
-    envs: dict[str, list[dict[str, Any]]]
-    batched_keys: tuple[str, ...]
-
-
 class FamilyAdapter(ABC):
     """A loaded pipeline of one model family."""
 
@@ -55,6 +42,8 @@ class FamilyAdapter(ABC):
     # > 1) and the rule of rollout_core.transformer_call that combines the branches.
     cfg_scale_field: ClassVar[str] = "true_cfg_scale"
     cfg_rule: ClassVar[str] = "true_cfg"
+    # The env entries concatenated along dim 0 to batch samples (the others are shared).
+    batched_env_keys: ClassVar[tuple[str, ...]]
 
     def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
         self.folder = folder
@@ -91,22 +80,14 @@ class FamilyAdapter(ABC):
         """A readable description of how latents are packed."""
 
     @abstractmethod
-    def encode_prompts(
-        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, height: int, width: int
-    ) -> Conditioning:
-        """Encode each prompt (and the negative prompt, for true CFG) into the frozen env."""
+    def encode_text(self, text: str, guidance_scale: float, height: int, width: int) -> dict[str, Any]:
+        """The frozen env of one text (a prompt, or the negative prompt: both take the same path),
+        encoded as a batch of one: every ``forward()`` keyword argument besides ``hidden_states`` and
+        ``timestep``, those named in ``batched_env_keys`` with a leading batch dimension of 1."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
         """Decode final latents [B, ...] into images."""
-
-
-def branch_texts(prompts: list[str], negative_prompt: str | None) -> dict[str, list[str]]:
-    """The text of each CFG branch per prompt: ``positive`` always, ``negative`` when CFG is on."""
-    branches = {"positive": prompts}
-    if negative_prompt is not None:
-        branches["negative"] = [negative_prompt] * len(prompts)
-    return branches
 
 
 class PackedLatentAdapter(FamilyAdapter):

@@ -11,10 +11,8 @@ from diffusers import FluxPipeline
 from PIL import Image
 
 from rollout_server.families.base import (
-    Conditioning,
     FamilyDefaults,
     PackedLatentAdapter,
-    branch_texts,
 )
 
 MAX_SEQUENCE_LENGTH = 512
@@ -25,6 +23,7 @@ class FluxAdapter(PackedLatentAdapter):
     pipeline_type = FluxPipeline
     timestep_divisor = 1000.0
     timestep_rule = "timestep / 1000"
+    batched_env_keys = ("encoder_hidden_states", "pooled_projections", "guidance")
 
     def defaults(self) -> FamilyDefaults:
         # FLUX.1-dev's usual settings; the pipeline's default side is default_sample_size * 8.
@@ -37,34 +36,20 @@ class FluxAdapter(PackedLatentAdapter):
         return "flux 2x2 patches: [(H/16) * (W/16), 4 * vae_latent_channels], row-major over the grid"
 
     @torch.no_grad()
-    def encode_prompts(
-        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, height: int, width: int
-    ) -> Conditioning:
+    def encode_text(self, text: str, guidance_scale: float, height: int, width: int) -> dict:
         rows, cols = self._latent_grid(height, width)
-        img_ids = self.pipe._prepare_latent_image_ids(1, rows, cols, self.device, self.dtype)
-        envs = {}
-        for branch, texts in branch_texts(prompts, negative_prompt).items():
-            unique = sorted(set(texts), key=texts.index)
-            embeds, pooled, txt_ids = self.pipe.encode_prompt(
-                prompt=unique, prompt_2=None, device=self.device, max_sequence_length=MAX_SEQUENCE_LENGTH
-            )
-            by_text = {text: row for row, text in enumerate(unique)}
-            envs[branch] = [
-                self._env(embeds, pooled, txt_ids, img_ids, by_text[t], guidance_scale) for t in texts
-            ]
-        batched = ("encoder_hidden_states", "pooled_projections", "guidance")
-        return Conditioning(envs=envs, batched_keys=batched)
-
-    def _env(self, embeds, pooled, txt_ids, img_ids, row: int, guidance_scale: float) -> dict:
+        embeds, pooled, txt_ids = self.pipe.encode_prompt(
+            prompt=[text], prompt_2=None, device=self.device, max_sequence_length=MAX_SEQUENCE_LENGTH
+        )
         guidance = None
         if self.pipe.transformer.config.guidance_embeds:
             guidance = torch.full([1], guidance_scale, device=self.device, dtype=torch.float32)
         return {
-            "encoder_hidden_states": embeds[row : row + 1],
-            "pooled_projections": pooled[row : row + 1],
+            "encoder_hidden_states": embeds,
+            "pooled_projections": pooled,
             "guidance": guidance,
             "txt_ids": txt_ids,
-            "img_ids": img_ids,
+            "img_ids": self.pipe._prepare_latent_image_ids(1, rows, cols, self.device, self.dtype),
             "joint_attention_kwargs": None,
             "return_dict": False,
         }

@@ -13,10 +13,8 @@ from diffusers import QwenImagePipeline
 from PIL import Image
 
 from rollout_server.families.base import (
-    Conditioning,
     FamilyDefaults,
     PackedLatentAdapter,
-    branch_texts,
 )
 
 MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
@@ -29,6 +27,7 @@ class QwenImageAdapter(PackedLatentAdapter):
     timestep_rule = "timestep / 1000"
     cfg_scale_field = "true_cfg_scale"
     cfg_rule = "true_cfg_norm_rescale"
+    batched_env_keys = ("encoder_hidden_states", "encoder_hidden_states_mask", "img_shapes", "guidance")
 
     def defaults(self) -> FamilyDefaults:
         # Qwen-Image's usual settings; the pipeline's default side is default_sample_size * 8 = 1024.
@@ -41,38 +40,23 @@ class QwenImageAdapter(PackedLatentAdapter):
         return "qwen-image 2x2 patches: [(H/16) * (W/16), 4 * vae_z_dim], row-major over the grid"
 
     @torch.no_grad()
-    def encode_prompts(
-        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, height: int, width: int
-    ) -> Conditioning:
-        rows, cols = self._latent_grid(height, width)
+    def encode_text(self, text: str, guidance_scale: float, height: int, width: int) -> dict:
+        # One text per encode_prompt call: a batch would pad every prompt to the longest.
+        embeds, mask = self.pipe.encode_prompt(
+            prompt=text, device=self.device, max_sequence_length=MAX_SEQUENCE_LENGTH
+        )
         guidance = None
         if self.pipe.transformer.config.guidance_embeds:
             guidance = torch.full([1], guidance_scale, device=self.device, dtype=torch.float32)
-        shared = {
+        rows, cols = self._latent_grid(height, width)
+        return {
+            "encoder_hidden_states": embeds,
+            "encoder_hidden_states_mask": mask,
             "img_shapes": [[(1, rows, cols)]],
             "guidance": guidance,
             "attention_kwargs": {},
             "return_dict": False,
         }
-        envs = {}
-        for branch, texts in branch_texts(prompts, negative_prompt).items():
-            # One encode_prompt call per unique text: a batch would pad every prompt to the longest.
-            encoded = {
-                text: self.pipe.encode_prompt(
-                    prompt=text, device=self.device, max_sequence_length=MAX_SEQUENCE_LENGTH
-                )
-                for text in dict.fromkeys(texts)
-            }
-            envs[branch] = [
-                {
-                    "encoder_hidden_states": encoded[t][0],
-                    "encoder_hidden_states_mask": encoded[t][1],
-                    **shared,
-                }
-                for t in texts
-            ]
-        batched = ("encoder_hidden_states", "encoder_hidden_states_mask", "img_shapes", "guidance")
-        return Conditioning(envs=envs, batched_keys=batched)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:

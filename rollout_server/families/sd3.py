@@ -13,10 +13,8 @@ from diffusers import StableDiffusion3Pipeline
 from PIL import Image
 
 from rollout_server.families.base import (
-    Conditioning,
     FamilyAdapter,
     FamilyDefaults,
-    branch_texts,
     resolution_shift,
     set_up_schedule,
 )
@@ -32,6 +30,7 @@ class SD3Adapter(FamilyAdapter):
     timestep_rule = "timestep"
     cfg_scale_field = "guidance_scale"
     cfg_rule = "true_cfg"
+    batched_env_keys = ("encoder_hidden_states", "pooled_projections")
 
     @property
     def side_multiple(self) -> int:
@@ -64,32 +63,20 @@ class SD3Adapter(FamilyAdapter):
         return "unpacked: [vae_latent_channels, H/8, W/8] (the transformer patchifies 2x2 itself)"
 
     @torch.no_grad()
-    def encode_prompts(
-        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, height: int, width: int
-    ) -> Conditioning:
-        # guidance_scale is SD3's CFG scale, applied by the engine when it combines the branches.
-        envs = {}
-        for branch, texts in branch_texts(prompts, negative_prompt).items():
-            unique = sorted(set(texts), key=texts.index)
-            # The negative prompt goes through the prompt path too: without clip_skip it is the same
-            # computation as the pipeline's negative branch, and it is encoded once instead of per prompt.
-            embeds, _, pooled, _ = self.pipe.encode_prompt(
-                prompt=unique,
-                prompt_2=None,
-                prompt_3=None,
-                device=self.device,
-                do_classifier_free_guidance=False,
-                max_sequence_length=MAX_SEQUENCE_LENGTH,
-            )
-            by_text = {text: row for row, text in enumerate(unique)}
-            envs[branch] = [self._env(embeds, pooled, by_text[t]) for t in texts]
-        return Conditioning(envs=envs, batched_keys=("encoder_hidden_states", "pooled_projections"))
-
-    @staticmethod
-    def _env(embeds: torch.Tensor, pooled: torch.Tensor, row: int) -> dict:
+    def encode_text(self, text: str, guidance_scale: float, height: int, width: int) -> dict:
+        # guidance_scale is SD3's CFG scale, applied when the branches are combined. The negative prompt
+        # takes this path too: without clip_skip it is the pipeline's negative-branch computation.
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=[text],
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+        )
         return {
-            "encoder_hidden_states": embeds[row : row + 1],
-            "pooled_projections": pooled[row : row + 1],
+            "encoder_hidden_states": embeds,
+            "pooled_projections": pooled,
             "joint_attention_kwargs": None,
             "return_dict": False,
         }
