@@ -35,6 +35,7 @@ bench: $(STAMP) $(STUBS)
 	$(PY) bench/stream_overhead.py
 	$(PY) bench/sp_scaling.py
 	$(PY) bench/weight_update.py
+	$(PY) bench/prompt_cache.py
 
 # torch goes first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
