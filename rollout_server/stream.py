@@ -23,6 +23,8 @@ DEBUG_NAMES = {
     rollout_pb2.DEBUG_TENSOR_SD: "sd",
     rollout_pb2.DEBUG_TENSOR_VELOCITY: "velocity",
 }
+# Env tensors up to this size are also compared by value, to be sent once (see env_payload).
+_COMPARED_BYTES = 64 * 1024
 # Room for a message's fields other than its payload bytes, and for protobuf framing.
 _FRAMING_BYTES = 1024
 
@@ -45,22 +47,29 @@ def latents_sent(selection: int, stochastic: list[bool]) -> list[bool]:
 def env_payload(envs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, torch.Tensor], str]:
     """Split the per-prompt env into named tensors and a JSON document of the other values.
 
-    A tensor equal to one already named (the negative prompt's embedding, the position ids, which
-    every prompt's env holds alike) is sent once; the other entries name it in the JSON as
-    ``{"tensor": "<name>"}``.
+    A tensor already named is sent once, the other entries naming it in the JSON as
+    ``{"tensor": "<name>"}``: the same tensor (equal texts share their encoding, the negative prompt's
+    embedding serves every prompt), or a small one of equal value (each text's own position ids).
     """
     tensors, values = {}, {}
-    seen: dict[tuple, list[tuple[torch.Tensor, str]]] = {}  # (dtype, shape) -> tensors already named
+    named: dict[tuple, str] = {}  # tensor identity -> name
+    small: dict[tuple, list[tuple[torch.Tensor, str]]] = {}  # (dtype, shape) -> small tensors named
     for branch, per_prompt in envs.items():
         for p, env in enumerate(per_prompt):
             for key, value in env.items():
                 name = f"env/{branch}/{p}/{key}"
                 if isinstance(value, torch.Tensor):
-                    alike = seen.setdefault((value.dtype, tuple(value.shape)), [])
-                    earlier = next((named for tensor, named in alike if torch.equal(tensor, value)), None)
+                    identity = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
+                    earlier = named.get(identity)
+                    alike = None
+                    if value.nbytes <= _COMPARED_BYTES:
+                        alike = small.setdefault((value.dtype, tuple(value.shape)), [])
+                        if earlier is None:
+                            earlier = next((n for tensor, n in alike if torch.equal(tensor, value)), None)
                     if earlier is None:
-                        alike.append((value, name))
-                        tensors[name] = value
+                        named[identity], tensors[name] = name, value
+                        if alike is not None:
+                            alike.append((value, name))
                         continue
                     value = {"tensor": earlier}
                 values.setdefault(branch, {}).setdefault(str(p), {})[key] = value
