@@ -146,7 +146,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             )
         async with self._update_slot(context):
             read = asyncio.to_thread(
-                weights.read_update, self.weights_root, request, self.engine.policy_version
+                weights.read_update,
+                self.weights_root,
+                request,
+                self.engine.policy_version,
+                self.server_info.limits.max_update_bytes,
             )
             update = await self._updating(context, read)
             await self._updating(context, self._apply(update))

@@ -393,10 +393,13 @@ def resolve_under(root: Path, requested: str) -> Path:
     return path
 
 
-def read_update(root: Path, request: rollout_pb2.LoadWeightsRequest, current_version: int) -> WeightUpdate:
+def read_update(
+    root: Path, request: rollout_pb2.LoadWeightsRequest, current_version: int, max_bytes: int
+) -> WeightUpdate:
     """The update stored at ``request.path`` under ``root``: a PEFT adapter folder (LORA), or the
     safetensors weights of a file, a diffusers model folder or a pipeline folder's transformer/. A
-    stale version is refused before anything is read; non-finite values once read."""
+    stale version, or files of more than ``max_bytes`` in all, are refused before anything is read;
+    non-finite values once read."""
     check_version(request.policy_version, current_version, "policy_version")
     path = resolve_under(root, request.path)
     try:
@@ -407,13 +410,14 @@ def read_update(root: Path, request: rollout_pb2.LoadWeightsRequest, current_ver
                 "kind", f"{quoted(request.path)} {'is' if is_adapter else 'is not'} a PEFT adapter folder"
             )
         if is_adapter:
+            _check_size([path / PEFT_CONFIG_FILE, path / PEFT_WEIGHTS_FILE], max_bytes)
             config_json = (path / PEFT_CONFIG_FILE).read_text()
             tensors = {
                 n.removeprefix(PEFT_SAVED_PREFIX): t for n, t in load_file(path / PEFT_WEIGHTS_FILE).items()
             }
         else:
             config_json, tensors = "", {}
-            for file in _weight_files(path):
+            for file in _check_size(_weight_files(path), max_bytes):
                 tensors.update(load_file(file))
     except (OSError, SafetensorError, UnicodeDecodeError) as error:
         raise _reject("path", f"cannot read the weights: {quoted(str(error))}") from error
@@ -427,6 +431,14 @@ def read_update(root: Path, request: rollout_pb2.LoadWeightsRequest, current_ver
         lora_config_json=config_json,
         adapter_name=request.adapter_name,
     )
+
+
+def _check_size(files: list[Path], max_bytes: int) -> list[Path]:
+    """``files``, unless together they are larger than an update may be (InvalidRequest on ``path``)."""
+    size = sum(file.stat().st_size for file in files)
+    if size > max_bytes:
+        raise _reject("path", f"the weights there are {size} bytes; an update is at most {max_bytes}")
+    return files
 
 
 def _weight_files(path: Path) -> list[Path]:

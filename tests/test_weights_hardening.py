@@ -282,6 +282,20 @@ def test_unusable_load_path_is_refused_not_internal(hardened, pusher, root, path
     assert_serving(hardened, pusher)
 
 
+def test_load_weights_larger_than_an_update_is_refused_unread(hardened, pusher, root):
+    """Files on disk count against the same bound as a streamed update: a safetensors file larger
+    than limits.max_update_bytes is refused on ``path`` before it is read."""
+    max_bytes = pusher.server_info().limits.max_update_bytes
+    save_file({"big": torch.zeros(max_bytes // 4 + 1)}, root / "too-big.safetensors")
+    before = fingerprint(pusher)
+    with pytest.raises(grpc.RpcError) as raised:
+        pusher.load_weights("too-big.safetensors", before[0] + 1)
+    assert_refused(raised, GRPC.INVALID_ARGUMENT, "path")
+    assert f"an update is at most {max_bytes}" in raised.value.details()
+    assert_unchanged(before, pusher)
+    assert_serving(hardened, pusher)
+
+
 class HeldUpload:
     """An UpdateWeights call that sends its header and then nothing, until released or cut."""
 
