@@ -5,6 +5,9 @@ tile the data exactly); each tensor then gets its own buffer, allocated uninitia
 byte arrives and filled straight from the received pieces. So memory grows with the bytes received,
 never with the sizes a client declares, every tensor owns its memory (the engine may adopt it as a
 parameter), and each one is checked as soon as it is complete, while later bytes are still arriving.
+
+The UpdateWeights messages themselves are read by ``parse_update_message``, which views each piece
+inside the received bytes instead of copying it out of a protobuf message.
 """
 
 import json

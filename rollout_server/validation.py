@@ -110,11 +110,10 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
 
     group = resolved.samples_per_prompt
     total = group * len(request.prompts)
-    # Counts are checked before any per-item check: a million prompts must cost no more than one.
-    too_many_prompts = len(request.prompts) > limits.max_samples
     if not request.prompts:
         bad.append(("prompts", "at least one prompt is required"))
-    elif too_many_prompts:
+    elif len(request.prompts) > limits.max_samples:
+        # Counted before any per-prompt check: a million prompts must cost no more than one.
         bad.append(("prompts", f"{len(request.prompts)} prompts exceed {limits.max_samples} samples"))
     else:
         for i, prompt in enumerate(request.prompts):

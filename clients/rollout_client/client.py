@@ -87,7 +87,7 @@ class RolloutClient:
         else:
             self.channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
-        # UpdateWeights with messages the client serialises itself (see data_message).
+        # UpdateWeights with messages the client frames itself (see update_frame).
         self._update_weights = self.channel.stream_unary(
             UPDATE_WEIGHTS_METHOD, response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString
         )
