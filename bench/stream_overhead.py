@@ -1,5 +1,6 @@
-"""Streaming overhead: the same rollout (a) in-process through the sampler with no hooks and (b)
-through a real server, streaming every latent and the env to a client that decodes every tensor.
+"""Streaming overhead: the same rollout (a) in-process through the runner and sampler, nothing
+encoded, and (b) through a real server, streaming every latent and the env to a client that decodes
+every tensor.
 
 Prints a Markdown table with the median seconds of each, the ratio b/a and the streamed tensor
 throughput. Runs (a) and (b) alternately so machine noise hits both alike.
@@ -22,28 +23,30 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from rollout.v1 import rollout_pb2
 from rollout_client import Finished, RolloutClient
 from rollout_server import families
-from rollout_server.engine import RolloutEngine
 from rollout_server.limits import Limits
 from rollout_server.local import LocalServer
+from rollout_server.metrics import ServerMetrics
+from rollout_server.parallel import SequenceParallel
 from rollout_server.presets import defaults_for, resolve_model
-from rollout_server.sampler import SamplerHooks, sample
+from rollout_server.runner import Runner
+from rollout_server.sampler import advance
 from rollout_server.validation import ServingContext, resolve
 
 
-def in_process_engine(preset: str, cache_dir: Path) -> tuple[RolloutEngine, ServingContext]:
+def in_process_runner(preset: str, cache_dir: Path) -> tuple[Runner, ServingContext]:
     """The model loaded on this thread, where (a) runs it (as the server's worker does for (b))."""
     adapter = families.load(resolve_model(preset, cache_dir), torch.device("cpu"), torch.float32)
-    engine = RolloutEngine(lambda: adapter, preset, 1, Limits.max_batch_size, Limits.max_message_bytes)
+    runner = Runner(adapter, SequenceParallel(), Limits.max_batch_size, 0, ServerMetrics())
     defaults = defaults_for(preset, adapter.defaults())
-    return engine, ServingContext(defaults, adapter.side_multiple, Limits(), adapter.cfg_scale_field)
+    return runner, ServingContext(defaults, adapter.side_multiple, Limits(), adapter.cfg_scale_field)
 
 
-def in_process_seconds(engine: RolloutEngine, request: rollout_pb2.RolloutRequest) -> float:
-    """(a): prompt encoding and the sampler loop, no hooks, no serialisation."""
+def in_process_seconds(runner: Runner, request: rollout_pb2.RolloutRequest) -> float:
+    """(a): prompt encoding and the sampler loop, no events, no serialisation."""
     begin = time.perf_counter()
-    with torch.inference_mode():
-        prepared = engine.prepare(request)
-        sample(prepared.plan, prepared.velocity, SamplerHooks())
+    rollout = runner.prepare(0, request)
+    while not rollout.done:
+        advance(rollout.plan, rollout.state, runner.velocities([rollout]).guided[rollout.key])
     return time.perf_counter() - begin
 
 
@@ -92,17 +95,17 @@ def measure(label: str, preset: str, fields: dict, args, cache_dir: Path, log_di
         images=False,
     )
     request.MergeFrom(rollout_pb2.RolloutRequest(**fields))
-    engine, serving = in_process_engine(preset, cache_dir)
+    runner, serving = in_process_runner(preset, cache_dir)
     request = resolve(request, serving)
     server_args = ["--model", preset, "--cache-dir", str(cache_dir), "--threads", str(args.threads)]
     server = LocalServer.start(log_dir / f"{preset}.log", *server_args)
     try:
         with RolloutClient(server.address, timeout=600) as client:
-            in_process_seconds(engine, request)  # warm-up both sides
+            in_process_seconds(runner, request)  # warm-up both sides
             streamed_seconds(client, request)
             a_runs, b_runs = [], []
             for _ in range(args.repeats):
-                a_runs.append(in_process_seconds(engine, request))
+                a_runs.append(in_process_seconds(runner, request))
                 seconds, tensor_bytes = streamed_seconds(client, request)
                 b_runs.append(seconds)
     finally:

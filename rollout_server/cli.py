@@ -32,10 +32,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--cache-dir", type=Path, default=None, help="where presets are built (default: ~/.cache)")
     s.add_argument("--grace-seconds", type=float, default=10.0, help="time running rollouts get at shutdown")
     s.add_argument("--max-message-bytes", type=int, default=Limits.max_message_bytes)
-    s.add_argument("--max-batch-size", type=int, default=Limits.max_batch_size, help="samples per forward")
+    s.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=Limits.max_batch_size,
+        help="transformer rows per forward (a sample in one CFG branch), across concurrent rollouts; "
+        "1 turns batching off",
+    )
     s.add_argument("--max-samples", type=int, default=Limits.max_samples, help="samples per request")
     s.add_argument(
         "--max-queued", type=int, default=Limits.max_queued_requests, help="rollouts queued or running"
+    )
+    s.add_argument(
+        "--max-running-samples",
+        type=int,
+        default=Limits.max_running_samples,
+        help="samples of the rollouts stepping together (a larger rollout runs alone)",
     )
     s.add_argument(
         "--max-waiting",
@@ -109,6 +121,7 @@ def main(argv=None) -> None:
         max_batch_size=args.max_batch_size,
         max_message_bytes=args.max_message_bytes,
         max_queued_requests=args.max_queued,
+        max_running_samples=args.max_running_samples,
         max_waiting_requests=args.max_waiting,
         stall_seconds=args.stall_seconds,
     )

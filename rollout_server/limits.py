@@ -27,6 +27,7 @@ class Limits:
     max_prompt_chars: int = 4096
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_queued_requests: int = 16
+    max_running_samples: int = 64
     max_waiting_requests: int = 64
     max_request_id_chars: int = 128
     stall_seconds: float = 60.0
@@ -50,6 +51,7 @@ class Limits:
             ("--max-samples", self.max_samples),
             ("--max-batch-size", self.max_batch_size),
             ("--max-queued", self.max_queued_requests),
+            ("--max-running-samples", self.max_running_samples),
             ("--max-waiting", self.max_waiting_requests),
             ("--stall-seconds", self.stall_seconds),
         ):
@@ -66,6 +68,7 @@ class Limits:
             max_prompt_chars=self.max_prompt_chars,
             max_message_bytes=self.max_message_bytes,
             max_queued_requests=self.max_queued_requests,
+            max_running_samples=self.max_running_samples,
             max_noise_level=max(sampler.max_noise_level for sampler in steps.SAMPLERS.values()),
             max_noise_levels={name: sampler.max_noise_level for name, sampler in steps.SAMPLERS.items()},
             max_waiting_requests=self.max_waiting_requests,

@@ -1,17 +1,14 @@
 """Prometheus metrics of one server, in a registry of its own, served by ``--metrics-port``.
 
-Observing never touches a tensor's values: the step hook reads the clock, the velocity function
-counts rows, the stream counts message sizes.
+Observing never touches a tensor's values: the engine reads the clock around each batched step,
+the runner counts rows per forward, the stream counts message sizes.
 """
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from rollout.v1 import rollout_pb2
-from rollout_server.sampler import SamplerHooks, StepRecord
 
 PREFIX = "rollout_server"
 
@@ -26,16 +23,22 @@ class ServerMetrics:
         self.rejected = Counter(
             f"{PREFIX}_rejected_requests", "Calls refused before any work, by reason", ["reason"], registry=r
         )
-        self.steps = Counter(f"{PREFIX}_steps", "Denoising steps run", registry=r)
+        self.steps = Counter(f"{PREFIX}_steps", "Denoising steps taken, one per rollout per step", registry=r)
         self.step_seconds = Histogram(
             f"{PREFIX}_step_seconds",
-            "Compute time of one denoising step (all samples of the rollout), streaming excluded",
+            "Time of one batched step: the forwards, the step math and the encoding of its messages",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
-        self.samples_per_forward = Histogram(
-            f"{PREFIX}_samples_per_forward",
-            "Samples in one transformer call",
+        self.rollouts_per_step = Histogram(
+            f"{PREFIX}_rollouts_per_step",
+            "Rollouts stepping together in one batched step",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
+        self.rows_per_forward = Histogram(
+            f"{PREFIX}_rows_per_forward",
+            "Transformer rows (a sample in one CFG branch) in one forward",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
             registry=r,
         )
@@ -52,10 +55,13 @@ class ServerMetrics:
             f"{PREFIX}_weight_update_bytes", "Tensor bytes of the applied weight updates", registry=r
         )
         self.in_flight = Gauge(
-            f"{PREFIX}_in_flight_rollouts", "Admitted rollouts not yet finished", registry=r
+            f"{PREFIX}_in_flight_rollouts", "Admitted rollouts queued or running", registry=r
+        )
+        self.running = Gauge(
+            f"{PREFIX}_running_rollouts", "Rollouts in the running set (stepping or parked)", registry=r
         )
         self.queue_depth = Gauge(
-            f"{PREFIX}_queue_depth", "Rollouts and weight updates waiting for the worker", registry=r
+            f"{PREFIX}_queue_depth", "Rollouts and weight updates waiting to start", registry=r
         )
         self.policy_version = Gauge(f"{PREFIX}_policy_version", "Policy version being served", registry=r)
         self.prompt_cache_hits = Counter(
@@ -67,19 +73,25 @@ class ServerMetrics:
 
     def watch(self, engine) -> None:
         """Read the engine's admission, queue and policy version at each scrape."""
-        self.in_flight.set_function(lambda: engine.admitted)
-        self.queue_depth.set_function(lambda: engine.queued_jobs)
-        self.policy_version.set_function(lambda: engine.policy_version)
+        self.in_flight.set_function(lambda: engine.scheduler.in_flight)
+        self.running.set_function(lambda: len(engine.scheduler.running))
+        self.queue_depth.set_function(lambda: engine.scheduler.queued)
+        self.policy_version.set_function(lambda: engine.policy.version)
 
     def reject(self, reason: str) -> None:
         """A call refused before any work: invalid_argument, overloaded, unauthenticated,
         permission_denied or shutting_down."""
         self.rejected.labels(reason).inc()
 
-    def forwards(self, samples: int, calls: int) -> None:
-        """``calls`` transformer calls (one per CFG branch) of ``samples`` samples each."""
-        for _ in range(calls):
-            self.samples_per_forward.observe(samples)
+    def forward(self, rows: int) -> None:
+        """One transformer call on ``rows`` rows."""
+        self.rows_per_forward.observe(rows)
+
+    def batched_step(self, rollouts: int, seconds: float) -> None:
+        """``rollouts`` took one step together in ``seconds``."""
+        self.steps.inc(rollouts)
+        self.rollouts_per_step.observe(rollouts)
+        self.step_seconds.observe(seconds)
 
     def prompt_cache(self, hits: int, encoded: int) -> None:
         self.prompt_cache_hits.inc(hits)
@@ -98,30 +110,7 @@ class ServerMetrics:
 
         return counted
 
-    def timing(self, hooks: SamplerHooks) -> "TimedSteps":
-        return TimedSteps(hooks, self)
-
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics over HTTP on a daemon thread; returns the bound port (``port`` 0: a free one)."""
         server, _ = start_http_server(port, host, registry=self.registry)
         return server.server_address[1]
-
-
-@dataclass
-class TimedSteps(SamplerHooks):
-    """Counts and times steps around ``inner``. A step's time runs from the end of the previous hook
-    call to this one, so a slow reader (backpressure in ``inner``) does not count as compute."""
-
-    inner: SamplerHooks
-    metrics: ServerMetrics
-    _since: float = field(default=0.0, init=False)
-
-    def on_start(self, x0) -> None:
-        self.inner.on_start(x0)
-        self._since = time.perf_counter()
-
-    def on_step(self, record: StepRecord) -> None:
-        self.metrics.step_seconds.observe(time.perf_counter() - self._since)
-        self.metrics.steps.inc()
-        self.inner.on_step(record)
-        self._since = time.perf_counter()

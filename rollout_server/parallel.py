@@ -1,12 +1,13 @@
 """Sequence parallelism: every torch.distributed concern of the server, in one place.
 
-N ranks run the same sampler. Rank 0 owns the gRPC front end; before each rollout it broadcasts the
-resolved request, and before each step whether the rollout goes on, so every rank runs the same
-steps. The transformer is split with diffusers' own context parallelism (Ulysses attention on CPU;
-ring or Ulysses + ring on GPUs); latents stay full and replicated, the fp32 step runs on the gathered
-velocity, and noise and log-probs are computed on every rank from the full noise tensor: no
-collective touches them. While idle, rank 0 broadcasts a heartbeat, so a rank that dies or hangs is
-noticed within the collective timeout instead of hanging the others.
+N ranks run the same engine rounds. Rank 0 owns the gRPC front end and the scheduler; before each
+batched step it broadcasts the round (which rollouts drop, join with their resolved requests, and
+step), so every rank runs the same forwards. The transformer is split with diffusers' own context
+parallelism (Ulysses attention on CPU; ring or Ulysses + ring on GPUs); latents stay full and
+replicated, the fp32 step runs on the gathered velocity, and noise and log-probs are computed on
+every rank from the full noise tensor: no collective touches them. While idle, rank 0 broadcasts a
+heartbeat, so a rank that dies or hangs is noticed within the collective timeout instead of hanging
+the others.
 
 Launch: ``rollout-server serve --sp N`` starts N - 1 helper processes itself; under ``torchrun``
 (single or multi node) the launcher's RANK / WORLD_SIZE / LOCAL_RANK are used and rank 0 of the job
@@ -35,8 +36,7 @@ ATTENTION_SPLITS = ("ulysses", "ring", "ulysses+ring")
 # Transformer inputs that carry the image tokens (the context-parallel output gathers them back).
 IMAGE_INPUTS = ("hidden_states", "img_ids")
 # Commands rank 0 broadcasts to the others.
-HEARTBEAT, ROLLOUT, STOP = "heartbeat", "rollout", "stop"
-UPDATE = "update"
+HEARTBEAT, ROUND, UPDATE, STOP = "heartbeat", "round", "update", "stop"
 
 
 class RankFailure(RuntimeError):
@@ -128,7 +128,7 @@ class SequenceParallel:
             raise RankFailure(f"{what} failed: {self.describe_failure()}{error}") from error
 
     def broadcast_command(self, command: str, payload: bytes = b"") -> tuple[str, bytes]:
-        """Rank 0 sends (command, payload); the others receive it. The payload (a request, or a whole
+        """Rank 0 sends (command, payload); the others receive it. The payload (a round, or a whole
         weight update) travels as one uint8 tensor on the CPU group, not pickled, never on a GPU."""
         if not self.enabled:
             return command, payload
@@ -145,14 +145,6 @@ class SequenceParallel:
             data = torch.empty(size, dtype=torch.uint8)
         self._collective(f"{command!r} payload", lambda: dist.broadcast(data, 0, group=self.cpu_group))
         return command, payload if self.is_leader else data.numpy().tobytes()
-
-    def agree(self, flag: bool) -> bool:
-        """Rank 0's flag, on every rank (the per-step 'stop now?' decision)."""
-        if not self.enabled:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32)
-        self._collective("step agreement", lambda: dist.broadcast(value, 0, group=self.cpu_group))
-        return bool(value.item())
 
     def all_succeeded(self, ok: bool) -> bool:
         """Whether every rank reports success (an all-reduce of the flags)."""

@@ -1,11 +1,10 @@
-"""The model-agnostic sampler loop: noise, velocity, fp32 step, log-prob, hooks.
+"""The model-agnostic, step-wise sampler: noise, fp32 step, log-prob.
 
-The sampler knows no model and is step-wise: ``init(plan)`` gives a rollout's state at x_0, and
-``advance(plan, state, v)`` takes its next step with a velocity computed elsewhere (the family
-adapter's transformer call with guidance), so an engine may step several rollouts in any
-interleaving. ``sample`` runs one rollout to the end with a ``velocity(x, i)`` callable. The sampler
-owns the noise (``rollout_core.noise``) and the step math (``rollout_core.steps``), and tells hooks
-what happened. Hooks observe; they never change numbers.
+``init(plan)`` gives a rollout's state at x_0, and ``advance(plan, state, v)`` takes its next step
+with a velocity computed elsewhere (the runner's batched transformer call with guidance) and says
+what happened in a ``StepRecord``. Only the plan and the state enter a step, so the engine may step
+many rollouts, each at its own step, in any interleaving. The sampler owns the noise
+(``rollout_core.noise``) and the step math (``rollout_core.steps``) and knows no model.
 
 The streamed log-prob scores exactly the streamed x_{i+1}: when latents are kept in float32,
 x_{i+1} = mean + sd * eps and the residual is sd * eps, computed from the full noise tensor; when the
@@ -13,16 +12,12 @@ latent dtype is bf16/fp16 the state is rounded after every step and the residual
 round(x_{i+1}) - mean, the bytes the trainer will score.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from rollout_core import noise, steps
-
-
-class RolloutCancelled(Exception):
-    """The caller went away or its deadline expired; the rollout stops at the next step."""
 
 
 class NonFiniteStep(Exception):
@@ -61,7 +56,7 @@ class SamplerPlan:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What a hook sees of step i (tensors on the sampler's device, float32)."""
+    """What step i did (tensors on the sampler's device, float32)."""
 
     index: int
     stochastic: bool
@@ -71,16 +66,6 @@ class StepRecord:
     eps: torch.Tensor | None
     mean: torch.Tensor
     velocity: torch.Tensor
-
-
-class SamplerHooks:
-    """Observers of a rollout; the default methods do nothing."""
-
-    def on_start(self, x0: torch.Tensor) -> None:
-        """Called once with x_0 [B, ...], before the first step."""
-
-    def on_step(self, record: StepRecord) -> None:
-        """Called after every step."""
 
 
 def stochastic_steps(sampler_type: str, sigmas: torch.Tensor, noise_level: float, requested) -> list[bool]:
@@ -134,19 +119,3 @@ def advance(plan: SamplerPlan, state: SamplerState, v: torch.Tensor) -> StepReco
     check_finite("next latent", i, x_next)
     state.x, state.step = x_next, i + 1
     return StepRecord(i, stochastic, x_next, log_probs, sd, eps, mean, v)
-
-
-def sample(
-    plan: SamplerPlan,
-    velocity: Callable[[torch.Tensor, int], torch.Tensor],
-    hooks: SamplerHooks,
-    cancelled: Callable[[], bool] = lambda: False,
-) -> torch.Tensor:
-    """Run the trajectory x_0 -> x_T and return x_T (float32 [B, ...])."""
-    state = init(plan)
-    hooks.on_start(state.x)
-    while state.step < plan.num_steps:
-        if cancelled():
-            raise RolloutCancelled(f"cancelled before step {state.step}")
-        hooks.on_step(advance(plan, state, velocity(state.x, state.step)))
-    return state.x

@@ -24,7 +24,7 @@ from rollout_server.auth import (
     TokenPolicy,
     exposure_warning,
 )
-from rollout_server.engine import RolloutEngine
+from rollout_server.engine import Engine
 from rollout_server.limits import Limits
 from rollout_server.parallel import SequenceParallel
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
@@ -66,7 +66,7 @@ def versions() -> dict[str, str]:
     return {"rollout-server": rollout_server.__version__, **{name: version(name) for name in packages}}
 
 
-def build_engine(options: ServerOptions) -> RolloutEngine:
+def build_engine(options: ServerOptions) -> Engine:
     """Load the model (split across the sequence-parallel ranks, if any) into an engine."""
     folder = options.model_path or presets.resolve_model(options.model, options.cache_dir)
     device = options.parallel.device(options.device)
@@ -77,16 +77,7 @@ def build_engine(options: ServerOptions) -> RolloutEngine:
         options.parallel.split_transformer(adapter.transformer)
         return adapter
 
-    limits = options.limits
-    return RolloutEngine(
-        load,
-        options.model,
-        limits.max_queued_requests,
-        limits.max_batch_size,
-        limits.max_message_bytes,
-        options.parallel,
-        options.prompt_cache_entries,
-    )
+    return Engine(load, options.model, options.limits, options.parallel, options.prompt_cache_entries)
 
 
 def build_service(options: ServerOptions) -> RolloutService:
@@ -116,7 +107,7 @@ def build_service(options: ServerOptions) -> RolloutService:
         cfg_rule=adapter.cfg_rule,
         timestep_rule=adapter.timestep_rule,
     )
-    info.limits.max_update_bytes = engine.weight_spec.max_update_bytes
+    info.limits.max_update_bytes = engine.policy.spec.max_update_bytes
     return RolloutService(engine, serving, info, options.weights_root, options.upload_idle_seconds)
 
 
@@ -219,7 +210,7 @@ class RolloutServer:
         self.service.begin_shutdown()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        while self.service.engine.admitted and loop.time() < deadline:
+        while self.service.engine.scheduler.in_flight and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_POLL_SECONDS)
         await self.server.stop(max(deadline - loop.time(), 0.0))
         await asyncio.to_thread(self.service.engine.close)  # the loop must keep running meanwhile

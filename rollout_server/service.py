@@ -3,10 +3,8 @@
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
-from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
@@ -16,16 +14,13 @@ from grpc_status import rpc_status
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server import weights
-from rollout_server.engine import Overloaded, RolloutEngine
+from rollout_server.engine import Engine, ShuttingDown
 from rollout_server.parallel import RankFailure
-from rollout_server.sampler import NonFiniteStep, RolloutCancelled
+from rollout_server.sampler import NonFiniteStep
+from rollout_server.scheduler import Outbox, Overloaded, RolloutJob, StreamEnd
 from rollout_server.validation import InvalidRequest, ServingContext, quoted, resolve
 
 log = logging.getLogger("rollout_server.service")
-# Messages buffered between the worker and the network before the worker waits for the client.
-STREAM_BUFFER = 8
-_POLL_SECONDS = 0.25
-_END_OF_STREAM = object()
 # What a handler receives in place of a request whose bytes do not parse (see server.py).
 NOT_A_PROTOBUF = "the message is not a valid protobuf of the method's request type"
 # How a weight update's expected failures reach the caller (InvalidRequest: INVALID_ARGUMENT with
@@ -36,6 +31,7 @@ UPDATE_FAILURES = (
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
     (RankFailure, grpc.StatusCode.UNAVAILABLE),
+    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
 )
 
 
@@ -55,10 +51,10 @@ class CallerLeft(Exception):
 # How a rollout's failures reach the caller (InvalidRequest: INVALID_ARGUMENT with BadRequest
 # details); anything else is INTERNAL, with the traceback in the log.
 ROLLOUT_FAILURES = (
-    (RolloutCancelled, grpc.StatusCode.CANCELLED),
     (StreamStalled, grpc.StatusCode.ABORTED),
     (NonFiniteStep, grpc.StatusCode.INTERNAL),
     (RankFailure, grpc.StatusCode.UNAVAILABLE),
+    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
 )
 
 
@@ -85,7 +81,7 @@ async def _parsed(messages: AsyncIterator) -> AsyncIterator:
 class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: Engine,
         serving: ServingContext,
         server_info: rollout_pb2.GetServerInfoResponse,
         weights_root: Path | None = None,
@@ -109,8 +105,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
         info = rollout_pb2.GetServerInfoResponse()
         info.CopyFrom(self.server_info)
-        lora_adapter = self.engine.lora_adapter
-        info.policy_version = self.engine.policy_version
+        lora_adapter = self.engine.policy.lora_adapter
+        info.policy_version = self.engine.policy.version
         if lora_adapter is not None:
             info.lora_adapter.CopyFrom(lora_adapter)
         return info
@@ -124,7 +120,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         async with self._update_slot(context):
             received = weights.receive(
                 _parsed(request_iterator),
-                lambda: self.engine.policy_version,
+                lambda: self.engine.policy.version,
                 max_bytes,
                 self.upload_idle_seconds,
             )
@@ -149,7 +145,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 weights.read_update,
                 self.weights_root,
                 request,
-                self.engine.policy_version,
+                self.engine.policy.version,
                 self.server_info.limits.max_update_bytes,
             )
             update = await self._updating(context, read)
@@ -174,8 +170,13 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     async def _apply(self, update: weights.WeightUpdate) -> None:
         """Check ``update`` (off the event loop: a LoRA check builds an empty model), then queue it
         behind the rollouts already queued and wait until it is applied."""
-        await asyncio.to_thread(self.engine.check_update, update)
+        await asyncio.to_thread(self.engine.policy.check, update)
         work = self.engine.submit_update(update)
+        log.info(
+            "weight update to version %d queued; it runs once the %d running rollouts finish",
+            update.policy_version,
+            len(self.engine.scheduler.running),
+        )
         loop = asyncio.get_running_loop()
         # Wake waiting rollouts even when this caller has gone away before the job ended.
         work.add_done_callback(lambda _: loop.call_soon_threadsafe(self._policy_advanced))
@@ -194,7 +195,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         """Return once the engine runs ``resolved.min_policy_version`` or later. Waiting requests hold
         no rollout slot: they have a bounded list of their own. The call's deadline bounds the wait."""
         version = resolved.min_policy_version
-        if self.engine.policy_version >= version:
+        if self.engine.policy.version >= version:
             return
         limit = self.serving.limits.max_waiting_requests
         if self._waiting >= limit:
@@ -204,10 +205,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 f"{self._waiting} requests already wait for a policy version (limit {limit})",
             )
         self._waiting += 1
+        log.info("rollout id=%s waits for policy version %d", resolved.request_id, version)
         try:
             while True:
                 changed = self._policy_changed  # taken before the check, so no update is missed
-                if self.engine.policy_version >= version:
+                if self.engine.policy.version >= version:
                     return
                 if self.shutting_down:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
@@ -260,46 +262,22 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await self._reject(context, quoted(request.request_id or "-"), error)
         if resolved.HasField("min_policy_version"):
             await self._wait_for_policy(context, resolved)
+        outbox = Outbox(asyncio.get_running_loop(), self.engine.scheduler.wake)
         try:
-            self.engine.admit()
+            self.engine.submit(RolloutJob(resolved, outbox, time.perf_counter()))
         except Overloaded as error:
             self.engine.metrics.reject("overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
         request_id = resolved.request_id
-        admitted_at = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        # The worker hands messages over through an unbounded queue, but holds at most STREAM_BUFFER
-        # of them there at once (credits): a slow reader slows the worker instead of growing memory.
-        queue: asyncio.Queue = asyncio.Queue()
-        credits = threading.Semaphore(STREAM_BUFFER)
-        cancel = threading.Event()
-
-        def emit(message: rollout_pb2.RolloutResponse) -> None:
-            """Hand a message to the stream; once the caller is gone, drop it (the sampler stops at
-            its next step, on every rank at once)."""
-            while not credits.acquire(timeout=_POLL_SECONDS):
-                if cancel.is_set():
-                    return
-            loop.call_soon_threadsafe(queue.put_nowait, message)
-
-        def finished(work: Future) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, _END_OF_STREAM)
-            loop.call_soon_threadsafe(self.engine.release)
-            # Once the caller has gone, nobody looks at the outcome: a failure other than the expected
-            # RolloutCancelled is logged here.
-            error = work.exception()
-            if cancel.is_set() and error is not None and not isinstance(error, RolloutCancelled):
-                log.error("rollout %s failed after its caller left", request_id, exc_info=error)
-
-        work = self.engine.submit(resolved, emit, cancel.is_set, admitted_at)
-        work.add_done_callback(finished)
+        submitted_at = time.perf_counter()
         outcome, failure, unsent = "OK", None, None
         try:
-            while (message := await queue.get()) is not _END_OF_STREAM:
+            while not isinstance(message := await outbox.get(), StreamEnd):
                 await self._write(context, message)
-                credits.release()
-            work.result()
+                outbox.taken()
+            if message.error is not None:
+                raise message.error
         except (asyncio.CancelledError, CallerLeft):
             outcome = "CANCELLED"  # the caller left or its deadline passed
             raise
@@ -309,14 +287,14 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         except Exception as error:  # noqa: BLE001 - each failure becomes the call's status
             outcome, failure = self._rollout_failure(request_id, error)
         finally:
-            cancel.set()
+            outbox.close()  # the engine drops the rollout if it still runs
             self.engine.metrics.rollouts.labels(outcome).inc()
             log.info(
                 "rollout id=%s samples=%d steps=%d seconds=%.3f status=%s",
                 request_id,
                 len(resolved.seeds),
                 resolved.num_steps,
-                time.perf_counter() - admitted_at,
+                time.perf_counter() - submitted_at,
                 outcome,
             )
         if unsent is not None:

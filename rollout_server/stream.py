@@ -1,8 +1,10 @@
-"""Hook events -> RolloutResponse messages: safetensors payloads, manifests, size-bounded chunks.
+"""A rollout's events -> RolloutResponse messages: safetensors payloads, manifests, size-bounded chunks.
 
-``StreamEncoder`` is the sampler hook that feeds a rollout's gRPC stream. It decides which tensors
-each event carries (latent selection, debug tensors, manifest-only mode) and cuts every payload so
-that no message exceeds the server's message limit.
+``started_event`` assembles what a trainer needs to replay the rollout (resolved request, schedule,
+layout, transformer-call rule, env); ``StreamEncoder`` turns the started event, each step, the
+images and the finished event into messages. It decides which tensors each event carries (latent
+selection, debug tensors, manifest-only mode) and cuts every payload so that no message exceeds the
+server's message limit.
 """
 
 import io
@@ -14,8 +16,11 @@ from typing import Any
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_core import codec, dtypes
-from rollout_server.sampler import SamplerHooks, StepRecord
+from rollout_core import codec, dtypes, noise
+from rollout_server.families.base import FamilyAdapter
+from rollout_server.parallel import SequenceParallel
+from rollout_server.runner import Rollout
+from rollout_server.sampler import StepRecord
 
 DEBUG_NAMES = {
     rollout_pb2.DEBUG_TENSOR_EPS: "eps",
@@ -76,6 +81,47 @@ def env_payload(envs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, torch.
     return tensors, json.dumps(values, sort_keys=True)
 
 
+def started_event(
+    rollout: Rollout, adapter: FamilyAdapter, model_name: str, policy_version: int, parallel: SequenceParallel
+) -> tuple[rollout_pb2.RolloutStarted, dict[str, torch.Tensor]]:
+    """The started event of ``rollout`` (without tensors), and the env tensors it carries."""
+    request, plan = rollout.request, rollout.plan
+    env_tensors, env_json = env_payload(rollout.conditioning.envs)
+    started = rollout_pb2.RolloutStarted(
+        resolved=request,
+        seeds=request.seeds,
+        prompt_indices=rollout.prompt_indices,
+        sigmas=plan.sigmas.tolist(),
+        timesteps=rollout.timesteps.tolist(),
+        stochastic=plan.stochastic,
+        log_prob_constants=request.log_prob_constants,
+        layout=rollout_pb2.LatentLayout(
+            shape=plan.latent_shape,
+            packing=adapter.latent_packing(),
+            height=request.height,
+            width=request.width,
+        ),
+        transformer_call=rollout_pb2.TransformerCall(
+            transformer_class=type(adapter.transformer).__name__,
+            model_dtype=dtypes.NAMES[adapter.dtype],
+            timestep_divisor=adapter.timestep_divisor,
+            timestep_rule=adapter.timestep_rule,
+            guidance_rule=rollout.guidance_rule,
+            guidance_rule_scale=rollout.cfg_scale,
+            branches=list(rollout.conditioning.envs),
+            batched_env_keys=rollout.conditioning.batched_keys,
+        ),
+        model=model_name,
+        family=adapter.family,
+        policy_version=policy_version,
+        sp_degree=parallel.degree,
+        attention_split=parallel.attention_split,
+        env_json=env_json,
+        noise_rule=noise.NOISE_RULE,
+    )
+    return started, env_tensors
+
+
 def png_bytes(image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
@@ -83,8 +129,8 @@ def png_bytes(image) -> bytes:
 
 
 @dataclass
-class StreamEncoder(SamplerHooks):
-    """Encodes a rollout's events and hands each message to ``emit`` (which may block: backpressure)."""
+class StreamEncoder:
+    """Encodes a rollout's events and hands each message to ``emit`` (the rollout's outbox)."""
 
     request: rollout_pb2.RolloutRequest  # resolved
     started: rollout_pb2.RolloutStarted  # everything but tensors
@@ -121,6 +167,7 @@ class StreamEncoder(SamplerHooks):
         )
 
     def on_start(self, x0: torch.Tensor) -> None:
+        """The started event, with the env tensors and x_0 (when the latent selection sends it)."""
         tensors = dict(self.env_tensors)
         if self.sent[0]:
             tensors["x_0"] = x0.to(self._latent_dtype)

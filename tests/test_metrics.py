@@ -1,5 +1,6 @@
 """Prometheus metrics of a real server, scraped over HTTP around real calls."""
 
+import math
 import re
 import urllib.request
 
@@ -10,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient
+from rollout_server.limits import Limits
 
 TOKEN = "metrics-test-token"
 METRICS_LINE = re.compile(r"metrics at (?P<url>http://\S+/metrics)")
@@ -73,12 +75,13 @@ def test_metrics_count_what_was_done(metered_server, tiny_transformer):
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     started = messages[0].started
-    forwards = STEPS * len(started.transformer_call.branches)
+    rows = len(started.transformer_call.branches) * len(started.seeds)  # per step
     assert moved("rollouts_total", status="OK") == 1
     assert moved("steps_total") == STEPS
     assert moved("step_seconds_count") == STEPS and moved("step_seconds_sum") > 0
-    assert moved("samples_per_forward_count") == forwards
-    assert moved("samples_per_forward_sum") == forwards * len(started.seeds)
+    assert moved("rollouts_per_step_sum") == STEPS  # it ran alone
+    assert moved("rows_per_forward_count") == STEPS * math.ceil(rows / Limits.max_batch_size)
+    assert moved("rows_per_forward_sum") == STEPS * rows
     assert moved("streamed_bytes_total") == sum(message.ByteSize() for message in messages)
     assert moved("rejected_requests_total", reason="invalid_argument") == 1
     assert moved("rejected_requests_total", reason="unauthenticated") == 1
@@ -88,3 +91,4 @@ def test_metrics_count_what_was_done(metered_server, tiny_transformer):
     assert after[("rollout_server_policy_version", ())] == version
     assert after[("rollout_server_in_flight_rollouts", ())] == 0
     assert after[("rollout_server_queue_depth", ())] == 0
+    assert after[("rollout_server_running_rollouts", ())] == 0

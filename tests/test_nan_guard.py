@@ -10,7 +10,7 @@ from conftest import start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_client import RolloutClient
-from rollout_server.sampler import NonFiniteStep, SamplerHooks, SamplerPlan, sample
+from rollout_server.sampler import NonFiniteStep, SamplerPlan, advance, init
 
 REQUEST = {"prompts": ["a red fox"], "samples_per_prompt": 2, "height": 64, "width": 64, "num_steps": 3}
 
@@ -29,12 +29,15 @@ def plan(noise_level: float = 0.7) -> SamplerPlan:
     )
 
 
-class Recorder(SamplerHooks):
-    def __init__(self):
-        self.steps = []
-
-    def on_step(self, record) -> None:
-        self.steps.append(record.index)
+def run_until_failure(p: SamplerPlan, velocity) -> tuple[list[int], NonFiniteStep | None]:
+    """Advance a rollout to its end: the steps taken, and the NonFiniteStep that stopped it."""
+    state, taken = init(p), []
+    try:
+        while state.step < p.num_steps:
+            taken.append(advance(p, state, velocity(state.x, state.step)).index)
+    except NonFiniteStep as error:
+        return taken, error
+    return taken, None
 
 
 def test_non_finite_velocity_names_step_and_sample():
@@ -46,24 +49,18 @@ def test_non_finite_velocity_names_step_and_sample():
             v[1, 3, 5] = math.nan
         return v
 
-    hooks = Recorder()
-    with pytest.raises(
-        NonFiniteStep, match=r"^step 2: the velocity of sample 1 is not finite \(1 samples\)$"
-    ):
-        sample(plan(), velocity, hooks)
-    assert hooks.steps == [0, 1]
+    taken, error = run_until_failure(plan(), velocity)
+    assert str(error) == "step 2: the velocity of sample 1 is not finite (1 samples)"
+    assert taken == [0, 1]
 
 
 def test_overflowing_next_latent_is_caught():
     """A finite velocity of 3e38 passes step 0 (velocity coefficient dt = -0.25), but at step 1 the
     FLOW_SDE mean scales it by (1 + std_t^2 (1 - s) / (2 s)) dt = -1.375 at noise level 3: x_{i+1}
     overflows float32, and that is caught too."""
-    hooks = Recorder()
-    with pytest.raises(
-        NonFiniteStep, match=r"^step 1: the next latent of sample 0 is not finite \(3 samples\)$"
-    ):
-        sample(plan(noise_level=3.0), lambda x, i: torch.full_like(x, 3e38), hooks)
-    assert hooks.steps == [0]
+    taken, error = run_until_failure(plan(noise_level=3.0), lambda x, i: torch.full_like(x, 3e38))
+    assert str(error) == "step 1: the next latent of sample 0 is not finite (3 samples)"
+    assert taken == [0]
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,13 @@
-"""The step-wise sampler in process: advancing a rollout one step at a time reproduces ``sample``
-bitwise, and rollouts advanced in an interleaving (as an engine batching several would) each get
-their solo trajectory."""
+"""The step-wise sampler in process: each step matches the float64 reference formulas, and rollouts
+advanced in an interleaving (as the engine batching several does) each get their solo trajectory
+bitwise."""
 
+import numpy as np
 import torch
+from reference import log_prob, mean_and_sd
 
-from rollout_server.sampler import SamplerHooks, SamplerPlan, advance, init, sample
+from rollout_core import noise
+from rollout_server.sampler import SamplerPlan, advance, init
 
 
 def plan(sampler_type: str, seeds: list[int], noise_level: float, latent_dtype=torch.float32) -> SamplerPlan:
@@ -26,17 +29,6 @@ def velocity(x: torch.Tensor, i: int) -> torch.Tensor:
     return torch.tanh(x) * (i + 1) - 0.1 * x
 
 
-class Recorder(SamplerHooks):
-    def __init__(self):
-        self.x0, self.records = None, []
-
-    def on_start(self, x0) -> None:
-        self.x0 = x0
-
-    def on_step(self, record) -> None:
-        self.records.append(record)
-
-
 def assert_same_records(a, b) -> None:
     assert [r.index for r in a] == [r.index for r in b]
     for one, two in zip(a, b, strict=True):
@@ -47,24 +39,33 @@ def assert_same_records(a, b) -> None:
             assert torch.equal(one.log_probs, two.log_probs) and torch.equal(one.eps, two.eps)
 
 
-def solo(p: SamplerPlan) -> Recorder:
-    hooks = Recorder()
-    sample(p, velocity, hooks)
-    return hooks
+def solo(p: SamplerPlan) -> list:
+    """The records of ``p`` run alone, start to end."""
+    state = init(p)
+    return [advance(p, state, velocity(state.x, state.step)) for _ in range(p.num_steps)]
 
 
-def test_advance_step_by_step_is_sample():
-    for p in (
-        plan("FLOW_SDE", [3, 4], 0.7),
-        plan("CPS", [5], 0.5),
-        plan("DANCE", [6, 7], 1.2, torch.bfloat16),
-    ):
+def test_each_step_matches_the_float64_reference():
+    """x_0 is the seeds' noise, and every step's mean, x_{i+1} and log-prob follow the reference
+    formulas (float64, written independently) from the streamed x_i and velocity."""
+    for p in (plan("FLOW_SDE", [3, 4], 0.7), plan("CPS", [5], 0.5), plan("DANCE", [6, 7], 1.2)):
         state = init(p)
-        x0 = state.x.clone()
-        records = [advance(p, state, velocity(state.x, state.step)) for _ in range(p.num_steps)]
-        reference = solo(p)
-        assert torch.equal(x0, reference.x0) and state.step == p.num_steps
-        assert_same_records(records, reference.records)
+        assert torch.equal(state.x, noise.initial_noise(p.seeds, p.latent_shape))
+        for i in range(p.num_steps):
+            x = state.x.double().numpy()
+            v = velocity(state.x, i)
+            record = advance(p, state, v)
+            kind = p.sampler_type if p.stochastic[i] else "ODE"
+            mean, sd = mean_and_sd(kind, x, v.double().numpy(), p.sigmas.double().numpy(), i, p.noise_level)
+            np.testing.assert_allclose(record.mean.numpy(), mean, rtol=1e-5, atol=1e-6)
+            if p.stochastic[i]:
+                eps = noise.step_noise(p.seeds, i, p.latent_shape).double().numpy()
+                np.testing.assert_allclose(record.x_next.numpy(), mean + sd * eps, rtol=1e-5, atol=1e-6)
+                expected = log_prob(record.x_next.double().numpy(), mean, sd, p.log_prob_constants)
+                np.testing.assert_allclose(record.log_probs.numpy(), expected, rtol=1e-4, atol=1e-4)
+            else:
+                assert record.log_probs is None
+                np.testing.assert_allclose(record.x_next.numpy(), mean, rtol=1e-5, atol=1e-6)
 
 
 def test_interleaved_rollouts_each_get_their_solo_trajectory():
@@ -80,4 +81,4 @@ def test_interleaved_rollouts_each_get_their_solo_trajectory():
             if states[k].step < plans[k].num_steps:
                 records[k].append(advance(plans[k], states[k], velocity(states[k].x, states[k].step)))
     for p, got in zip(plans, records, strict=True):
-        assert_same_records(got, solo(p).records)
+        assert_same_records(got, solo(p))

@@ -98,24 +98,51 @@ def test_server_info_reports_the_split(sp2_client):
     assert (info.sp_degree, info.attention_split) == (2, "ulysses")
 
 
-def test_concurrent_requests_stay_independent(client, sp2_client):
-    seeds = [101, 202, 303]
-    results: dict[int, list] = {}
+def test_sp2_batching_concurrent_requests_matches_sp1(client, sp2_client):
+    """Mixed requests (samplers, CFG on and off, group sizes) sent together to the SP=2 server share
+    forwards, and each streams what it streams alone at SP=1: noise and log-probs bitwise, latents
+    within 1e-5."""
+    requests = {
+        "flow": request(base_seed=101, num_steps=6),
+        "cps-cfg": request(
+            base_seed=202,
+            num_steps=7,
+            sampler=rollout_pb2.SAMPLER_TYPE_CPS,
+            true_cfg_scale=2.5,
+            negative_prompt="blurry",
+        ),
+        "dance": request(
+            prompts=["a lighthouse"],
+            samples_per_prompt=3,
+            base_seed=303,
+            sampler=rollout_pb2.SAMPLER_TYPE_DANCE,
+        ),
+    }
+    together: dict[str, list] = {}
+    gate = threading.Barrier(len(requests))
 
-    def run(seed: int) -> None:
-        results[seed] = sp2_client.rollout(request(base_seed=seed, num_steps=3))
+    def run(name: str) -> None:
+        gate.wait()
+        together[name] = list(sp2_client.stream(requests[name]))
 
-    threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
+    threads = [threading.Thread(target=run, args=(name,)) for name in requests]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=300)
-    assert sorted(results) == seeds
-    for seed in seeds:
-        alone = client.rollout(request(base_seed=seed, num_steps=3))
-        for concurrent, reference in zip(results[seed], alone, strict=True):
-            assert concurrent.seed == reference.seed
-            assert torch.equal(concurrent.log_probs, reference.log_probs)
+    assert sorted(together) == sorted(requests)
+    assert sum(events[-1].message.shared_steps for events in together.values()) > 0
+    for name, rollout_request in requests.items():
+        two_started, *two_rest = together[name]
+        one_started, one_steps, _ = events(client, rollout_request)
+        assert torch.equal(one_started.x0, two_started.x0)
+        two_steps = [e for e in two_rest if isinstance(e, Step)]
+        for one, two in zip(one_steps, two_steps, strict=True):
+            assert one.stochastic == two.stochastic
+            if one.stochastic:
+                assert torch.equal(one.debug["eps"], two.debug["eps"])
+                assert torch.equal(one.log_probs, two.log_probs), name
+            torch.testing.assert_close(two.x_next, one.x_next, atol=1e-5, rtol=0)
 
 
 def test_unsplittable_shape_is_invalid_argument(sp2_server, sp2_client):

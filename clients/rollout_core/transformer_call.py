@@ -4,8 +4,12 @@ runs and that a trainer replays.
 For each env branch (``positive``, and ``negative`` with true CFG)::
 
     v_branch = transformer(hidden_states=x.to(model_dtype),
-                           timestep=(full([B], timestep, float32) / timestep_divisor).to(model_dtype),
+                           timestep=(timesteps[B] / timestep_divisor).to(model_dtype),
                            **env[branch])[0].float()
+
+where ``timesteps`` holds each row's timestep as float32 (a trainer replaying one step passes that
+step's timestep for every row; a server batching rollouts at different steps passes one per row: the
+numbers each row is fed are the same either way).
 
 then the guidance rule combines the branches in float32:
 
@@ -26,13 +30,14 @@ GUIDANCE_RULES = ("none", "true_cfg", "true_cfg_norm_rescale")
 def call_transformer(
     transformer: torch.nn.Module,
     x: torch.Tensor,
-    timestep: float,
+    timestep: float | torch.Tensor,
     env: Mapping[str, Any],
     model_dtype: torch.dtype,
     timestep_divisor: float,
 ) -> torch.Tensor:
-    """One branch's velocity, float32, for the batch ``x`` [B, ...]."""
-    fed_timestep = torch.full((x.shape[0],), timestep, dtype=torch.float32, device=x.device)
+    """One branch's velocity, float32, for the batch ``x`` [B, ...]; ``timestep`` is one value for
+    every row, or float32 [B], one per row."""
+    fed_timestep = torch.as_tensor(timestep, dtype=torch.float32, device=x.device).expand(x.shape[0])
     fed_timestep = (fed_timestep / timestep_divisor).to(model_dtype)
     output = transformer(hidden_states=x.to(model_dtype), timestep=fed_timestep, **env)
     return (output[0] if isinstance(output, tuple) else output.sample).float()

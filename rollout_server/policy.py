@@ -1,0 +1,83 @@
+"""The policy being served: its version, its LoRA adapter, and weight updates applied on every rank.
+
+An update is checked against the current weights without touching them (``check``, safe from any
+thread while rollouts run), then applied between rollouts by the engine's worker (the scheduler
+makes an update a barrier). A single-rank server whose update fails while applying restores the
+previous weights and keeps serving. Under sequence parallelism every rank applies the update and
+the ranks then learn whether all of them did; ranks serving different weights would be worse than
+no server, so any failure there is a ``RankFailure`` that takes the server down.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from rollout.v1 import rollout_pb2
+from rollout_server import weights
+from rollout_server.parallel import UPDATE, RankFailure, SequenceParallel
+
+log = logging.getLogger("rollout_server.policy")
+
+
+class Policy:
+    """The transformer's weights as served: version 0 as loaded, then that of each applied update."""
+
+    def __init__(self, transformer: torch.nn.Module, parallel: SequenceParallel):
+        self.transformer = transformer
+        self.parallel = parallel
+        self.version = 0
+        self.lora_adapter: rollout_pb2.LoraAdapter | None = None
+        self.spec = weights.TransformerSpec.of(transformer, parallel.enabled)
+
+    def check(self, update: weights.WeightUpdate) -> None:
+        """StaleUpdate or InvalidRequest unless ``update`` applies to the current weights. It changes
+        nothing and reads no live tensor, so any thread may call it while rollouts run."""
+        weights.check_version(update.policy_version, self.version)
+        weights.check(self.spec, update)
+
+    def apply(self, update: weights.WeightUpdate) -> None:
+        """Rank 0: check ``update`` again (another update may have gone first), send it to the other
+        ranks, and apply it on every rank."""
+        self.check(update)
+        if self.parallel.enabled:
+            self.parallel.broadcast_command(UPDATE, weights.to_payload(update))
+        self._apply_on_every_rank(lambda: update)
+
+    def follow(self, payload: bytes) -> None:
+        """A non-leader rank: apply the update rank 0 broadcast."""
+
+        def decoded() -> weights.WeightUpdate:
+            update = weights.from_payload(payload)
+            self.check(update)
+            return update
+
+        self._apply_on_every_rank(decoded)
+
+    def _apply_here(self, update: weights.WeightUpdate) -> None:
+        started_at = time.perf_counter()
+        # If this fails, the previous weights are back in place (weights.apply restores them).
+        self.lora_adapter = weights.apply(self.transformer, update, self.lora_adapter)
+        self.version = update.policy_version
+        log.info("applied %s in %.3f s", update.describe(), time.perf_counter() - started_at)
+
+    def _apply_on_every_rank(self, get_update: Callable[[], weights.WeightUpdate]) -> None:
+        """Apply the update here, then learn whether every rank did (see the module docstring)."""
+        if not self.parallel.enabled:
+            self._apply_here(get_update())
+            return
+        failure = None
+        try:
+            self._apply_here(get_update())
+        except Exception as error:
+            failure = error
+        if not self.parallel.all_succeeded(failure is None):
+            if failure is not None:
+                raise RankFailure(
+                    f"rank {self.parallel.rank} cannot apply the weight update: "
+                    f"{type(failure).__name__}: {failure}"
+                ) from failure
+            raise RankFailure(
+                f"another rank could not apply the weight update; {self.parallel.describe_failure()}"
+            )

@@ -1,0 +1,235 @@
+"""The model side of the engine: a request's conditioning and plan, and one batched velocity per round.
+
+Rows: every sample of a rollout has one transformer row per env branch (``positive``, and
+``negative`` with true CFG). Rows of any rollouts run in the same forward when they are compatible:
+the same latent shape and the same env signature (the shapes of the batched env tensors, and equal
+shared entries such as Flux's ``txt_ids``; the model dtype is the server's one). They may sit at
+different steps, with different schedules, samplers, noise levels, guidance and CFG scales: each
+row is fed its own timestep. A compatible group is cut into the fewest forwards of at most
+``max_batch_size`` rows, of even sizes. Each rollout's branches are then combined by its own
+guidance rule in float32, and the step math runs per rollout (``sampler.advance``): a row's numbers
+depend on its neighbours in a forward only through the model's float rounding at another batch size.
+
+The runner is all that the other sequence-parallel ranks run: given the same rollouts in the same
+order, every rank forms the same forwards.
+"""
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout.v1 import rollout_pb2
+from rollout_core import dtypes, steps
+from rollout_core.transformer_call import apply_guidance, call_transformer, stack_envs
+from rollout_server.families.base import FamilyAdapter
+from rollout_server.metrics import ServerMetrics
+from rollout_server.parallel import SequenceParallel
+from rollout_server.prompt_cache import Conditioning, PromptCache
+from rollout_server.sampler import SamplerPlan, SamplerState, init, stochastic_steps
+
+
+@dataclass(frozen=True)
+class Row:
+    """One transformer row: sample ``sample`` of a rollout, in env branch ``branch``."""
+
+    sample: int
+    branch: str
+    env: dict[str, Any]  # batched entries with a leading dimension of 1
+    signature: tuple  # rows with equal latent shape and signature may share a forward
+
+
+@dataclass(eq=False)
+class Rollout:
+    """A request made ready to sample, and where its sampler stands."""
+
+    key: int  # the engine's id for it, the same on every rank
+    request: rollout_pb2.RolloutRequest  # resolved
+    plan: SamplerPlan
+    state: SamplerState
+    timesteps: torch.Tensor  # float32 [T + 1], as fed (before the family's divisor)
+    guidance_rule: str
+    cfg_scale: float
+    conditioning: Conditioning
+    prompt_indices: list[int]
+    rows: list[Row]
+    prompt_cache_hits: int  # distinct texts whose conditioning came from the prompt cache
+    prompts_encoded: int  # distinct texts encoded for this rollout
+    stream: Any = None  # rank 0: the StreamEncoder of its gRPC stream
+    shared_steps: int = 0  # steps whose forwards carried other rollouts' rows too
+    times: dict[str, float] = field(default_factory=dict)  # perf_counter stamps, for the timings
+
+    @property
+    def done(self) -> bool:
+        return self.state.step == self.plan.num_steps
+
+
+@dataclass(frozen=True)
+class Velocities:
+    """One round's forwards, by rollout key."""
+
+    guided: dict[int, torch.Tensor]  # the velocity after guidance, float32 [B, ...]
+    failures: dict[int, Exception]  # rollouts whose forward raised
+    shared: set[int]  # rollouts whose rows shared a forward with another rollout's
+
+
+def env_signature(env: dict[str, Any], batched_keys: tuple[str, ...]) -> tuple:
+    """What must match for two rows' envs to be stacked: the shapes of the batched tensors, and the
+    values of the shared entries (``stack_envs`` takes those from the first row)."""
+    signature = []
+    for key, value in sorted(env.items()):
+        if isinstance(value, torch.Tensor):
+            if key in batched_keys:
+                signature.append((key, value.dtype, tuple(value.shape)))
+            else:
+                digest = hashlib.sha256(value.detach().cpu().contiguous().view(torch.uint8).numpy())
+                signature.append((key, value.dtype, tuple(value.shape), digest.hexdigest()))
+        elif key in batched_keys and value is not None:
+            signature.append((key, "list", len(value)))
+        else:
+            signature.append((key, repr(value)))
+    return tuple(signature)
+
+
+class Runner:
+    """Prompt encoding, schedules and batched transformer forwards on the loaded model."""
+
+    def __init__(
+        self,
+        adapter: FamilyAdapter,
+        parallel: SequenceParallel,
+        max_batch_size: int,
+        prompt_cache_entries: int,
+        metrics: ServerMetrics,
+    ):
+        self.adapter = adapter
+        self.parallel = parallel
+        self.max_batch_size = max_batch_size
+        self.metrics = metrics
+        # Used by the worker only, and on every rank alike: each sees the same requests in order.
+        self.prompt_cache = PromptCache(adapter, prompt_cache_entries)
+        # Stacked envs of the last round's forwards: reused while the same rows share a forward.
+        self._stacked: dict[tuple, dict[str, Any]] = {}
+
+    @torch.inference_mode()
+    def prepare(self, key: int, request: rollout_pb2.RolloutRequest) -> Rollout:
+        """Encode the prompts (through the prompt cache) and set up the schedule, plan and x_0.
+        InvalidRequest if the sequence-parallel split cannot take the request's lengths."""
+        adapter = self.adapter
+        group = request.samples_per_prompt
+        prompt_indices = [k // group for k in range(len(request.prompts) * group)]
+        cfg_scale = getattr(request, adapter.cfg_scale_field)
+        cfg = cfg_scale > 1.0
+        encoded = self.prompt_cache.encode(
+            list(request.prompts),
+            request.negative_prompt if cfg else None,
+            request.guidance_scale,
+            request.height,
+            request.width,
+        )
+        conditioning = encoded.conditioning
+        sigmas, timesteps = adapter.schedule(request.num_steps, request.height, request.width)
+        sampler_type = steps.SAMPLERS_BY_ENUM[request.sampler].name
+        latent_shape = adapter.latent_shape(request.height, request.width)
+        self.parallel.check_splittable(adapter.transformer, latent_shape, conditioning.envs)
+        plan = SamplerPlan(
+            sampler_type=sampler_type,
+            sigmas=sigmas,
+            stochastic=stochastic_steps(
+                sampler_type, sigmas, request.noise_level, list(request.stochastic_steps)
+            ),
+            noise_level=request.noise_level,
+            log_prob_constants=request.log_prob_constants,
+            latent_dtype=dtypes.LATENT[request.latent_dtype],
+            seeds=list(request.seeds),
+            latent_shape=latent_shape,
+            device=adapter.device,
+        )
+        signatures: dict[int, tuple] = {}  # equal texts share one env dict: sign it once
+        rows = []
+        for branch, per_prompt in conditioning.envs.items():
+            for k, p in enumerate(prompt_indices):
+                env = per_prompt[p]
+                if id(env) not in signatures:
+                    signatures[id(env)] = env_signature(env, conditioning.batched_keys)
+                rows.append(Row(k, branch, env, signatures[id(env)]))
+        return Rollout(
+            key=key,
+            request=request,
+            plan=plan,
+            state=init(plan),
+            timesteps=timesteps,
+            guidance_rule=adapter.cfg_rule if cfg else "none",
+            cfg_scale=cfg_scale,
+            conditioning=conditioning,
+            prompt_indices=prompt_indices,
+            rows=rows,
+            prompt_cache_hits=encoded.hits,
+            prompts_encoded=encoded.misses,
+        )
+
+    @torch.inference_mode()
+    def velocities(self, rollouts: list[Rollout]) -> Velocities:
+        """The guided velocity of each rollout's current latent. A single-rank server fails only the
+        rollouts with rows in a forward that raised; under sequence parallelism the error
+        propagates, since the ranks are out of step."""
+        groups: dict[tuple, list[tuple[Rollout, Row]]] = {}
+        for rollout in rollouts:
+            for row in rollout.rows:
+                key = (tuple(rollout.plan.latent_shape), row.signature)
+                groups.setdefault(key, []).append((rollout, row))
+        per_branch: dict[int, dict[str, torch.Tensor]] = {
+            r.key: {branch: torch.empty_like(r.state.x) for branch in r.conditioning.envs} for r in rollouts
+        }
+        failures: dict[int, Exception] = {}
+        shared: set[int] = set()
+        stacked: dict[tuple, dict[str, Any]] = {}
+        for members in groups.values():
+            # The fewest forwards of at most max_batch_size rows, of even sizes (9 rows at 8: 5 + 4).
+            forwards = -(-len(members) // self.max_batch_size)
+            size = -(-len(members) // forwards)
+            for start in range(0, len(members), size):
+                batch = [(r, row) for r, row in members[start : start + size] if r.key not in failures]
+                if not batch:
+                    continue
+                try:
+                    v = self._forward(batch, stacked)
+                except Exception as error:
+                    if self.parallel.enabled:
+                        raise
+                    for r, _ in batch:
+                        failures.setdefault(r.key, error)
+                    continue
+                for j, (r, row) in enumerate(batch):
+                    per_branch[r.key][row.branch][row.sample] = v[j]
+                if len({r.key for r, _ in batch}) > 1:
+                    shared.update(r.key for r, _ in batch)
+        self._stacked = stacked
+        guided = {
+            r.key: apply_guidance(r.guidance_rule, r.cfg_scale, per_branch[r.key])
+            for r in rollouts
+            if r.key not in failures
+        }
+        return Velocities(guided, failures, shared)
+
+    def _forward(self, batch: list[tuple[Rollout, Row]], stacked: dict) -> torch.Tensor:
+        """One transformer call on ``batch``'s rows, each at its rollout's current step."""
+        adapter = self.adapter
+        members = tuple((r.key, row.sample, row.branch) for r, row in batch)
+        env = self._stacked.get(members)
+        if env is None:
+            env = stack_envs([row.env for _, row in batch], adapter.batched_env_keys)
+        stacked[members] = env
+        x = torch.cat([r.state.x[row.sample : row.sample + 1] for r, row in batch])
+        timesteps = torch.stack([r.timesteps[r.state.step] for r, _ in batch])
+        self.metrics.forward(len(batch))
+        return call_transformer(
+            adapter.transformer, x, timesteps, env, adapter.dtype, adapter.timestep_divisor
+        )
+
+    @torch.inference_mode()
+    def decode(self, rollout: Rollout) -> list:
+        """The rollout's final latents as images."""
+        request = rollout.request
+        return self.adapter.decode(rollout.state.x, request.height, request.width)

@@ -1,0 +1,237 @@
+"""Which rollouts run, and when: bounded FIFO admission, policy-version barriers, parked streams.
+
+Rollouts and weight updates wait in one queue, in arrival order. The engine's worker asks for a
+``Round`` before each batched step; the scheduler decides it:
+
+* **drop**: rollouts whose stream has ended (the caller left, its deadline passed, or it stalled);
+  queued ones are dropped before they cost anything.
+* **join**: rollouts join the running set from the head of the queue while their samples fit in
+  ``max_running_samples`` (a rollout joins an empty set whatever its size). The first one that does
+  not fit waits, and everything behind it waits too: strictly FIFO, so a large request is never
+  starved by small ones behind it.
+* **barrier**: a weight update at the head of the queue stops later rollouts from joining; once the
+  running rollouts (all started on the old weights) have finished, the update is applied alone, and
+  the rollouts behind it start on the new weights. No rollout ever mixes two policy versions.
+* **step**: every running rollout takes its next step together, except the parked ones: a rollout
+  whose client has not yet taken its buffered messages (``Outbox.full``) stays out of the batch,
+  its state kept, until the client reads again (or the stream's stall limit ends it).
+
+Bounds: at most ``max_queued`` rollouts queued or running (more get RESOURCE_EXHAUSTED), at most
+``max_running_samples`` samples running (or one larger rollout alone), and per stream at most
+``STREAM_BUFFER`` messages plus one event's messages buffered.
+"""
+
+import asyncio
+import itertools
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from rollout.v1 import rollout_pb2
+from rollout_server import weights
+
+# Messages a stream may hold unsent before its rollout is parked.
+STREAM_BUFFER = 8
+
+
+class Overloaded(Exception):
+    """Too many rollouts are queued or running."""
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """The last item of an outbox: the rollout's outcome (None: it finished)."""
+
+    error: BaseException | None
+
+
+class Outbox:
+    """A rollout's messages on their way from the engine's worker thread to its gRPC handler. The
+    worker never waits on it: while it holds ``limit`` messages or more, the scheduler parks the
+    rollout, and ``taken`` wakes the scheduler when it drains."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, wake, limit: int = STREAM_BUFFER):
+        self._loop = loop
+        self._wake = wake
+        self.limit = limit
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self.closed = False  # the handler is done with the stream: the rollout is dropped
+
+    @property
+    def full(self) -> bool:
+        return self._pending >= self.limit
+
+    def put(self, message: rollout_pb2.RolloutResponse) -> None:
+        """(worker) Queue a message for the stream; dropped once the stream has ended."""
+        with self._lock:
+            if self.closed:
+                return
+            self._pending += 1
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, message)
+
+    def end(self, error: BaseException | None) -> None:
+        """(worker) The rollout finished (``error`` None) or failed."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, StreamEnd(error))
+
+    async def get(self) -> rollout_pb2.RolloutResponse | StreamEnd:
+        """(handler) The next message, or the StreamEnd."""
+        return await self._queue.get()
+
+    def taken(self) -> None:
+        """(handler) One message has gone out."""
+        with self._lock:
+            self._pending -= 1
+            unparked = self._pending == self.limit - 1
+        if unparked:
+            self._wake()
+
+    def close(self) -> None:
+        """(handler) The stream is over, whatever happened: the scheduler drops the rollout."""
+        self.closed = True
+        self._wake()
+
+
+@dataclass(eq=False)
+class RolloutJob:
+    request: rollout_pb2.RolloutRequest  # resolved
+    outbox: Outbox
+    submitted_at: float  # perf_counter
+    key: int = -1  # set by the scheduler: the rollout's id in the engine, on every rank
+    parked_rounds: int = 0  # rounds it sat out while its client was slow to read
+
+    @property
+    def samples(self) -> int:
+        return len(self.request.seeds)
+
+    @property
+    def dropped(self) -> bool:
+        return self.outbox.closed
+
+
+@dataclass(eq=False)
+class UpdateJob:
+    update: weights.WeightUpdate
+    done: Future = field(default_factory=Future)
+
+
+@dataclass
+class Round:
+    """What the engine does next: drop, join and step rollouts, or apply an update (alone)."""
+
+    drop: list[int] = field(default_factory=list)  # keys of running rollouts to drop
+    join: list[RolloutJob] = field(default_factory=list)
+    step: list[int] = field(default_factory=list)  # keys of the rollouts that step, in join order
+    update: UpdateJob | None = None
+    stop: bool = False
+
+    @property
+    def idle(self) -> bool:
+        return not (self.drop or self.join or self.step or self.update or self.stop)
+
+
+class Scheduler:
+    def __init__(self, max_queued: int, max_running_samples: int):
+        self.max_queued = max_queued
+        self.max_running_samples = max_running_samples
+        self._changed = threading.Condition()
+        self._queue: deque[RolloutJob | UpdateJob] = deque()
+        self.running: dict[int, RolloutJob] = {}
+        self._keys = itertools.count()
+        self._stopping = False
+
+    @property
+    def in_flight(self) -> int:
+        """Rollouts queued or running."""
+        with self._changed:
+            return len(self.running) + sum(isinstance(job, RolloutJob) for job in self._queue)
+
+    @property
+    def queued(self) -> int:
+        """Rollouts and weight updates waiting to start."""
+        return len(self._queue)
+
+    def submit(self, job: RolloutJob) -> None:
+        """Queue a rollout, or raise Overloaded."""
+        with self._changed:
+            in_flight = len(self.running) + sum(isinstance(j, RolloutJob) for j in self._queue)
+            if in_flight >= self.max_queued:
+                raise Overloaded(f"{in_flight} rollouts queued or running (limit {self.max_queued})")
+            job.key = next(self._keys)
+            self._queue.append(job)
+            self._changed.notify()
+
+    def submit_update(self, update: weights.WeightUpdate) -> Future:
+        """Queue a checked update; the future ends once it is applied or has failed."""
+        job = UpdateJob(update)
+        with self._changed:
+            self._queue.append(job)
+            self._changed.notify()
+        return job.done
+
+    def wake(self) -> None:
+        """Something a round depends on changed (a stream drained or ended)."""
+        with self._changed:
+            self._changed.notify()
+
+    def stop(self) -> None:
+        """The next round is the last: the worker stops."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify()
+
+    def finished(self, key: int) -> None:
+        """The rollout ``key`` has ended (finished or failed): it leaves the running set."""
+        with self._changed:
+            self.running.pop(key, None)
+
+    def abandon(self) -> list[RolloutJob | UpdateJob]:
+        """Empty the queue and the running set (the server stops); returns the queued jobs, whose
+        callers are still waiting (updates not cancelled meanwhile)."""
+        with self._changed:
+            queued = [
+                job
+                for job in self._queue
+                if isinstance(job, RolloutJob) or job.done.set_running_or_notify_cancel()
+            ]
+            self._queue.clear()
+            self.running.clear()
+            return queued
+
+    def next_round(self, timeout: float) -> Round:
+        """The next round; an idle one after ``timeout`` seconds with nothing to do."""
+        with self._changed:
+            while True:
+                planned = self._plan()
+                if not planned.idle:
+                    return planned
+                if not self._changed.wait(timeout):
+                    return planned
+
+    def _plan(self) -> Round:
+        if self._stopping:
+            return Round(stop=True)
+        planned = Round(drop=[key for key, job in self.running.items() if job.dropped])
+        for key in planned.drop:
+            del self.running[key]
+        self._queue = deque(job for job in self._queue if not (isinstance(job, RolloutJob) and job.dropped))
+        samples = sum(job.samples for job in self.running.values())
+        while self._queue and isinstance(head := self._queue[0], RolloutJob):
+            if self.running and samples + head.samples > self.max_running_samples:
+                break
+            self._queue.popleft()
+            self.running[head.key] = head
+            planned.join.append(head)
+            samples += head.samples
+        if not (self.running or planned.drop or planned.join) and self._queue:
+            update = self._queue.popleft()  # an update's barrier is reached: it runs alone
+            if update.done.set_running_or_notify_cancel():
+                planned.update = update
+            return planned
+        planned.step = [key for key, job in self.running.items() if not job.outbox.full]
+        if planned.step:
+            for job in self.running.values():
+                job.parked_rounds += job.outbox.full
+        return planned

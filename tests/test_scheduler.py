@@ -1,0 +1,110 @@
+"""The scheduler in process: FIFO admission within the bounds, update barriers, parking and drops."""
+
+import asyncio
+
+import pytest
+
+from rollout.v1 import rollout_pb2
+from rollout_server.scheduler import Outbox, Overloaded, RolloutJob, Scheduler
+
+TIMEOUT = 0.01  # an idle round comes back after this long
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()  # outboxes hand messages to it; it never needs to run here
+    yield loop
+    loop.close()
+
+
+def job(loop, samples: int, limit: int = 2) -> RolloutJob:
+    request = rollout_pb2.RolloutRequest(seeds=range(samples))
+    return RolloutJob(request, Outbox(loop, wake=lambda: None, limit=limit), submitted_at=0.0)
+
+
+def test_rollouts_join_in_arrival_order_within_the_running_bound(loop):
+    """Bound 4 samples: 2 runs; 3 does not fit and waits, and the 1 behind it waits too (FIFO: a
+    large request is never overtaken). Once the 2 ends, both join."""
+    scheduler = Scheduler(max_queued=8, max_running_samples=4)
+    a, b, c = job(loop, 2), job(loop, 3), job(loop, 1)
+    for each in (a, b, c):
+        scheduler.submit(each)
+    first = scheduler.next_round(TIMEOUT)
+    assert first.join == [a] and first.step == [a.key]
+    assert scheduler.next_round(TIMEOUT).join == []  # b still does not fit
+    scheduler.finished(a.key)
+    second = scheduler.next_round(TIMEOUT)
+    assert second.join == [b, c] and second.step == [b.key, c.key]
+
+
+def test_a_rollout_larger_than_the_bound_runs_alone(loop):
+    scheduler = Scheduler(max_queued=8, max_running_samples=4)
+    big, small = job(loop, 6), job(loop, 1)
+    scheduler.submit(big)
+    scheduler.submit(small)
+    assert scheduler.next_round(TIMEOUT).join == [big]
+    scheduler.finished(big.key)
+    assert scheduler.next_round(TIMEOUT).join == [small]
+
+
+def test_admission_is_bounded(loop):
+    scheduler = Scheduler(max_queued=2, max_running_samples=64)
+    scheduler.submit(job(loop, 1))
+    scheduler.submit(job(loop, 1))
+    with pytest.raises(Overloaded, match=r"2 rollouts queued or running \(limit 2\)"):
+        scheduler.submit(job(loop, 1))
+    assert scheduler.in_flight == 2
+
+
+def test_an_update_is_a_barrier(loop):
+    """Rollout a runs when the update arrives; b arrives after it. b does not join while a runs; the
+    update comes alone once a has finished, and b joins after it."""
+    scheduler = Scheduler(max_queued=8, max_running_samples=64)
+    a, b = job(loop, 1), job(loop, 1)
+    scheduler.submit(a)
+    assert scheduler.next_round(TIMEOUT).join == [a]
+    done = scheduler.submit_update(object())
+    scheduler.submit(b)
+    for _ in range(3):
+        planned = scheduler.next_round(TIMEOUT)
+        assert planned.join == [] and planned.update is None and planned.step == [a.key]
+    scheduler.finished(a.key)
+    planned = scheduler.next_round(TIMEOUT)
+    assert planned.update is not None and planned.update.done is done
+    assert planned.join == [] and planned.step == []
+    done.set_result(None)
+    assert scheduler.next_round(TIMEOUT).join == [b]
+
+
+def test_a_slow_reader_parks_its_rollout_only(loop):
+    """A rollout whose outbox holds ``limit`` unsent messages sits out the rounds (counted) while the
+    others step; it steps again once its client takes a message."""
+    scheduler = Scheduler(max_queued=8, max_running_samples=64)
+    slow, fast = job(loop, 1, limit=2), job(loop, 1, limit=2)
+    scheduler.submit(slow)
+    scheduler.submit(fast)
+    assert scheduler.next_round(TIMEOUT).step == [slow.key, fast.key]
+    slow.outbox.put(rollout_pb2.RolloutResponse())
+    slow.outbox.put(rollout_pb2.RolloutResponse())
+    for _ in range(3):
+        assert scheduler.next_round(TIMEOUT).step == [fast.key]
+    assert slow.parked_rounds == 3
+    scheduler.finished(fast.key)
+    assert scheduler.next_round(TIMEOUT).idle  # only a parked rollout: nothing to do, not counted
+    assert slow.parked_rounds == 3
+    slow.outbox.taken()
+    assert scheduler.next_round(TIMEOUT).step == [slow.key]
+
+
+def test_ended_streams_are_dropped(loop):
+    """A running rollout whose stream ended is dropped in the next round; a queued one never joins."""
+    scheduler = Scheduler(max_queued=8, max_running_samples=2)
+    running, queued = job(loop, 2), job(loop, 2)
+    scheduler.submit(running)
+    scheduler.submit(queued)
+    assert scheduler.next_round(TIMEOUT).join == [running]
+    queued.outbox.close()
+    running.outbox.close()
+    planned = scheduler.next_round(TIMEOUT)
+    assert planned.drop == [running.key] and planned.join == [] and planned.step == []
+    assert scheduler.in_flight == 0
