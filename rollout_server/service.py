@@ -23,16 +23,6 @@ from rollout_server.validation import InvalidRequest, ServingContext, quoted, re
 log = logging.getLogger("rollout_server.service")
 # What a handler receives in place of a request whose bytes do not parse (see server.py).
 NOT_A_PROTOBUF = "the message is not a valid protobuf of the method's request type"
-# How a weight update's expected failures reach the caller (InvalidRequest: INVALID_ARGUMENT with
-# BadRequest details); anything else is INTERNAL.
-UPDATE_FAILURES = (
-    (weights.StaleUpdate, grpc.StatusCode.FAILED_PRECONDITION),
-    (weights.UploadIdle, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
-    (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (RankFailure, grpc.StatusCode.UNAVAILABLE),
-    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
-)
 
 
 class StreamStalled(Exception):
@@ -48,14 +38,34 @@ class CallerLeft(Exception):
     """A message could not be written: the caller cancelled or disconnected."""
 
 
-# How a rollout's failures reach the caller (InvalidRequest: INVALID_ARGUMENT with BadRequest
-# details); anything else is INTERNAL, with the traceback in the log.
-ROLLOUT_FAILURES = (
+# How expected failures of a rollout or a weight update reach the caller. InvalidRequest becomes
+# INVALID_ARGUMENT with BadRequest details; anything else is INTERNAL, with the traceback in the log.
+FAILURES = (
     (StreamStalled, grpc.StatusCode.ABORTED),
     (NonFiniteStep, grpc.StatusCode.INTERNAL),
     (RankFailure, grpc.StatusCode.UNAVAILABLE),
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
+    (weights.StaleUpdate, grpc.StatusCode.FAILED_PRECONDITION),
+    (weights.UploadIdle, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
+    (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
 )
+
+
+def failure_status(what: str, error: Exception) -> tuple[str, grpc.Status]:
+    """(status name for the log, the call's status) for ``what`` (e.g. "request <id>") failing with
+    ``error``; unexpected failures are logged with their traceback."""
+    if isinstance(error, InvalidRequest):
+        log.info("%s rejected: %s", what, error)
+        return "INVALID_ARGUMENT", rpc_status.to_status(bad_request_status(error))
+    code = next((code for kind, code in FAILURES if isinstance(error, kind)), None)
+    if code is None:
+        log.error("%s failed", what, exc_info=error)
+        code, error = grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+    else:
+        log.info("%s ended: %s", what, error)
+    status = status_pb2.Status(code=code.value[0], message=f"{what}: {error}")
+    return code.name, rpc_status.to_status(status)
 
 
 def bad_request_status(error: InvalidRequest) -> status_pb2.Status:
@@ -236,19 +246,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         """Await one stage of a weight update, turning its failures into the call's status."""
         try:
             return await stage
-        except InvalidRequest as error:
-            log.info("rejected weight update: %s", error)
-            self.engine.metrics.reject("invalid_argument")
-            await context.abort_with_status(rpc_status.to_status(bad_request_status(error)))
-        except tuple(kind for kind, _ in UPDATE_FAILURES) as error:
-            log.info("refused weight update: %s", error)
-            code = next(code for kind, code in UPDATE_FAILURES if isinstance(error, kind))
-            await context.abort(code, str(error))
-        except Exception as error:  # noqa: BLE001 - every unexpected failure becomes INTERNAL
-            log.exception("weight update failed")
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"weight update failed: {type(error).__name__}: {error}"
-            )
+        except Exception as error:  # noqa: BLE001 - each failure becomes the call's status
+            outcome, status = failure_status("weight update", error)
+            if outcome == "INVALID_ARGUMENT":
+                self.engine.metrics.reject("invalid_argument")
+            await context.abort_with_status(status)
 
     async def Rollout(self, request, context):
         if self.shutting_down:
@@ -282,10 +284,10 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             outcome = "CANCELLED"  # the caller left or its deadline passed
             raise
         except StreamStalled as error:
-            outcome, failure = self._rollout_failure(request_id, error)
+            outcome, failure = failure_status(f"request {request_id}", error)
             unsent = error.write
         except Exception as error:  # noqa: BLE001 - each failure becomes the call's status
-            outcome, failure = self._rollout_failure(request_id, error)
+            outcome, failure = failure_status(f"request {request_id}", error)
         finally:
             outbox.close()  # the engine drops the rollout if it still runs
             self.engine.metrics.rollouts.labels(outcome).inc()
@@ -323,21 +325,6 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             raise
         except Exception as error:  # noqa: BLE001 - gRPC fails a write only once the call is over
             raise CallerLeft(f"the call ended: {error}") from error
-
-    @staticmethod
-    def _rollout_failure(request_id: str, error: Exception) -> tuple[str, grpc.Status]:
-        """(outcome for the log, the call's status) for a rollout that failed with ``error``."""
-        # InvalidRequest here was found once the prompts were encoded, e.g. an unsplittable length.
-        if isinstance(error, InvalidRequest):
-            return "INVALID_ARGUMENT", rpc_status.to_status(bad_request_status(error))
-        code = next((code for kind, code in ROLLOUT_FAILURES if isinstance(error, kind)), None)
-        if code is None:
-            log.error("rollout %s failed", request_id, exc_info=error)
-            code, error = grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
-        else:
-            log.info("rollout %s ended: %s", request_id, error)
-        status = status_pb2.Status(code=code.value[0], message=f"request {request_id}: {error}")
-        return code.name, rpc_status.to_status(status)
 
     async def _reject(self, context, request_id: str, error: InvalidRequest) -> None:
         log.info("rejected request id=%s: %s", request_id, error)
