@@ -36,6 +36,7 @@ bench: $(STAMP) $(STUBS)
 	$(PY) bench/sp_scaling.py
 	$(PY) bench/weight_update.py
 	$(PY) bench/prompt_cache.py
+	$(PY) bench/concurrency.py
 
 # torch goes first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
