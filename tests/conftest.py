@@ -1,20 +1,76 @@
-"""Shared fixtures: the tiny-flux preset, and real rollout servers on loopback ports."""
+"""Shared fixtures: each tiny model family's preset, server, client and trainer-side models, built once a
+session by one factory; tiny-flux's also under the short names most tests use."""
 
 import os
 from pathlib import Path
 
 import pytest
 import torch
-
-from rollout_server.local import LocalServer
+from helpers import FAMILIES, start_server  # start_server: some test modules import it from here
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
-def start_server(cache_dir: Path, log_path: Path, *args: str) -> LocalServer:
-    """A real ``rollout-server serve`` on a free loopback port, sharing the session's preset cache."""
-    return LocalServer.start(log_path, "--cache-dir", str(cache_dir), "--threads", "1", *args)
+class FamilyResources:
+    """Per-family resources, each built on first use and kept for the session: the preset folder, one
+    server and its client, and the transformer and pipeline loaded the trainer's way (plain diffusers
+    from_pretrained)."""
+
+    def __init__(self, cache_dir: Path, logs: Path):
+        self.cache_dir, self.logs = cache_dir, logs
+        self.built: dict[tuple[str, str], object] = {}
+
+    def once(self, kind: str, family: str, build):
+        if (kind, family) not in self.built:
+            self.built[kind, family] = build()
+        return self.built[kind, family]
+
+    def folder(self, family: str) -> Path:
+        from rollout_server.presets import resolve_model
+
+        return self.once("folder", family, lambda: resolve_model(FAMILIES[family].preset, self.cache_dir))
+
+    def server(self, family: str):
+        self.folder(family)  # built here first, not by the server
+        log = self.logs / f"{family}-server.log"
+        return self.once(
+            "server", family, lambda: start_server(self.cache_dir, log, "--model", FAMILIES[family].preset)
+        )
+
+    def client(self, family: str):
+        from rollout_client import RolloutClient
+
+        return self.once("client", family, lambda: RolloutClient(self.server(family).address, timeout=300))
+
+    def transformer(self, family: str) -> torch.nn.Module:
+        import diffusers
+
+        def load():
+            model_class = getattr(diffusers, FAMILIES[family].transformer)
+            return model_class.from_pretrained(self.folder(family) / "transformer").eval()
+
+        return self.once("transformer", family, load)
+
+    def pipeline(self, family: str):
+        import diffusers
+
+        def load():
+            pipe = getattr(diffusers, FAMILIES[family].pipeline).from_pretrained(
+                self.folder(family), dtype=torch.float32
+            )
+            pipe.set_progress_bar_config(disable=True)
+            return pipe
+
+        return self.once("pipeline", family, load)
+
+    def close(self) -> None:
+        for (kind, _), value in self.built.items():
+            if kind == "client":
+                value.close()
+        for (kind, _), value in self.built.items():
+            if kind == "server":
+                value.stop()
 
 
 @pytest.fixture(scope="session")
@@ -23,31 +79,54 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_flux_folder(cache_dir) -> Path:
-    from rollout_server.presets import resolve_model
+def family_resources(cache_dir, tmp_path_factory):
+    resources = FamilyResources(cache_dir, tmp_path_factory.mktemp("logs"))
+    yield resources
+    resources.close()
 
-    return resolve_model("tiny-flux", cache_dir)
+
+# For a test parametrized over ``family`` (a FAMILIES key), or in a module defining a ``family`` fixture.
+
+
+@pytest.fixture
+def family_folder(family_resources, family) -> Path:
+    return family_resources.folder(family)
+
+
+@pytest.fixture
+def family_client(family_resources, family):
+    return family_resources.client(family)
+
+
+@pytest.fixture
+def family_transformer(family_resources, family):
+    return family_resources.transformer(family)
+
+
+@pytest.fixture
+def family_pipeline(family_resources, family):
+    return family_resources.pipeline(family)
+
+
+# tiny-flux, the default model.
 
 
 @pytest.fixture(scope="session")
-def server(tiny_flux_folder, cache_dir, tmp_path_factory):
-    """A tiny-flux server shared by the tests that leave it in a clean state."""
-    process = start_server(cache_dir, tmp_path_factory.mktemp("logs") / "server.log")
-    yield process
-    process.stop()
+def tiny_flux_folder(family_resources) -> Path:
+    return family_resources.folder("flux")
 
 
 @pytest.fixture(scope="session")
-def client(server):
-    from rollout_client import RolloutClient
-
-    with RolloutClient(server.address, timeout=300) as rollout_client:
-        yield rollout_client
+def server(family_resources):
+    """The tiny-flux server shared by the tests that leave it in a clean state."""
+    return family_resources.server("flux")
 
 
 @pytest.fixture(scope="session")
-def tiny_transformer(tiny_flux_folder):
-    """The tiny transformer, loaded the trainer's way: plain diffusers from_pretrained."""
-    from diffusers import FluxTransformer2DModel
+def client(family_resources):
+    return family_resources.client("flux")
 
-    return FluxTransformer2DModel.from_pretrained(tiny_flux_folder / "transformer").eval()
+
+@pytest.fixture(scope="session")
+def tiny_transformer(family_resources):
+    return family_resources.transformer("flux")

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from conftest import start_server
+from helpers import assert_same_env, make_request, split_events, start_server, stream_events
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rollout_client import Image, RolloutClient, Started, Step, collect
+from rollout_client import RolloutClient
 from rollout_client.events import decode_stream
 from rollout_server.limits import Limits
 
@@ -48,7 +48,7 @@ def test_messages_stay_under_the_limit_and_reassemble(small_message_server, clie
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         info = stub.GetServerInfo(rollout_pb2.GetServerInfoRequest())
         assert info.limits.max_message_bytes == LIMIT
-        messages = list(stub.Rollout(rollout_pb2.RolloutRequest(**REQUEST), timeout=120))
+        messages = list(stub.Rollout(make_request(REQUEST), timeout=120))
     assert max(m.ByteSize() for m in messages) <= LIMIT
     kinds = [m.WhichOneof("event") for m in messages]
     split = {
@@ -59,34 +59,23 @@ def test_messages_stay_under_the_limit_and_reassemble(small_message_server, clie
     )
     assert kinds.count("started") == 1 and kinds.count("finished") == 1 and kinds[-1] == "finished"
 
-    chunked = list(decode_stream(messages))
-    whole = list(client.stream(rollout_pb2.RolloutRequest(**REQUEST)))
-    assert [type(e) for e in chunked] == [type(e) for e in whole]
-    for a, b in zip(chunked, whole, strict=True):
-        if isinstance(a, Started):
-            assert torch.equal(a.x0, b.x0)
-            for branch in ("positive", "negative"):
-                for env_a, env_b in zip(a.env[branch], b.env[branch], strict=True):
-                    assert env_a.keys() == env_b.keys()
-                    for key, value in env_a.items():
-                        assert (
-                            torch.equal(value, env_b[key])
-                            if isinstance(value, torch.Tensor)
-                            else value == env_b[key]
-                        )
-        elif isinstance(a, Step):
-            assert torch.equal(a.log_probs, b.log_probs) and torch.equal(a.debug["eps"], b.debug["eps"])
-            torch.testing.assert_close(a.x_next, b.x_next, atol=1e-6, rtol=0)
-        elif isinstance(a, Image):
-            assert a.sample_index == b.sample_index and a.png[:8] == b"\x89PNG\r\n\x1a\n"
-    trajectories = collect(chunked)
-    assert [t.seed for t in trajectories] == list(chunked[0].message.seeds)
+    chunked = split_events(decode_stream(messages))
+    whole = stream_events(client, REQUEST)
+    assert [type(e) for e in chunked.events] == [type(e) for e in whole.events]
+    assert torch.equal(chunked.started.x0, whole.started.x0)
+    assert_same_env(chunked.started.env, whole.started.env)
+    for a, b in zip(chunked.steps, whole.steps, strict=True):
+        assert torch.equal(a.log_probs, b.log_probs) and torch.equal(a.debug["eps"], b.debug["eps"])
+        torch.testing.assert_close(a.x_next, b.x_next, atol=1e-6, rtol=0)
+    for a, b in zip(chunked.images, whole.images, strict=True):
+        assert a.sample_index == b.sample_index and a.png[:8] == b"\x89PNG\r\n\x1a\n"
+    trajectories = chunked.trajectories()
+    assert [t.seed for t in trajectories] == list(chunked.started.message.seeds)
 
 
 def test_shared_env_tensors_are_sent_once(client):
     """The negative prompt's embedding and the position ids travel once, referenced by the others."""
-    events = list(client.stream(rollout_pb2.RolloutRequest(**{**REQUEST, "images": False})))
-    started = events[0]
+    started = stream_events(client, REQUEST, images=False).started
     names = [t.name for t in started.message.tensors.manifest]
     assert sum(name.endswith("/img_ids") for name in names) == 1
     assert (

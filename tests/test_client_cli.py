@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 from PIL import Image
 
 from rollout_client import Trajectory
@@ -15,7 +16,6 @@ from rollout_client.cli import build_request, main, parse_args
 from rollout_client.images import contact_sheet
 from rollout_core import noise
 
-ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 PROMPTS = ["a red fox", "a blue bird"]
 SMALL = ["--samples-per-prompt", "2", "--seed", "7", "--steps", "3", "--height", "64", "--width", "64"]

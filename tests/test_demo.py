@@ -2,11 +2,9 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
+from helpers import ROOT
 from PIL import Image
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_runs_end_to_end(tmp_path, cache_dir, tiny_flux_folder):

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from helpers import field_violations, make_request
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -67,11 +68,6 @@ MALFORMED = [
 ]
 
 
-def make_request(**overrides) -> rollout_pb2.RolloutRequest:
-    fields = {key: value for key, value in {**VALID, **overrides}.items() if value is not None}
-    return rollout_pb2.RolloutRequest(**fields)
-
-
 def rejection(stub, request: rollout_pb2.RolloutRequest) -> list[error_details_pb2.BadRequest.FieldViolation]:
     """Send ``request``, expect INVALID_ARGUMENT, and return its BadRequest field violations."""
     with pytest.raises(grpc.RpcError) as raised:
@@ -80,12 +76,8 @@ def rejection(stub, request: rollout_pb2.RolloutRequest) -> list[error_details_p
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     status = rpc_status.from_call(error)
     assert status is not None and status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    violations = []
-    for detail in status.details:
-        bad_request = error_details_pb2.BadRequest()
-        assert detail.Unpack(bad_request)
-        violations.extend(bad_request.field_violations)
-    return violations
+    assert all(detail.Is(error_details_pb2.BadRequest.DESCRIPTOR) for detail in status.details)
+    return field_violations(error)
 
 
 @pytest.fixture(scope="module")
@@ -99,20 +91,20 @@ def stub(server):
 )
 def test_malformed_request_names_the_field(stub, overrides, field):
     """Each malformed request is rejected with exactly one violation, naming the bad field."""
-    violations = rejection(stub, make_request(**overrides))
+    violations = rejection(stub, make_request(VALID, overrides))
     assert [violation.field for violation in violations] == [field]
     assert violations[0].description
 
 
 def test_every_violation_is_reported(stub):
     """Validation reports all bad fields of a request at once, not just the first."""
-    violations = rejection(stub, make_request(height=72, num_steps=0, latents=42))
+    violations = rejection(stub, make_request(VALID, height=72, num_steps=0, latents=42))
     assert {violation.field for violation in violations} == {"height", "num_steps", "latents"}
 
 
 def test_server_still_serves_after_malformed_requests(client):
     """After all the rejected requests, a valid rollout on the same server succeeds."""
-    trajectories = client.rollout(make_request(samples_per_prompt=2, manifest_only=False))
+    trajectories = client.rollout(make_request(VALID, samples_per_prompt=2, manifest_only=False))
     assert [trajectory.sample_index for trajectory in trajectories] == [0, 1]
     for trajectory in trajectories:
         assert trajectory.latent_mask.all() and trajectory.log_probs.isfinite().all()
@@ -121,12 +113,12 @@ def test_server_still_serves_after_malformed_requests(client):
 def test_huge_requests_get_a_short_answer(stub, server):
     """A million empty prompts are counted before they are checked: one violation, answered at once;
     64 empty prompts list the first 20 and count the rest, so the status fits gRPC's trailer."""
-    violations = rejection(stub, make_request(prompts=[""] * 1_000_000))
+    violations = rejection(stub, make_request(VALID, prompts=[""] * 1_000_000))
     assert [(v.field, v.description) for v in violations] == [
         ("prompts", "1000000 prompts exceed 64 samples")
     ]
 
-    violations = rejection(stub, make_request(prompts=[""] * 64))
+    violations = rejection(stub, make_request(VALID, prompts=[""] * 64))
     assert [v.field for v in violations] == [f"prompts[{i}]" for i in range(20)] + ["..."]
     assert violations[-1].description == "and 44 more violations"
     assert max(map(len, server.log().splitlines())) < 4000
@@ -134,8 +126,8 @@ def test_huge_requests_get_a_short_answer(stub, server):
 
 def test_client_strings_reach_the_log_escaped_and_cut(stub, server):
     """A rejected request's id is logged escaped (no forged log line) and cut (no 1 MB line)."""
-    rejection(stub, make_request(request_id="abc\nINJECTED fake log line", prompts=[""]))
-    rejection(stub, make_request(request_id="x" * 1_000_000, prompts=[""]))
+    rejection(stub, make_request(VALID, request_id="abc\nINJECTED fake log line", prompts=[""]))
+    rejection(stub, make_request(VALID, request_id="x" * 1_000_000, prompts=[""]))
     lines = server.log().splitlines()
     assert not any(line.startswith("INJECTED") for line in lines)
     assert any("'abc\\nINJECTED fake log line'" in line for line in lines)
@@ -172,6 +164,6 @@ def test_noise_level_bound_is_per_sampler(client, sampler, noise_level):
     info = client.server_info()
     assert dict(info.limits.max_noise_levels) == {"FLOW_SDE": 3.0, "DANCE": 3.0, "CPS": 1.0, "ODE": 3.0}
     (trajectory,) = client.rollout(
-        make_request(sampler=sampler, noise_level=noise_level, manifest_only=False)
+        make_request(VALID, sampler=sampler, noise_level=noise_level, manifest_only=False)
     )
     assert trajectory.log_probs[trajectory.stochastic].isfinite().all()

@@ -7,10 +7,17 @@ import sys
 import pytest
 
 from rollout_server import families
+from rollout_server.families.flux import FluxAdapter
+from rollout_server.families.qwen_image import QwenImageAdapter
+from rollout_server.families.sd3 import SD3Adapter
 
 
-def test_flux_folder_is_detected(tiny_flux_folder):
-    assert families.detect(tiny_flux_folder).family == "flux"
+@pytest.mark.parametrize(
+    ("family", "adapter"), [("flux", FluxAdapter), ("sd3", SD3Adapter), ("qwen-image", QwenImageAdapter)]
+)
+def test_preset_folder_is_detected(family_folder, family, adapter):
+    detected = families.detect(family_folder)
+    assert detected is adapter and detected.family == family
 
 
 def test_unsupported_pipeline_class_is_named(tmp_path):

@@ -3,18 +3,13 @@
 import base64
 import json
 import re
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
+import grpc
 import pytest
+from helpers import GRPCURL, SERVICE, grpcurl, grpcurl_exit
 from safetensors.torch import load as safetensors_load
 
-GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).with_name("grpcurl"))
-SERVICE = "rollout.v1.RolloutService"
-# grpcurl exits with 64 + the gRPC status code on an RPC error.
-EXIT_INVALID_ARGUMENT = 64 + 3
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SAMPLES, STEPS = 2, 3
 REQUEST = {
@@ -25,14 +20,6 @@ REQUEST = {
     "width": 64,
     "num_steps": STEPS,
 }
-
-
-def grpcurl(address: str, *args: str, data: dict | None = None) -> subprocess.CompletedProcess:
-    """Run grpcurl with its default settings (plaintext only) and capture its output."""
-    flags = ["-plaintext"] if data is None else ["-plaintext", "-d", json.dumps(data)]
-    return subprocess.run(
-        [GRPCURL, *flags, address, *args], capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 def json_objects(text: str) -> list[dict]:
@@ -159,6 +146,6 @@ def test_bad_request_exit_code(server):
     details naming the field."""
     result = grpcurl(server.address, f"{SERVICE}/Rollout", data={**REQUEST, "height": 72})
     output = result.stdout + result.stderr
-    assert result.returncode == EXIT_INVALID_ARGUMENT, output
+    assert result.returncode == grpcurl_exit(grpc.StatusCode.INVALID_ARGUMENT), output
     assert "InvalidArgument" in output
     assert "google.rpc.BadRequest" in output and '"field":"height"' in output

@@ -2,22 +2,20 @@
 stochastic-step lists, latent selections and manifest-only mode (docs/design.md, invariants 3-4)."""
 
 import torch
+from helpers import stream_events
 
 from rollout.v1 import rollout_pb2
-from rollout_client import Started, Step
 from rollout_core import noise
 
 EPS = rollout_pb2.DEBUG_TENSOR_EPS
 MEAN = rollout_pb2.DEBUG_TENSOR_MEAN
 VELOCITY = rollout_pb2.DEBUG_TENSOR_VELOCITY
+SMALL = {"height": 64, "width": 64, "num_steps": 4, "images": False}
 
 
 def run(client, **fields):
-    fields = {"height": 64, "width": 64, "num_steps": 4, "images": False, **fields}
-    events = list(client.stream(rollout_pb2.RolloutRequest(**fields)))
-    started = events[0]
-    assert isinstance(started, Started)
-    return started, [e for e in events if isinstance(e, Step)]
+    rollout = stream_events(client, SMALL, fields)
+    return rollout.started, rollout.steps
 
 
 def test_group_samples_get_distinct_seeds_noise_and_log_probs(client):

@@ -7,9 +7,9 @@ streams for it; the cache holds at most --prompt-cache-entries texts, least rece
 
 import pytest
 import torch
-from conftest import start_server
+from helpers import Rollout, assert_same_env, assert_same_kwargs, start_server, stream_events
 
-from rollout_client import Finished, RolloutClient, Started, Step
+from rollout_client import RolloutClient
 from rollout_server import families
 from rollout_server.prompt_cache import PromptCache
 
@@ -17,18 +17,16 @@ from rollout_server.prompt_cache import PromptCache
 NEGATIVE = "grainy, overexposed (prompt cache test)"
 
 
-def request(prompts: list[str]) -> dict:
-    return {
-        "prompts": prompts,
-        "samples_per_prompt": 2,
-        "base_seed": 17,
-        "height": 64,
-        "width": 64,
-        "num_steps": 3,
-        "true_cfg_scale": 2.0,
-        "negative_prompt": NEGATIVE,
-        "images": False,
-    }
+REQUEST = {
+    "samples_per_prompt": 2,
+    "base_seed": 17,
+    "height": 64,
+    "width": 64,
+    "num_steps": 3,
+    "true_cfg_scale": 2.0,
+    "negative_prompt": NEGATIVE,
+    "images": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +39,13 @@ def uncached(tiny_flux_folder, cache_dir, tmp_path_factory):
     server.stop()
 
 
-def stream(client: RolloutClient, prompts: list[str]) -> tuple[Started, list[Step], Finished]:
-    events = list(client.stream(**request(prompts)))
-    return events[0], [e for e in events if isinstance(e, Step)], events[-1]
+def stream(client: RolloutClient, prompts: list[str]) -> Rollout:
+    return stream_events(client, REQUEST, prompts=prompts)
 
 
-def assert_same_stream(a: tuple, b: tuple) -> None:
-    (a_started, a_steps, _), (b_started, b_steps, _) = a, b
-    for branch in ("positive", "negative"):
-        for env_a, env_b in zip(a_started.env[branch], b_started.env[branch], strict=True):
-            for key, value in env_a.items():
-                assert (
-                    torch.equal(value, env_b[key]) if isinstance(value, torch.Tensor) else value == env_b[key]
-                )
-    for one, two in zip(a_steps, b_steps, strict=True):
+def assert_same_stream(a: Rollout, b: Rollout) -> None:
+    assert_same_env(a.started.env, b.started.env)
+    for one, two in zip(a.steps, b.steps, strict=True):
         assert torch.equal(one.x_next, two.x_next) and torch.equal(one.log_probs, two.log_probs)
 
 
@@ -66,17 +57,15 @@ def test_shared_texts_are_encoded_once_and_reused_bitwise(client, uncached):
         client, ["two cats on a sofa (prompt cache test)", "a lighthouse at dusk (prompt cache test)"]
     )
     # Distinct texts of a request: its prompts and the negative prompt.
-    assert (first[2].message.prompts_encoded, first[2].message.prompt_cache_hits) == (3, 0)
-    assert (second[2].message.prompts_encoded, second[2].message.prompt_cache_hits) == (1, 2)
+    assert (first.finished.message.prompts_encoded, first.finished.message.prompt_cache_hits) == (3, 0)
+    assert (second.finished.message.prompts_encoded, second.finished.message.prompt_cache_hits) == (1, 2)
     # "two cats on a sofa" is prompt 1 of the first request and prompt 0 of the second.
-    for key, value in first[0].env["positive"][1].items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, second[0].env["positive"][0][key]), key
+    assert_same_kwargs(first.started.env["positive"][1], second.started.env["positive"][0])
 
     fresh = stream(
         uncached, ["two cats on a sofa (prompt cache test)", "a lighthouse at dusk (prompt cache test)"]
     )
-    assert (fresh[2].message.prompts_encoded, fresh[2].message.prompt_cache_hits) == (3, 0)
+    assert (fresh.finished.message.prompts_encoded, fresh.finished.message.prompt_cache_hits) == (3, 0)
     assert_same_stream(second, fresh)
 
 

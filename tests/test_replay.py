@@ -1,70 +1,114 @@
-"""Replay parity over gRPC through the real tiny transformer (docs/design.md, invariant 1).
+"""Replay parity over gRPC through the real tiny transformers (docs/design.md, invariant 1).
 
 For every stochastic step a trainer recomputes the log-prob from the streamed x_i, timestep and env
-and scores the streamed x_{i+1}; it must match the streamed log-prob within 1e-5. Checked twice: with
-the client library's ``replay_log_probs`` and with a bare diffusers call plus the independent
-float64 reference formula of ``reference.py``.
+and scores the streamed x_{i+1}; it must match the streamed log-prob within 1e-5. Checked for every
+family (flux, sd3, qwen-image), sampler and CFG setting twice: with the client library's
+``replay_log_probs`` and with a bare diffusers call plus the independent float64 reference formula
+of ``reference.py``.
 """
 
-import numpy as np
 import pytest
-import reference
 import torch
+from helpers import (
+    FAMILIES,
+    LATENT_DTYPES,
+    LONG_PROMPT,
+    SHORT_PROMPT,
+    TOLERANCE,
+    assert_replays,
+    family_request,
+    make_request,
+    qwen_text_length,
+    stream_events,
+)
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Trajectory, replay_log_probs
 
-SAMPLERS = {
-    "FLOW_SDE": rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
-    "DANCE": rollout_pb2.SAMPLER_TYPE_DANCE,
-    "CPS": rollout_pb2.SAMPLER_TYPE_CPS,
-}
-DTYPES = {"float32": rollout_pb2.TENSOR_DTYPE_FLOAT32, "bfloat16": rollout_pb2.TENSOR_DTYPE_BFLOAT16}
-TOLERANCE = 1e-5
+
+def replay_case(family: str, sampler: str, cfg: bool, dtype: str | None):
+    name = "-".join(filter(None, (family, sampler, "cfg" if cfg else "no-cfg", dtype)))
+    return pytest.param(family, sampler, cfg, dtype, id=name)
 
 
-@pytest.mark.parametrize("latent_dtype", DTYPES)
-@pytest.mark.parametrize("true_cfg", [False, True], ids=["no-cfg", "true-cfg"])
-@pytest.mark.parametrize("sampler", SAMPLERS)
-def test_streamed_log_probs_replay(client, tiny_transformer, sampler, true_cfg, latent_dtype):
-    request = rollout_pb2.RolloutRequest(
-        prompts=["a red fox in the snow", "two cats"],
-        samples_per_prompt=2,
-        base_seed=11,
-        height=64,
-        width=64,
-        num_steps=4,
-        sampler=SAMPLERS[sampler],
-        latent_dtype=DTYPES[latent_dtype],
-        images=False,
-    )
-    if true_cfg:
-        request.true_cfg_scale = 3.0
-        request.negative_prompt = "blurry, low quality"
-    trajectories = client.rollout(request)
-    assert len(trajectories) == 4
-    expected_branches = {"positive", "negative"} if true_cfg else {"positive"}
+# Every family, each of its samplers with CFG off and on, at each of its latent dtypes (see FAMILIES:
+# flux also covers DANCE and bfloat16 latents; qwen-image's two prompts differ in length).
+REPLAY_CASES = [
+    replay_case(family, sampler, cfg, dtype)
+    for family, spec in FAMILIES.items()
+    for sampler in spec.replay_samplers
+    for cfg in (False, True)
+    for dtype in spec.replay_latent_dtypes
+]
+
+
+@pytest.mark.parametrize(("family", "sampler", "cfg", "latent_dtype"), REPLAY_CASES)
+def test_streamed_log_probs_replay(
+    family, family_client, family_transformer, family_resources, sampler, cfg, latent_dtype
+):
+    spec, config = FAMILIES[family], family_transformer.config
+    request = family_request(family, sampler, cfg, latent_dtype=LATENT_DTYPES.get(latent_dtype))
+    trajectories = family_client.rollout(request)
+    assert [t.prompt_index for t in trajectories] == [0, 0, 1, 1]
     for trajectory in trajectories:
-        assert set(trajectory.env) == expected_branches
+        call = trajectory.transformer_call
+        assert call["timestep_divisor"] == spec.timestep_divisor
+        rule = spec.cfg_rule if cfg else ("none", 1.0)
+        assert (call["guidance_rule"], call["guidance_rule_scale"]) == rule
+        assert set(trajectory.env) == ({"positive", "negative"} if cfg else {"positive"})
+        for env in trajectory.env.values():
+            assert set(env) == spec.env_keys
+            assert env["encoder_hidden_states"].shape[::2] == (1, config.joint_attention_dim)
+            if "pooled_projections" in env:
+                assert env["pooled_projections"].shape == (1, config.pooled_projection_dim)
+        assert trajectory.latents.shape == (5, *spec.latent_shape)
         assert trajectory.latent_mask.all()
-        stochastic = trajectory.stochastic.tolist()
         # CPS's last step goes into sigma_T = 0 with sd = 0: deterministic, not scored.
-        assert stochastic == ([True, True, True, False] if sampler == "CPS" else [True] * 4)
+        stochastic = [True, True, True, False] if sampler == "CPS" else [True] * 4
+        assert trajectory.stochastic.tolist() == stochastic
         streamed = trajectory.log_probs
         assert torch.isfinite(streamed[trajectory.stochastic]).all()
         assert torch.isnan(streamed[~trajectory.stochastic]).all()
         if latent_dtype == "bfloat16":
             assert torch.equal(trajectory.latents, trajectory.latents.to(torch.bfloat16).float())
+    assert_replays(family_transformer, trajectories, bare_reference=True)
+    # Distinct samples of a group are scored separately (docs/design.md).
+    assert not torch.equal(trajectories[0].log_probs, trajectories[1].log_probs)
+    if family == "qwen-image":
+        assert_each_sample_has_its_own_prompts_env(
+            trajectories, family_resources.pipeline(family), family_transformer, cfg
+        )
 
-        replayed = replay_log_probs(tiny_transformer, trajectory)
-        np.testing.assert_allclose(replayed.numpy(), streamed.numpy(), atol=TOLERANCE, rtol=0, equal_nan=True)
-        for i, value in reference.bare_log_probs(tiny_transformer, trajectory).items():
-            assert abs(value - streamed[i].item()) <= TOLERANCE, (i, value, streamed[i].item())
+
+def assert_each_sample_has_its_own_prompts_env(trajectories, pipe, transformer, cfg: bool) -> None:
+    """Qwen-Image's two prompts of different lengths in one request: each sample's env has its own
+    prompt's length, unpadded, and replays its own sample only."""
+    short, long = qwen_text_length(pipe, SHORT_PROMPT), qwen_text_length(pipe, LONG_PROMPT)
+    assert short < long
+    for trajectory in trajectories:
+        lengths = {"positive": (short, long)[trajectory.prompt_index]}
+        if cfg:
+            lengths["negative"] = qwen_text_length(pipe, FAMILIES["qwen-image"].cfg_on["negative_prompt"])
+        for branch, env in trajectory.env.items():
+            assert env["encoder_hidden_states"].shape == (
+                1,
+                lengths[branch],
+                transformer.config.joint_attention_dim,
+            )
+            # One unpadded prompt per env: QwenImagePipeline passes no mask then, and no guidance.
+            assert env["encoder_hidden_states_mask"] is None and env["guidance"] is None
+            assert env["img_shapes"] == [[[1, 4, 4]]]  # one sample, one frame, a 4x4 patch grid
+            assert env["attention_kwargs"] == {} and env["return_dict"] is False
+    # The env matters: the long prompt's env does not replay a short-prompt sample.
+    trajectories[0].env = trajectories[2].env
+    mismatch = replay_log_probs(transformer, trajectories[0]) - trajectories[0].log_probs
+    assert mismatch.nan_to_num().abs().max() > TOLERANCE
 
 
 def test_env_velocity_matches_debug_velocity(client, tiny_transformer):
     """A bare transformer call with the streamed env reproduces the server's velocity."""
-    request = rollout_pb2.RolloutRequest(
+    rollout = stream_events(
+        client,
         prompts=["a lighthouse"],
         samples_per_prompt=2,
         base_seed=5,
@@ -74,12 +118,10 @@ def test_env_velocity_matches_debug_velocity(client, tiny_transformer):
         debug_tensors=[rollout_pb2.DEBUG_TENSOR_VELOCITY],
         images=False,
     )
-    events = list(client.stream(request))
-    started = events[0]
-    steps = [e for e in events if type(e).__name__ == "Step"]
+    started = rollout.started
     env = started.env["positive"][0]
     x = started.x0
-    for step in steps:
+    for step in rollout.steps:
         timestep = torch.full((2,), started.message.timesteps[step.index]) / 1000
         batched = {
             k: torch.cat([v, v]) if k in ("encoder_hidden_states", "pooled_projections", "guidance") else v
@@ -93,7 +135,7 @@ def test_env_velocity_matches_debug_velocity(client, tiny_transformer):
 
 def test_saved_trajectory_replays_after_loading(client, tiny_transformer, tmp_path):
     """A trajectory written to disk and loaded back (CFG env, image included) replays identically."""
-    request = rollout_pb2.RolloutRequest(
+    request = make_request(
         prompts=["a windmill"],
         samples_per_prompt=2,
         base_seed=9,
@@ -109,5 +151,5 @@ def test_saved_trajectory_replays_after_loading(client, tiny_transformer, tmp_pa
     assert loaded.image_png == trajectory.image_png and loaded.image().size == (64, 64)
     assert loaded.seed == trajectory.seed and torch.equal(loaded.latents, trajectory.latents)
     assert loaded.env.keys() == trajectory.env.keys() == {"positive", "negative"}
-    replayed = replay_log_probs(tiny_transformer, loaded)
-    np.testing.assert_allclose(replayed.numpy(), trajectory.log_probs.numpy(), atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(loaded.log_probs, trajectory.log_probs, rtol=0, atol=0, equal_nan=True)
+    assert_replays(tiny_transformer, [loaded])

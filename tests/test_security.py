@@ -15,33 +15,21 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import start_server
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_grpcurl import GRPCURL
+from helpers import SERVICE, TO_Q, grpcurl, grpcurl_exit, start_server
 
 from rollout_client import TLS, RolloutClient
 from rollout_client import cli as client_cli
 from rollout_server import cli
 from rollout_server.auth import TokenPolicy, exposure_warning, load_token
 
-SERVICE = "rollout.v1.RolloutService"
-TO_Q = "transformer_blocks.0.attn.to_q.weight"
 ROLLOUT_TOKEN = "rollout-token-7f3a"
 ADMIN_TOKEN = "admin-token-c41d"
 REQUEST = {"prompts": ["a red fox"], "samples_per_prompt": 1, "height": 64, "width": 64, "num_steps": 2}
-# grpcurl exits with 64 + the gRPC status code on an RPC error.
-GRPCURL_EXIT = {
-    code: 64 + code.value[0]
-    for code in (
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.FAILED_PRECONDITION,
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -167,17 +155,6 @@ def rpc_code(call) -> grpc.StatusCode | None:
     return None
 
 
-def grpcurl(address: str, flags: list[str], *args: str, data: dict | None = None):
-    data_flags = ["-d", json.dumps(data)] if data is not None else []
-    return subprocess.run(
-        [GRPCURL, *flags, *data_flags, address, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def grpcurl_tls(pki: PKI, token: str | None = None, client_cert: bool = True) -> list[str]:
     flags = ["-cacert", str(pki.ca)]
     if client_cert:
@@ -194,8 +171,8 @@ def test_tls_refuses_plaintext_and_accepts_the_ca(tls_server, pki):
     with RolloutClient(tls_server.address, timeout=30, tls=TLS(ca=pki.ca)) as client:
         assert client.server_info().family == "flux"
 
-    assert grpcurl(tls_server.address, ["-plaintext"], f"{SERVICE}/GetServerInfo").returncode != 0
-    result = grpcurl(tls_server.address, ["-cacert", str(pki.ca)], f"{SERVICE}/GetServerInfo")
+    assert grpcurl(tls_server.address, f"{SERVICE}/GetServerInfo", flags=["-plaintext"]).returncode != 0
+    result = grpcurl(tls_server.address, f"{SERVICE}/GetServerInfo", flags=["-cacert", str(pki.ca)])
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["family"] == "flux"
 
@@ -209,9 +186,9 @@ def test_mutual_tls_requires_a_client_certificate(secured_server, pki):
 
     info = f"{SERVICE}/GetServerInfo"
     no_cert_flags = ["-connect-timeout", "3", *grpcurl_tls(pki, ROLLOUT_TOKEN, client_cert=False)]
-    no_cert = grpcurl(secured_server.address, no_cert_flags, info)
+    no_cert = grpcurl(secured_server.address, info, flags=no_cert_flags)
     assert no_cert.returncode != 0
-    with_cert = grpcurl(secured_server.address, grpcurl_tls(pki, ROLLOUT_TOKEN), info)
+    with_cert = grpcurl(secured_server.address, info, flags=grpcurl_tls(pki, ROLLOUT_TOKEN))
     assert with_cert.returncode == 0, with_cert.stderr
 
 
@@ -252,14 +229,14 @@ def test_tokens_through_grpcurl(secured_server, pki):
     address = secured_server.address
 
     def call(token: str | None, method: str, data: dict | None = None) -> int:
-        return grpcurl(address, grpcurl_tls(pki, token), method, data=data).returncode
+        return grpcurl(address, method, flags=grpcurl_tls(pki, token), data=data).returncode
 
-    health = grpcurl(address, grpcurl_tls(pki), "grpc.health.v1.Health/Check")
+    health = grpcurl(address, "grpc.health.v1.Health/Check", flags=grpcurl_tls(pki))
     assert health.returncode == 0 and json.loads(health.stdout) == {"status": "SERVING"}
-    assert grpcurl(address, grpcurl_tls(pki), "list").returncode == 0  # reflection is open
+    assert grpcurl(address, "list", flags=grpcurl_tls(pki)).returncode == 0  # reflection is open
 
     info, load = f"{SERVICE}/GetServerInfo", f"{SERVICE}/LoadWeights"
-    unauthenticated = GRPCURL_EXIT[grpc.StatusCode.UNAUTHENTICATED]
+    unauthenticated = grpcurl_exit(grpc.StatusCode.UNAUTHENTICATED)
     assert call(None, info) == unauthenticated
     assert call("not-the-token", info) == unauthenticated
     assert call(ROLLOUT_TOKEN, info) == 0
@@ -268,9 +245,9 @@ def test_tokens_through_grpcurl(secured_server, pki):
     assert call(ROLLOUT_TOKEN, f"{SERVICE}/Rollout", rollout) == 0
     assert call(None, f"{SERVICE}/Rollout", rollout) == unauthenticated
     weights = {"policy_version": 1000, "path": "w.safetensors"}
-    assert call(ROLLOUT_TOKEN, load, weights) == GRPCURL_EXIT[grpc.StatusCode.PERMISSION_DENIED]
+    assert call(ROLLOUT_TOKEN, load, weights) == grpcurl_exit(grpc.StatusCode.PERMISSION_DENIED)
     # Past the token check: the server has no --weights-root.
-    assert call(ADMIN_TOKEN, load, weights) == GRPCURL_EXIT[grpc.StatusCode.FAILED_PRECONDITION]
+    assert call(ADMIN_TOKEN, load, weights) == grpcurl_exit(grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def test_rollout_client_cli_flags(secured_server, pki, tmp_path, capsys):

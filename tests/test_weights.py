@@ -9,21 +9,34 @@ The policy shows in the latents: a streamed log-prob scores the server's own sam
 is sd * eps, so it depends on the noise alone. The weights a trainer holds show in replay parity.
 """
 
-import copy
 import shutil
 import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
 import torch
-from conftest import start_server
+from helpers import (
+    LORA_TARGETS,
+    TO_Q,
+    Rollout,
+    assert_replays,
+    assert_unchanged,
+    fingerprint,
+    make_request,
+    next_version,
+    perturbed,
+    push_update,
+    split_events,
+    start_server,
+    stream_events,
+    with_lora,
+)
 from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import load, save, save_file
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rollout_client import RolloutClient, Started, Step, collect, replay_log_probs
+from rollout_client import RolloutClient
 from rollout_client.client import update_frame
 from rollout_client.events import decode_stream
 from rollout_core import codec
@@ -40,8 +53,6 @@ REQUEST = {
     "debug_tensors": [EPS],
     "images": False,
 }
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-TO_Q = "transformer_blocks.0.attn.to_q.weight"
 
 
 @pytest.fixture(scope="module")
@@ -65,58 +76,21 @@ def updated(updated_server):
         yield rollout_client
 
 
-def next_version(client: RolloutClient) -> int:
-    return client.server_info().policy_version + 1
+def rollout_events(client: RolloutClient, **fields) -> Rollout:
+    return stream_events(client, REQUEST, fields)
 
 
-def rollout_events(client: RolloutClient, **fields) -> tuple[Started, list[Step], list]:
-    events = list(client.stream(rollout_pb2.RolloutRequest(**{**REQUEST, **fields})))
-    return events[0], [e for e in events if isinstance(e, Step)], events
+def final_latents(rollout: Rollout) -> torch.Tensor:
+    return rollout.steps[-1].x_next
 
 
-def final_latents(steps: list[Step]) -> torch.Tensor:
-    return steps[-1].x_next
-
-
-def assert_same_rollout(a: list, b: list, latent_atol: float = 1e-6) -> None:
+def assert_same_rollout(a: Rollout, b: Rollout, latent_atol: float = 1e-6) -> None:
     """Bitwise equal noise and log-probs, latents within ``latent_atol``."""
-    (a_started, *_), (b_started, *_) = a, b
-    assert torch.equal(a_started.x0, b_started.x0)
-    a_steps, b_steps = ([e for e in events if isinstance(e, Step)] for events in (a, b))
-    for one, two in zip(a_steps, b_steps, strict=True):
+    assert torch.equal(a.started.x0, b.started.x0)
+    for one, two in zip(a.steps, b.steps, strict=True):
         assert torch.equal(one.debug["eps"], two.debug["eps"])
         assert torch.equal(one.log_probs, two.log_probs)
         torch.testing.assert_close(one.x_next, two.x_next, atol=latent_atol, rtol=0)
-
-
-def assert_replays(transformer: torch.nn.Module, events: list) -> None:
-    for trajectory in collect(events):
-        replayed = replay_log_probs(transformer, trajectory)
-        np.testing.assert_allclose(replayed.numpy(), trajectory.log_probs.numpy(), atol=1e-5, rtol=0)
-
-
-def perturbed(transformer: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """The trainer's copy after an optimiser step (a seeded perturbation of every weight)."""
-    trained = copy.deepcopy(transformer)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in trained.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    return trained
-
-
-def with_lora(transformer: torch.nn.Module, trained: bool) -> tuple[torch.nn.Module, LoraConfig]:
-    """The trainer's copy with a PEFT LoRA adapter: freshly initialised (lora_B = 0) or trained."""
-    adapted = copy.deepcopy(transformer)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)
-    adapted.add_adapter(config)
-    if trained:
-        generator = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for name, parameter in adapted.named_parameters():
-                if "lora_B" in name:
-                    parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
-    return adapted, config
 
 
 def restore_base(client: RolloutClient, tiny_transformer) -> int:
@@ -181,9 +155,9 @@ def test_full_update_matches_a_fresh_server_and_replays(
     response = updated.update_weights(trained.state_dict(), version)
     assert (response.policy_version, response.tensors) == (version, len(trained.state_dict()))
     assert updated.server_info().policy_version == version
-    started, _, pushed = rollout_events(updated)
-    assert started.message.policy_version == version
-    assert_replays(trained, pushed)
+    pushed = rollout_events(updated)
+    assert pushed.started.message.policy_version == version
+    assert_replays(trained, pushed.trajectories())
 
     # A fresh server on a copy of the pipeline whose transformer/ holds the same weights.
     pipeline = weights_root / "trained-pipeline"
@@ -193,7 +167,7 @@ def test_full_update_matches_a_fresh_server_and_replays(
     fresh = start_server(cache_dir, tmp_path / "fresh.log", "--model", str(pipeline))
     try:
         with RolloutClient(fresh.address, timeout=120) as fresh_client:
-            _, _, reference = rollout_events(fresh_client)
+            reference = rollout_events(fresh_client)
     finally:
         fresh.stop()
     assert_same_rollout(pushed, reference)
@@ -202,8 +176,8 @@ def test_full_update_matches_a_fresh_server_and_replays(
     restore_base(updated, tiny_transformer)
     loaded = updated.load_weights("trained-pipeline", version + 2)
     assert (loaded.policy_version, loaded.tensors) == (version + 2, len(trained.state_dict()))
-    started, _, from_disk = rollout_events(updated)
-    assert started.message.policy_version == version + 2
+    from_disk = rollout_events(updated)
+    assert from_disk.started.message.policy_version == version + 2
     assert_same_rollout(from_disk, reference)
 
 
@@ -211,7 +185,7 @@ def test_lora_adapter_changes_rollouts_as_the_trainer_replays_them(
     updated, client, tiny_transformer, weights_root
 ):
     restore_base(updated, tiny_transformer)
-    _, base_steps, base = rollout_events(client)  # the shared server runs the original weights
+    base = rollout_events(client)  # the shared server runs the original weights
     adapted, config = with_lora(tiny_transformer, trained=True)
     version = next_version(updated)
     adapter = get_peft_model_state_dict(adapted)
@@ -220,13 +194,13 @@ def test_lora_adapter_changes_rollouts_as_the_trainer_replays_them(
     assert (info.name, info.rank, info.alpha, info.policy_version) == ("style", 4, 8.0, version)
     assert (list(info.target_modules), info.tensors) == (sorted(LORA_TARGETS), len(adapter))
 
-    started, steps, pushed = rollout_events(updated)
-    assert started.message.policy_version == version
-    changed = (final_latents(steps) - final_latents(base_steps)).abs().max()
+    pushed = rollout_events(updated)
+    assert pushed.started.message.policy_version == version
+    changed = (final_latents(pushed) - final_latents(base)).abs().max()
     assert changed > 1e-3, "the adapter must change the policy"
-    assert_replays(adapted, pushed)
+    assert_replays(adapted, pushed.trajectories())
     with pytest.raises(AssertionError):
-        assert_replays(tiny_transformer, pushed)  # the base alone does not replay it
+        assert_replays(tiny_transformer, pushed.trajectories())  # the base alone does not replay it
 
     # The same adapter from a PEFT folder (adapter_config.json + adapter_model.safetensors).
     folder = weights_root / "adapter"
@@ -236,12 +210,12 @@ def test_lora_adapter_changes_rollouts_as_the_trainer_replays_them(
     )
     assert updated.load_weights("adapter", version + 1, adapter_name="from-disk").tensors == len(adapter)
     assert updated.server_info().lora_adapter.name == "from-disk"
-    assert_same_rollout(rollout_events(updated)[2], pushed)
+    assert_same_rollout(rollout_events(updated), pushed)
 
     # A FULL update is the whole policy: it removes the adapter.
     restore_base(updated, tiny_transformer)
     assert not updated.server_info().HasField("lora_adapter")
-    assert_same_rollout(rollout_events(updated)[2], base)
+    assert_same_rollout(rollout_events(updated), base)
 
 
 def test_zero_initialised_adapter_leaves_rollouts_unchanged(updated, client, tiny_transformer):
@@ -250,9 +224,9 @@ def test_zero_initialised_adapter_leaves_rollouts_unchanged(updated, client, tin
     version = next_version(updated)
     updated.update_weights(get_peft_model_state_dict(adapted), version, lora_config=config)
     assert updated.server_info().lora_adapter.name == "default"
-    started, _, with_adapter = rollout_events(updated)
-    assert started.message.policy_version == version
-    assert_same_rollout(with_adapter, rollout_events(client)[2], latent_atol=0.0)
+    with_adapter = rollout_events(updated)
+    assert with_adapter.started.message.policy_version == version
+    assert_same_rollout(with_adapter, rollout_events(client), latent_atol=0.0)
 
 
 def test_update_waits_for_the_running_rollout(updated_server, updated, client, tiny_transformer):
@@ -264,9 +238,7 @@ def test_update_waits_for_the_running_rollout(updated_server, updated, client, t
         "debug_tensors": [EPS, rollout_pb2.DEBUG_TENSOR_MEAN, rollout_pb2.DEBUG_TENSOR_VELOCITY],
     }
     with grpc.insecure_channel(updated_server.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
-        call = rollout_pb2_grpc.RolloutServiceStub(channel).Rollout(
-            rollout_pb2.RolloutRequest(**{**REQUEST, **long}), timeout=120
-        )
+        call = rollout_pb2_grpc.RolloutServiceStub(channel).Rollout(make_request(REQUEST, long), timeout=120)
         stream = decode_stream(call)
         started = next(stream)
         assert started.message.policy_version == old_version
@@ -285,24 +257,11 @@ def test_update_waits_for_the_running_rollout(updated_server, updated, client, t
     push.join(timeout=60)
     assert applied["response"].policy_version == old_version + 1
 
-    _, _, reference = rollout_events(client, **long)  # the old weights, from the first step to the last
-    assert_same_rollout([started, *rest], reference)
-    started_next, _, after = rollout_events(updated)
-    assert started_next.message.policy_version == old_version + 1
-    assert_replays(trained, after)
-
-
-def fingerprint(client: RolloutClient) -> tuple:
-    info = client.server_info()
-    _, steps, _ = rollout_events(client, num_steps=2, samples_per_prompt=1, prompts=["a lighthouse"])
-    return info.policy_version, info.lora_adapter.SerializeToString(), final_latents(steps)
-
-
-def push_buffer(client: RolloutClient, header: rollout_pb2.WeightsUpdateHeader, data: bytes) -> None:
-    """A raw UpdateWeights stream: ``data`` in 4 KiB messages after ``header``."""
-    messages = [rollout_pb2.UpdateWeightsRequest(header=header)]
-    messages += [rollout_pb2.UpdateWeightsRequest(data=piece) for piece in codec.pieces(data, 4096)]
-    rollout_pb2_grpc.RolloutServiceStub(client.channel).UpdateWeights(iter(messages), timeout=60)
+    reference = rollout_events(client, **long)  # the old weights, from the first step to the last
+    assert_same_rollout(split_events([started, *rest]), reference)
+    after = rollout_events(updated)
+    assert after.started.message.policy_version == old_version + 1
+    assert_replays(trained, after.trajectories())
 
 
 def truncated(client, state_dict, version, root, outside):
@@ -310,7 +269,7 @@ def truncated(client, state_dict, version, root, outside):
     header = rollout_pb2.WeightsUpdateHeader(
         policy_version=version, kind=rollout_pb2.WEIGHTS_KIND_FULL, total_bytes=len(buffer)
     )
-    push_buffer(client, header, buffer[: len(buffer) // 2])
+    push_update(client, header, buffer[: len(buffer) // 2], timeout=60)
 
 
 def escaping_link(client, state_dict, version, root, outside):
@@ -397,8 +356,7 @@ def test_bad_update_is_refused_and_changes_nothing(
         bad_call(updated, tiny_transformer.state_dict(), before[0] + 1, weights_root, tiny_flux_folder)
     assert raised.value.code() == code, raised.value.details()
     assert says in raised.value.details()
-    after = fingerprint(updated)
-    assert after[:2] == before[:2] and torch.equal(after[2], before[2])
+    assert_unchanged(before, updated)
 
 
 def test_load_weights_is_disabled_without_a_root(client):
@@ -411,7 +369,7 @@ def test_load_weights_is_disabled_without_a_root(client):
 def test_min_policy_version_waits_for_the_update(updated, tiny_transformer):
     version = next_version(updated)
     waited: dict = {}
-    request = rollout_pb2.RolloutRequest(**{**REQUEST, "min_policy_version": version})
+    request = make_request(REQUEST, min_policy_version=version)
     waiting = threading.Thread(target=lambda: waited.update(events=list(updated.stream(request))))
     waiting.start()
     time.sleep(0.5)
@@ -424,13 +382,13 @@ def test_min_policy_version_waits_for_the_update(updated, tiny_transformer):
 
 def test_min_policy_version_times_out_cleanly(updated_server, updated):
     with RolloutClient(updated_server.address, timeout=1.0) as impatient:
-        request = rollout_pb2.RolloutRequest(**{**REQUEST, "min_policy_version": next_version(updated) + 100})
+        request = make_request(REQUEST, min_policy_version=next_version(updated) + 100)
         begin = time.monotonic()
         with pytest.raises(grpc.RpcError) as raised:
             impatient.rollout(request)
         assert raised.value.code() == GRPC.DEADLINE_EXCEEDED
         assert time.monotonic() - begin < 10
-    assert rollout_events(updated)[0].message.policy_version == updated.server_info().policy_version
+    assert rollout_events(updated).started.message.policy_version == updated.server_info().policy_version
 
 
 def test_every_sequence_parallel_rank_applies_the_update(updated, tiny_transformer, cache_dir, tmp_path):
@@ -444,13 +402,13 @@ def test_every_sequence_parallel_rank_applies_the_update(updated, tiny_transform
             adapter = get_peft_model_state_dict(adapted)
             for client in (updated, sp2_client):
                 client.update_weights(trained.state_dict(), next_version(client))
-            one, two = rollout_events(updated)[2], rollout_events(sp2_client)[2]
+            one, two = rollout_events(updated), rollout_events(sp2_client)
             assert_same_rollout(one, two, latent_atol=1e-5)
             for client in (updated, sp2_client):
                 client.update_weights(adapter, next_version(client), lora_config=config)
-            one, two = rollout_events(updated)[2], rollout_events(sp2_client)[2]
+            one, two = rollout_events(updated), rollout_events(sp2_client)
             assert_same_rollout(one, two, latent_atol=1e-5)
-            assert_replays(adapted, two)
+            assert_replays(adapted, two.trajectories())
             # The top-level proj_out gathers the split sequence: an adapter around it cannot be split.
             with pytest.raises(grpc.RpcError) as raised:
                 sp2_client.update_weights(

@@ -16,18 +16,24 @@ import time
 import grpc
 import pytest
 import torch
-from conftest import start_server
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
+from helpers import (
+    TO_Q,
+    assert_unchanged,
+    field_violations,
+    fingerprint,
+    next_version,
+    perturbed,
+    push_update,
+    start_server,
+    with_lora,
+)
 from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
-from test_weights import TO_Q, fingerprint, next_version, perturbed, with_lora
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
 from rollout_client.client import lora_config_json
-from rollout_core import codec
 from rollout_server import weights
 
 GRPC = grpc.StatusCode
@@ -75,27 +81,12 @@ def assert_serving(server, client: RolloutClient) -> None:
     assert "Traceback" not in server.log()
 
 
-def violations(error: grpc.RpcError) -> list[tuple[str, str]]:
-    status = rpc_status.from_call(error)
-    found = []
-    for detail in status.details if status else ():
-        request = error_details_pb2.BadRequest()
-        if detail.Unpack(request):
-            found += [(v.field, v.description) for v in request.field_violations]
-    return found
-
-
 def assert_refused(raised, code: GRPC, field: str | None = None, says: str = "") -> None:
     error = raised.value
     assert error.code() == code, error.details()
     if field is not None:
-        assert any(f == field and says in d for f, d in violations(error)), violations(error)
-
-
-def assert_unchanged(before: tuple, client: RolloutClient) -> None:
-    """Same version, same adapter, bitwise the same final latents."""
-    after = fingerprint(client)
-    assert after[:2] == before[:2] and torch.equal(after[2], before[2])
+        violations = [(v.field, v.description) for v in field_violations(error)]
+        assert any(f == field and says in d for f, d in violations), violations
 
 
 def config(**fields) -> dict:
@@ -241,9 +232,7 @@ def push_raw(client: RolloutClient, version: int, buffer: bytes) -> None:
     header = rollout_pb2.WeightsUpdateHeader(
         policy_version=version, kind=rollout_pb2.WEIGHTS_KIND_SUBSET, total_bytes=len(buffer)
     )
-    messages = [rollout_pb2.UpdateWeightsRequest(header=header)]
-    messages += [rollout_pb2.UpdateWeightsRequest(data=piece) for piece in codec.pieces(buffer, 4096)]
-    client.stub.UpdateWeights(iter(messages), timeout=20)
+    push_update(client, header, buffer, timeout=20)
 
 
 @pytest.mark.parametrize("buffer", [case[1] for case in MALFORMED], ids=[case[0] for case in MALFORMED])

@@ -1,0 +1,358 @@
+"""What the tests share: the tiny model families, local servers, request builders, event splitting,
+replay parity, weight-update helpers and grpcurl. The fixtures built from these live in conftest.py."""
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import reference
+import torch
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from rollout.v1 import rollout_pb2
+from rollout_client import (
+    Finished,
+    Image,
+    RolloutClient,
+    Started,
+    Step,
+    Trajectory,
+    collect,
+    replay_log_probs,
+)
+from rollout_core import codec
+from rollout_server.local import LocalServer
+
+ROOT = Path(__file__).resolve().parents[1]
+# Replay parity (docs/design.md, invariant 1): a replayed log-prob is within this of the streamed one.
+TOLERANCE = 1e-5
+SAMPLERS = {
+    "FLOW_SDE": rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
+    "DANCE": rollout_pb2.SAMPLER_TYPE_DANCE,
+    "CPS": rollout_pb2.SAMPLER_TYPE_CPS,
+    "ODE": rollout_pb2.SAMPLER_TYPE_ODE,
+}
+LATENT_DTYPES = {"float32": rollout_pb2.TENSOR_DTYPE_FLOAT32, "bfloat16": rollout_pb2.TENSOR_DTYPE_BFLOAT16}
+
+
+# Servers -------------------------------------------------------------------------------------------
+
+
+def start_server(cache_dir: Path, log_path: Path, *args: str) -> LocalServer:
+    """A real ``rollout-server serve`` on a free loopback port, sharing the session's preset cache."""
+    return LocalServer.start(log_path, "--cache-dir", str(cache_dir), "--threads", "1", *args)
+
+
+# Model families ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's tiny preset and the conventions a trainer replays it with."""
+
+    preset: str
+    transformer: str  # the diffusers transformer class a trainer loads
+    pipeline: str  # the diffusers pipeline class
+    prompts: tuple[str, ...]  # of the requests built by ``family_request``
+    base_seed: int
+    cfg_on: dict  # request fields that turn the family's CFG on (its scale field, a negative prompt)
+    cfg_off: dict
+    timestep_divisor: float
+    cfg_rule: tuple[str, float]  # the transformer call's guidance rule and scale with ``cfg_on``
+    env_keys: frozenset[str]  # the transformer's kwargs besides hidden_states and timestep
+    latent_shape: tuple[int, ...]  # one sample's latents at 64 x 64 pixels
+    # What test_replay.py's replay-parity test covers: each sampler with CFG off and on, at each latent
+    # dtype (None: the request leaves it unset).
+    replay_samplers: tuple[str, ...] = ("FLOW_SDE", "CPS")
+    replay_latent_dtypes: tuple[str | None, ...] = (None,)
+
+
+SHORT_PROMPT = "a fox"
+LONG_PROMPT = "A cozy cabin in the mountains covered with fresh snow, warm light in the windows."
+FAMILIES = {
+    "flux": Family(
+        preset="tiny-flux",
+        transformer="FluxTransformer2DModel",
+        pipeline="FluxPipeline",
+        prompts=("a red fox in the snow", "two cats"),
+        base_seed=11,
+        cfg_on={"true_cfg_scale": 3.0, "negative_prompt": "blurry, low quality"},
+        cfg_off={},
+        timestep_divisor=1000.0,
+        cfg_rule=("true_cfg", 3.0),
+        env_keys=frozenset(
+            {
+                "encoder_hidden_states",
+                "pooled_projections",
+                "guidance",
+                "txt_ids",
+                "img_ids",
+                "joint_attention_kwargs",
+                "return_dict",
+            }
+        ),
+        latent_shape=(16, 16),  # 4 x 4 packed tokens of 4 x 4 channels
+        replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
+        replay_latent_dtypes=("float32", "bfloat16"),
+    ),
+    # SD3: unpacked latents, the raw timestep, CFG driven by guidance_scale.
+    "sd3": Family(
+        preset="tiny-sd3",
+        transformer="SD3Transformer2DModel",
+        pipeline="StableDiffusion3Pipeline",
+        prompts=("a red fox in the snow", "two cats"),
+        base_seed=21,
+        cfg_on={"guidance_scale": 4.5, "negative_prompt": "blurry"},
+        cfg_off={"guidance_scale": 1.0},
+        timestep_divisor=1.0,
+        cfg_rule=("true_cfg", 4.5),
+        env_keys=frozenset(
+            {"encoder_hidden_states", "pooled_projections", "joint_attention_kwargs", "return_dict"}
+        ),
+        latent_shape=(16, 8, 8),
+    ),
+    # Qwen-Image: every prompt has its own text length, and true CFG rescales to the positive norm.
+    "qwen-image": Family(
+        preset="tiny-qwen-image",
+        transformer="QwenImageTransformer2DModel",
+        pipeline="QwenImagePipeline",
+        prompts=(SHORT_PROMPT, LONG_PROMPT),
+        base_seed=31,
+        cfg_on={"true_cfg_scale": 4.0, "negative_prompt": "blurry"},
+        cfg_off={"true_cfg_scale": 1.0},
+        timestep_divisor=1000.0,
+        cfg_rule=("true_cfg_norm_rescale", 4.0),
+        env_keys=frozenset(
+            {
+                "encoder_hidden_states",
+                "encoder_hidden_states_mask",
+                "img_shapes",
+                "guidance",
+                "attention_kwargs",
+                "return_dict",
+            }
+        ),
+        latent_shape=(16, 4 * 16),  # 4 x 4 packed tokens of 4 x 16 channels
+    ),
+}
+
+
+def family_request(family: str, sampler: str, cfg: bool, **fields) -> rollout_pb2.RolloutRequest:
+    """Two prompts, two samples each, 4 steps at 64 x 64 without images, CFG on or off as the family
+    does it; ``fields`` override (None leaves a field unset)."""
+    spec = FAMILIES[family]
+    base = {
+        "prompts": list(spec.prompts),
+        "samples_per_prompt": 2,
+        "base_seed": spec.base_seed,
+        "height": 64,
+        "width": 64,
+        "num_steps": 4,
+        "sampler": SAMPLERS[sampler],
+        "images": False,
+    }
+    return make_request(base, spec.cfg_on if cfg else spec.cfg_off, fields)
+
+
+def qwen_text_length(pipe, prompt: str) -> int:
+    """The prompt's token count after QwenImagePipeline drops its template's system prefix."""
+    tokens = pipe.tokenizer(pipe.prompt_template_encode.format(prompt)).input_ids
+    return len(tokens) - pipe.prompt_template_encode_start_idx
+
+
+# Requests and events -------------------------------------------------------------------------------
+
+
+def make_request(*fields: dict, **more) -> rollout_pb2.RolloutRequest:
+    """A RolloutRequest from dicts of fields merged left to right, then ``more``; None leaves a field
+    unset."""
+    merged = {}
+    for part in (*fields, more):
+        merged.update(part)
+    return rollout_pb2.RolloutRequest(**{name: value for name, value in merged.items() if value is not None})
+
+
+@dataclass
+class Rollout:
+    """A decoded rollout stream, split by event type."""
+
+    events: list
+    started: Started
+    steps: list[Step]
+    images: list[Image]
+    finished: Finished
+
+    def trajectories(self) -> list[Trajectory]:
+        return collect(self.events)
+
+
+def split_events(events: Iterable) -> Rollout:
+    """Split a stream into its started event, steps, images and finished event, checking its shape."""
+    events = list(events)
+    kinds = [type(event).__name__ for event in events]
+    started, *middle, finished = events
+    assert isinstance(started, Started) and isinstance(finished, Finished), kinds
+    steps = [event for event in middle if isinstance(event, Step)]
+    images = [event for event in middle if isinstance(event, Image)]
+    assert [type(event) for event in middle] == [Step] * len(steps) + [Image] * len(images), kinds
+    return Rollout(events, started, steps, images, finished)
+
+
+def stream_events(client: RolloutClient, *fields: dict, **more) -> Rollout:
+    """Stream the request ``make_request(*fields, **more)`` and split its events."""
+    return split_events(client.stream(make_request(*fields, **more)))
+
+
+def assert_same_kwargs(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """The same transformer kwargs: tensors bitwise equal, other values equal."""
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        same = torch.equal(value, b[key]) if isinstance(value, torch.Tensor) else value == b[key]
+        assert same, key
+
+
+def assert_same_env(a: dict[str, list[dict]], b: dict[str, list[dict]]) -> None:
+    """Two started events' envs are the same, branch by branch and prompt by prompt."""
+    assert a.keys() == b.keys()
+    for branch in a:
+        for kwargs_a, kwargs_b in zip(a[branch], b[branch], strict=True):
+            assert_same_kwargs(kwargs_a, kwargs_b)
+
+
+# Replay parity -------------------------------------------------------------------------------------
+
+
+def stochastic_steps(trajectory: Trajectory) -> list[int]:
+    return torch.nonzero(trajectory.stochastic).flatten().tolist()
+
+
+def assert_replays(
+    transformer: torch.nn.Module, trajectories: Iterable[Trajectory], bare_reference: bool = False
+) -> None:
+    """Every stochastic step of each trajectory, replayed through ``transformer`` by the client
+    library (and with ``bare_reference`` also by a bare diffusers call and the float64 formulas of
+    reference.py), scores within TOLERANCE of the streamed log-prob; the other steps stay NaN."""
+    for trajectory in trajectories:
+        streamed = trajectory.log_probs
+        replayed = replay_log_probs(transformer, trajectory)
+        np.testing.assert_allclose(replayed.numpy(), streamed.numpy(), atol=TOLERANCE, rtol=0, equal_nan=True)
+        if bare_reference:
+            bare = reference.bare_log_probs(transformer, trajectory)
+            assert bare.keys() == set(stochastic_steps(trajectory))
+            for i, value in bare.items():
+                assert abs(value - streamed[i].item()) <= TOLERANCE, (i, value, streamed[i].item())
+
+
+# Weight updates ------------------------------------------------------------------------------------
+
+TO_Q = "transformer_blocks.0.attn.to_q.weight"
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+# A small rollout whose final latents show the policy a server runs.
+FINGERPRINT_REQUEST = {
+    "prompts": ["a lighthouse"],
+    "samples_per_prompt": 1,
+    "base_seed": 5,
+    "height": 64,
+    "width": 64,
+    "num_steps": 2,
+    "debug_tensors": [rollout_pb2.DEBUG_TENSOR_EPS],
+    "images": False,
+}
+
+
+def next_version(client: RolloutClient) -> int:
+    return client.server_info().policy_version + 1
+
+
+def fingerprint(client: RolloutClient) -> tuple:
+    """The policy version, the LoRA adapter and the final latents of a small rollout."""
+    info = client.server_info()
+    rollout = stream_events(client, FINGERPRINT_REQUEST)
+    return info.policy_version, info.lora_adapter.SerializeToString(), rollout.steps[-1].x_next
+
+
+def assert_unchanged(before: tuple, client: RolloutClient) -> None:
+    """Same version, same adapter, bitwise the same final latents as ``before`` (a fingerprint)."""
+    after = fingerprint(client)
+    assert after[:2] == before[:2] and torch.equal(after[2], before[2])
+
+
+def push_update(
+    client: RolloutClient, header: rollout_pb2.WeightsUpdateHeader, data: bytes, timeout: float
+) -> None:
+    """A raw UpdateWeights stream: ``data`` in 4 KiB messages after ``header``."""
+    messages = [rollout_pb2.UpdateWeightsRequest(header=header)]
+    messages += [rollout_pb2.UpdateWeightsRequest(data=piece) for piece in codec.pieces(data, 4096)]
+    client.stub.UpdateWeights(iter(messages), timeout=timeout)
+
+
+def perturbed(transformer: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The trainer's copy after an optimiser step (a seeded perturbation of every weight)."""
+    trained = copy.deepcopy(transformer)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return trained
+
+
+def with_lora(transformer: torch.nn.Module, trained: bool):
+    """The trainer's copy with a PEFT LoRA adapter, freshly initialised (lora_B = 0) or trained, and
+    its LoraConfig."""
+    from peft import LoraConfig
+
+    adapted = copy.deepcopy(transformer)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)
+    adapted.add_adapter(config)
+    if trained:
+        generator = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for name, parameter in adapted.named_parameters():
+                if "lora_B" in name:
+                    parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
+    return adapted, config
+
+
+# gRPC errors and grpcurl ---------------------------------------------------------------------------
+
+SERVICE = "rollout.v1.RolloutService"
+GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).with_name("grpcurl"))
+
+
+def field_violations(error: grpc.RpcError) -> list[error_details_pb2.BadRequest.FieldViolation]:
+    """The google.rpc.BadRequest field violations in an error's rich status details."""
+    status = rpc_status.from_call(error)
+    violations = []
+    for detail in status.details if status else ():
+        bad_request = error_details_pb2.BadRequest()
+        if detail.Unpack(bad_request):
+            violations.extend(bad_request.field_violations)
+    return violations
+
+
+def grpcurl(
+    address: str, *args: str, flags: Iterable[str] = ("-plaintext",), data: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run grpcurl (plaintext unless ``flags`` say otherwise) and capture its output."""
+    data_flags = ["-d", json.dumps(data)] if data is not None else []
+    return subprocess.run(
+        [GRPCURL, *flags, *data_flags, address, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def grpcurl_exit(code: grpc.StatusCode) -> int:
+    """grpcurl exits with 64 + the gRPC status code on an RPC error."""
+    return 64 + code.value[0]
