@@ -1,6 +1,6 @@
 """Concurrency: rollouts/s, latency and time to first step when C clients share one server. Two
-servers per case: "batched" (the server's defaults, which may put rows of concurrent requests into
-shared transformer forwards) and "serial" (--max-batch-size 1: one sample per forward).
+servers per case: "batched" (the server's defaults: rows of concurrent requests share transformer
+forwards) and "serial" (--max-batch-size 1: batching off, one row per forward).
 
 Every request is 1 prompt x 2 samples, manifest-only with images off (the engine is measured, not PNG
 encoding or tensor serialisation), with a prompt and seeds of its own: no prompt repeats, so every

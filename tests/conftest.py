@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAMILIES, start_server  # start_server: some test modules import it from here
+from helpers import FAMILIES, start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)

@@ -7,14 +7,13 @@ import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
 import torch
-from conftest import start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import TO_Q, assert_replays, assert_same_numbers, split_events, start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rollout_client import Finished, RolloutClient, Started, Step, collect, replay_log_probs
+from rollout_client import RolloutClient, Started, Step
 
 FLOW_SDE, DANCE, CPS, ODE = (
     rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
@@ -92,7 +91,7 @@ def run_together(client: RolloutClient, server, transformer, requests: dict) -> 
     def run(name: str) -> None:
         request = rollout_pb2.RolloutRequest(request_id=name, min_policy_version=version)
         request.MergeFrom(requests[name])
-        results[name] = list(client.stream(request))
+        results[name] = split_events(client.stream(request))
 
     threads = [threading.Thread(target=run, args=(name,)) for name in requests]
     for thread in threads:
@@ -102,48 +101,23 @@ def run_together(client: RolloutClient, server, transformer, requests: dict) -> 
         f"rollout id={name} waits for policy version {version}" in server.log() for name in requests
     ):
         time.sleep(0.05)
-    to_q = "transformer_blocks.0.attn.to_q.weight"
-    client.update_weights({to_q: transformer.state_dict()[to_q].clone()}, version, kind="subset")
+    client.update_weights({TO_Q: transformer.state_dict()[TO_Q].clone()}, version, kind="subset")
     for thread in threads:
         thread.join(timeout=300)
     assert sorted(results) == sorted(requests)
     return results
 
 
-def assert_same_stream(batched: list, alone: list) -> None:
-    """x_0 and every eps bitwise, latents and log-probs within 1e-5 (the model's rounding at another
-    batch size is the only difference allowed)."""
-    assert torch.equal(batched[0].x0, alone[0].x0)
-    batched_steps = [e for e in batched if isinstance(e, Step)]
-    alone_steps = [e for e in alone if isinstance(e, Step)]
-    assert [s.index for s in batched_steps] == [s.index for s in alone_steps]
-    for one, two in zip(batched_steps, alone_steps, strict=True):
-        assert one.stochastic == two.stochastic
-        torch.testing.assert_close(one.x_next, two.x_next, atol=1e-5, rtol=0)
-        if one.stochastic:
-            assert torch.equal(one.debug["eps"], two.debug["eps"])
-            torch.testing.assert_close(one.log_probs, two.log_probs, atol=1e-5, rtol=0)
-
-
-def finished(events: list) -> rollout_pb2.RolloutFinished:
-    assert isinstance(events[-1], Finished)
-    return events[-1].message
-
-
 def test_a_rollout_streams_the_same_alone_and_batched(batching_client, batching_server, tiny_transformer):
     requests = {name: mixed_request(name) for name in MIXED}
-    alone = {name: list(batching_client.stream(request)) for name, request in requests.items()}
+    alone = {name: split_events(batching_client.stream(request)) for name, request in requests.items()}
     together = run_together(batching_client, batching_server, tiny_transformer, requests)
     for name in MIXED:
-        assert finished(alone[name]).shared_steps == 0
+        assert alone[name].finished.message.shared_steps == 0
         # Every request had a partner of its size in flight: its rows shared forwards.
-        assert finished(together[name]).shared_steps > 0, name
-        assert_same_stream(together[name], alone[name])
-        for trajectory in collect(together[name]):  # the trainer's replay of the batched stream
-            replayed = replay_log_probs(tiny_transformer, trajectory)
-            np.testing.assert_allclose(
-                replayed.numpy(), trajectory.log_probs.numpy(), atol=1e-5, rtol=0, equal_nan=True
-            )
+        assert together[name].finished.message.shared_steps > 0, name
+        assert_same_numbers(together[name], alone[name], bitwise_log_probs=False)
+        assert_replays(tiny_transformer, together[name].trajectories())  # the trainer's replay
 
 
 def test_a_cancel_mid_batch_leaves_the_others_running(batching_client, batching_server):
@@ -151,7 +125,7 @@ def test_a_cancel_mid_batch_leaves_the_others_running(batching_client, batching_
     with its solo numbers, and the server keeps serving."""
     long = {"prompts": ["a red fox"], "samples_per_prompt": 2, "height": 64, "width": 64, "num_steps": 30}
     requests = {k: rollout_pb2.RolloutRequest(base_seed=k, **COMMON, **long) for k in (1, 2, 3)}
-    alone = {k: list(batching_client.stream(request)) for k, request in requests.items() if k != 2}
+    alone = {k: split_events(batching_client.stream(request)) for k, request in requests.items() if k != 2}
     results: dict[int, list] = {}
     gate = threading.Barrier(3)
 
@@ -171,8 +145,9 @@ def test_a_cancel_mid_batch_leaves_the_others_running(batching_client, batching_
         thread.join(timeout=300)
     assert [type(e) for e in results[2]] == [Started, Step, Step]
     for k in (1, 3):
-        assert finished(results[k]).shared_steps > 0
-        assert_same_stream(results[k], alone[k])
+        rollout = split_events(results[k])
+        assert rollout.finished.message.shared_steps > 0
+        assert_same_numbers(rollout, alone[k], bitwise_log_probs=False)
     deadline = time.monotonic() + 30
     while "status=CANCELLED" not in batching_server.log() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -273,16 +248,6 @@ def test_a_weight_update_waits_for_the_rollouts_started_before_it(
     # Every step of the first two replays with the old weights: the update did not land mid-rollout.
     for events in before.values():
         assert events[0].message.policy_version == 0
-        for trajectory in collect(events):
-            np.testing.assert_allclose(
-                replay_log_probs(tiny_transformer, trajectory).numpy(),
-                trajectory.log_probs.numpy(),
-                atol=1e-5,
-                rtol=0,
-                equal_nan=True,
-            )
-    for trajectory in after:
-        assert trajectory.policy_version == 1
-        np.testing.assert_allclose(
-            replay_log_probs(new, trajectory).numpy(), trajectory.log_probs.numpy(), atol=1e-5, rtol=0
-        )
+        assert_replays(tiny_transformer, split_events(events).trajectories())
+    assert {trajectory.policy_version for trajectory in after} == {1}
+    assert_replays(new, after)

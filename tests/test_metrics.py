@@ -6,7 +6,7 @@ import urllib.request
 
 import grpc
 import pytest
-from conftest import start_server
+from helpers import TO_Q, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -15,7 +15,6 @@ from rollout_server.limits import Limits
 
 TOKEN = "metrics-test-token"
 METRICS_LINE = re.compile(r"metrics at (?P<url>http://\S+/metrics)")
-TO_Q = "transformer_blocks.0.attn.to_q.weight"
 STEPS = 3
 REQUEST = rollout_pb2.RolloutRequest(
     prompts=["a red fox"], samples_per_prompt=2, height=64, width=64, num_steps=STEPS

@@ -6,8 +6,8 @@ import math
 import grpc
 import pytest
 import torch
-from conftest import start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import start_server
 
 from rollout_client import RolloutClient
 from rollout_server.sampler import NonFiniteStep, SamplerPlan, advance, init

@@ -17,8 +17,8 @@ import uuid
 
 import grpc
 import pytest
-from conftest import start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server.presets import PRESETS
