@@ -181,6 +181,43 @@ def arrival(address: str, first: int, args) -> dict:
     return {"ttfs": newcomer.ttfs, "step": step, "encode": encode, "ratio": ratio}
 
 
+def forward_bound(preset: str, args) -> dict[int, float]:
+    """The model's own bound on batching: ms per row of one transformer forward at 1 row and at the
+    server's default --max-batch-size, in-process with the servers' torch threads (nothing else
+    running). Batching cannot make the forwards faster than their ratio."""
+    import torch
+
+    from rollout_core import dtypes
+    from rollout_core.transformer_call import call_transformer, stack_envs
+    from rollout_server import families
+    from rollout_server.limits import Limits
+    from rollout_server.presets import resolve_model
+
+    torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), dtypes.BY_NAME[args.dtype]
+    adapter = families.load(resolve_model(preset, args.cache_dir), device, dtype)
+    env = adapter.encode_text("a red fox in the snow", 3.5, args.size, args.size)
+    per_row = {}
+    with torch.inference_mode():
+        for rows in (1, Limits.max_batch_size):
+            x = torch.randn(rows, *adapter.latent_shape(args.size, args.size), device=device)
+            batch_env = stack_envs([env] * rows, adapter.batched_env_keys)
+            timesteps = torch.full((rows,), 500.0)
+            seconds = []
+            for _ in range(7):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                began = time.perf_counter()
+                call_transformer(
+                    adapter.transformer, x, timesteps, batch_env, dtype, adapter.timestep_divisor
+                )
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - began)
+            per_row[rows] = 1000 * statistics.median(seconds[2:]) / rows  # the first two warm up
+    return per_row
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear interpolation between closest ranks."""
     ordered = sorted(values)
@@ -266,15 +303,20 @@ def main() -> None:
             case.size = args.size or SIZES.get(preset, 256)
             case.rounds = args.rounds or rounds
             case.requests_per_client = args.requests_per_client or per_client
-            results.append((case, preset, *measure(preset, case, Path(scratch))))
+            results.append((case, preset, forward_bound(preset, case), *measure(preset, case, Path(scratch))))
     print(
         f"{args.device} {args.dtype}, {args.threads} torch thread(s) per server, {args.channels} channels; "
         f"every request 1 prompt x 2 samples x {args.steps} steps, manifest-only, no images"
     )
-    for case, preset, rows, arrivals in results:
+    for case, preset, bound, rows, arrivals in results:
         print(
             f"\n{preset}, {case.size}x{case.size}: {case.rounds} round(s) per C after a warm-up, "
-            f"{case.requests_per_client} request(s) per client back to back\n"
+            f"{case.requests_per_client} request(s) per client back to back"
+        )
+        (one, one_ms), (many, many_ms) = bound.items()
+        print(
+            f"model bound (in-process forward): {one_ms:.2f} ms/row at {one} row, {many_ms:.2f} ms/row at "
+            f"{many} rows: batching speeds the forwards up at most {one_ms / many_ms:.2f}x\n"
         )
         print(
             "| C | batched rollouts/s | serial rollouts/s | ratio | batched p50/p95 latency s "
