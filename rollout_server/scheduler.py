@@ -155,9 +155,8 @@ class Scheduler:
 
     def submit(self, job: RolloutJob) -> None:
         """Queue a rollout, or raise Overloaded."""
-        with self._changed:
-            in_flight = len(self.running) + sum(isinstance(j, RolloutJob) for j in self._queue)
-            if in_flight >= self.max_queued:
+        with self._changed:  # a reentrant lock: in_flight takes it again
+            if (in_flight := self.in_flight) >= self.max_queued:
                 raise Overloaded(f"{in_flight} rollouts queued or running (limit {self.max_queued})")
             job.key = next(self._keys)
             self._queue.append(job)
