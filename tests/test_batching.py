@@ -82,16 +82,17 @@ def batching_client(batching_server):
         yield rollout_client
 
 
-def run_together(client: RolloutClient, server, transformer, requests: dict) -> dict[str, list]:
-    """Each request's events, all released at the same moment: they wait for the next policy version,
-    which an update that leaves the weights as they are (``transformer``'s) then brings."""
+def run_together(client: RolloutClient, server, transformer, requests: dict, read=list) -> dict:
+    """``read(stream)`` of each request (default: all its events), all released at the same moment:
+    they wait for the next policy version, which an update that leaves the weights as they are
+    (``transformer``'s) then brings."""
     version = client.server_info().policy_version + 1
-    results: dict[str, list] = {}
+    results: dict = {}
 
-    def run(name: str) -> None:
-        request = rollout_pb2.RolloutRequest(request_id=name, min_policy_version=version)
+    def run(name) -> None:
+        request = rollout_pb2.RolloutRequest(request_id=str(name), min_policy_version=version)
         request.MergeFrom(requests[name])
-        results[name] = split_events(client.stream(request))
+        results[name] = read(client.stream(request))
 
     threads = [threading.Thread(target=run, args=(name,)) for name in requests]
     for thread in threads:
@@ -111,7 +112,7 @@ def run_together(client: RolloutClient, server, transformer, requests: dict) -> 
 def test_a_rollout_streams_the_same_alone_and_batched(batching_client, batching_server, tiny_transformer):
     requests = {name: mixed_request(name) for name in MIXED}
     alone = {name: split_events(batching_client.stream(request)) for name, request in requests.items()}
-    together = run_together(batching_client, batching_server, tiny_transformer, requests)
+    together = run_together(batching_client, batching_server, tiny_transformer, requests, split_events)
     for name in MIXED:
         assert alone[name].finished.message.shared_steps == 0
         # Every request had a partner of its size in flight: its rows shared forwards.
@@ -120,29 +121,23 @@ def test_a_rollout_streams_the_same_alone_and_batched(batching_client, batching_
         assert_replays(tiny_transformer, together[name].trajectories())  # the trainer's replay
 
 
-def test_a_cancel_mid_batch_leaves_the_others_running(batching_client, batching_server):
+def test_a_cancel_mid_batch_leaves_the_others_running(batching_client, batching_server, tiny_transformer):
     """Three rollouts step together; one caller cancels after two steps. The other two finish, each
     with its solo numbers, and the server keeps serving."""
     long = {"prompts": ["a red fox"], "samples_per_prompt": 2, "height": 64, "width": 64, "num_steps": 30}
     requests = {k: rollout_pb2.RolloutRequest(base_seed=k, **COMMON, **long) for k in (1, 2, 3)}
     alone = {k: split_events(batching_client.stream(request)) for k, request in requests.items() if k != 2}
-    results: dict[int, list] = {}
-    gate = threading.Barrier(3)
 
-    def run(k: int) -> None:
-        gate.wait()
-        stream = batching_client.stream(requests[k])
-        if k == 2:
-            results[k] = [event for _, event in zip(range(3), stream, strict=False)]  # started, 2 steps
-            stream.close()  # cancels the call
-        else:
-            results[k] = list(stream)
+    def read(stream) -> list:
+        events = []
+        for event in stream:
+            events.append(event)
+            if events[0].message.resolved.base_seed == 2 and len(events) == 3:  # started, 2 steps
+                stream.close()  # cancels the call
+                break
+        return events
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in requests]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    results = run_together(batching_client, batching_server, tiny_transformer, requests, read)
     assert [type(e) for e in results[2]] == [Started, Step, Step]
     for k in (1, 3):
         rollout = split_events(results[k])
