@@ -16,6 +16,7 @@ import numpy as np
 import reference
 import torch
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from rollout.v1 import rollout_pb2
@@ -345,6 +346,15 @@ def with_lora(transformer: torch.nn.Module, trained: bool):
 
 SERVICE = "rollout.v1.RolloutService"
 GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).with_name("grpcurl"))
+
+
+def health_status(channel: grpc.Channel) -> int | grpc.StatusCode:
+    """The overall health status, or the error code when the check itself fails."""
+    try:
+        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    except grpc.RpcError as error:
+        return error.code()
+    return response.status
 
 
 def field_violations(error: grpc.RpcError) -> list[error_details_pb2.BadRequest.FieldViolation]:

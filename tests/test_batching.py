@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import TO_Q, assert_replays, assert_same_numbers, split_events, start_server
+from grpc_health.v1 import health_pb2
+from helpers import TO_Q, assert_replays, assert_same_numbers, health_status, split_events, start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient, Started, Step
@@ -147,8 +147,7 @@ def test_a_cancel_mid_batch_leaves_the_others_running(batching_client, batching_
     while "status=CANCELLED" not in batching_server.log() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert "status=CANCELLED" in batching_server.log()
-    health = health_pb2_grpc.HealthStub(batching_client.channel)
-    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(batching_client.channel) == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_a_stalled_consumer_holds_nobody_back(batching_client, batching_server):

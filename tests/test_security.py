@@ -19,8 +19,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import SERVICE, TO_Q, grpcurl, grpcurl_exit, start_server
+from grpc_health.v1 import health_pb2
+from helpers import SERVICE, TO_Q, grpcurl, grpcurl_exit, health_status, start_server
 
 from rollout_client import TLS, RolloutClient
 from rollout_client import cli as client_cli
@@ -206,8 +206,7 @@ def test_tokens_through_the_python_client(secured_server, pki, tiny_transformer)
             assert rpc_code(lambda c=caller: c.rollout(**REQUEST)) == grpc.StatusCode.UNAUTHENTICATED
             update = lambda c=caller: c.update_weights(subset, 1, kind="subset")  # noqa: E731
             assert rpc_code(update) == grpc.StatusCode.UNAUTHENTICATED
-        health = health_pb2_grpc.HealthStub(anonymous.channel)
-        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        assert health_status(anonymous.channel) == health_pb2.HealthCheckResponse.SERVING
 
     with client(ROLLOUT_TOKEN) as trainer:
         version = trainer.server_info().policy_version + 1

@@ -17,8 +17,8 @@ import uuid
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import start_server
+from grpc_health.v1 import health_pb2
+from helpers import health_status, start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server.presets import PRESETS
@@ -71,15 +71,6 @@ def logged_status(server, request_id: str, timeout: float = WAIT_SECONDS) -> str
             return match[1]
         time.sleep(0.1)
     return None
-
-
-def health_status(channel: grpc.Channel) -> int | grpc.StatusCode:
-    """The overall health status, or the error code when the check itself fails."""
-    try:
-        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-    except grpc.RpcError as error:
-        return error.code()
-    return response.status
 
 
 def drain(call) -> grpc.StatusCode:

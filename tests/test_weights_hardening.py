@@ -16,12 +16,13 @@ import time
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from helpers import (
     TO_Q,
     assert_unchanged,
     field_violations,
     fingerprint,
+    health_status,
     next_version,
     perturbed,
     push_update,
@@ -74,8 +75,7 @@ def pusher(hardened):
 def assert_serving(server, client: RolloutClient) -> None:
     """The health probe answers SERVING at once, and a rollout runs."""
     with grpc.insecure_channel(server.address) as channel:
-        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
     assert fingerprint(client)[0] == client.server_info().policy_version
     assert server.process.poll() is None
     assert "Traceback" not in server.log()
