@@ -84,7 +84,6 @@ class Engine:
         # Called (from the worker thread) when the rank group broke: the server must go down.
         self.on_fatal: Callable[[Exception], None] = lambda error: None
         self._rollouts: dict[int, Rollout] = {}  # the running rollouts' model-side state, by key
-        self._jobs: dict[int, RolloutJob] = {}  # rank 0: their streams
         # The worker also loads the model: CPU kernels run up to 2x slower on a thread other than the
         # one that loaded it. It starts its rounds once the engine is assembled.
         self._ready = threading.Event()
@@ -139,7 +138,6 @@ class Engine:
                     self.parallel.broadcast_command(HEARTBEAT)
                 else:
                     self.parallel.broadcast_command(ROUND, encode_round(planned))
-                    self._jobs.update({job.key: job for job in planned.join})
                     joining = [(job.key, job.request) for job in planned.join]
                     self._run_round(planned.drop, joining, planned.step)
         except RankFailure as error:
@@ -180,7 +178,6 @@ class Engine:
         """One round, alike on every rank (only rank 0 streams)."""
         for key in drop:
             self._rollouts.pop(key, None)
-            self._jobs.pop(key, None)  # its caller is gone: nobody to tell
         for key, request in join:
             self._join(key, request)
         stepping = [self._rollouts[key] for key in step if key in self._rollouts]
@@ -218,7 +215,7 @@ class Engine:
         rollout.times.update(joined=joined_at, encoded=time.perf_counter())
         self.metrics.prompt_cache(rollout.prompt_cache_hits, rollout.prompts_encoded)
         self._rollouts[key] = rollout
-        job = self._jobs.get(key)
+        job = self.scheduler.running.get(key)  # rank 0 only: its stream
         if job is None:
             return
         rollout.times["submitted"] = job.submitted_at
@@ -240,7 +237,7 @@ class Engine:
 
     def _finish(self, rollout: Rollout) -> None:
         """The last step is done: images (rank 0, when asked for), the finished event, the end."""
-        job = self._jobs.get(rollout.key)
+        job = self.scheduler.running.get(rollout.key)
         if job is not None:
             denoised_at = time.perf_counter()
             if rollout.request.images:
@@ -266,20 +263,18 @@ class Engine:
     def _end(self, key: int, error: BaseException | None) -> None:
         """The rollout ``key`` finished (``error`` None) or failed: free it, and end its stream."""
         self._rollouts.pop(key, None)
-        job = self._jobs.pop(key, None)
+        job = self.scheduler.finished(key)
         if job is not None:
-            self.scheduler.finished(key)
             job.outbox.end(error)
 
     def _end_all(self, error: BaseException) -> None:
         """Fail whatever is queued or running (the server stops, or the rank group broke)."""
+        self._rollouts.clear()
         for job in self.scheduler.abandon():
             if isinstance(job, UpdateJob):
                 job.done.set_exception(error)
             else:
-                job.outbox.end(error)  # a queued rollout: it never joined
-        for key in list(self._jobs):
-            self._end(key, error)
+                job.outbox.end(error)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -181,23 +181,24 @@ class Scheduler:
             self._stopping = True
             self._changed.notify()
 
-    def finished(self, key: int) -> None:
-        """The rollout ``key`` has ended (finished or failed): it leaves the running set."""
+    def finished(self, key: int) -> RolloutJob | None:
+        """The rollout ``key`` has ended (finished or failed): it leaves the running set. Returns
+        its job (None on ranks other than 0, or once dropped)."""
         with self._changed:
-            self.running.pop(key, None)
+            return self.running.pop(key, None)
 
     def abandon(self) -> list[RolloutJob | UpdateJob]:
-        """Empty the queue and the running set (the server stops); returns the queued jobs, whose
-        callers are still waiting (updates not cancelled meanwhile)."""
+        """Empty the running set and the queue (the server stops); returns their jobs, whose callers
+        are still waiting (updates not cancelled meanwhile)."""
         with self._changed:
-            queued = [
+            jobs = [*self.running.values()] + [
                 job
                 for job in self._queue
                 if isinstance(job, RolloutJob) or job.done.set_running_or_notify_cancel()
             ]
             self._queue.clear()
             self.running.clear()
-            return queued
+            return jobs
 
     def next_round(self, timeout: float) -> Round:
         """The next round; an idle one after ``timeout`` seconds with nothing to do."""
