@@ -145,7 +145,11 @@ class Engine:
             self.on_fatal(error)
         except BaseException as error:
             # Nothing else may escape a round; if it does, no later round is safe.
-            failure = RankFailure(f"the engine failed: {type(error).__name__}: {error}")
+            # Under sequence parallelism this is mostly a collective inside a forward: name the ranks
+            # known to be gone.
+            failure = RankFailure(
+                f"the engine failed: {self.parallel.describe_failure()}{type(error).__name__}: {error}"
+            )
             failure.__cause__ = error
             log.exception("engine worker failed")
             self._end_all(failure)
