@@ -1,14 +1,29 @@
 """The trainer helpers: log-probs with gradients match the streamed ones at the rollout's policy and
-reach the transformer's weights; group advantages and the clipped loss match their formulas,
-computed independently here in float64 NumPy."""
+reach the transformer's weights, also on steps scored while the rest still streams; group
+advantages, the clipped loss, the KL and the JPEG reward match their formulas, computed
+independently here (float64 NumPy, torch.distributions, PIL)."""
+
+import io
 
 import numpy as np
 import pytest
 import torch
 from helpers import TOLERANCE, make_request, stochastic_steps
+from PIL import Image
 
 from rollout.v1 import rollout_pb2
-from rollout_client.grpo import clipped_policy_loss, group_advantages, step_log_probs
+from rollout_client.events import Step
+from rollout_client.grpo import (
+    clipped_policy_loss,
+    group_advantages,
+    kl_to_reference,
+    micro_batches,
+    sde_window,
+    step_log_probs,
+    step_transitions,
+)
+from rollout_client.rewards import jpeg_compressibility
+from rollout_client.trajectory import Collector, collect
 
 
 @pytest.mark.parametrize(
@@ -77,3 +92,113 @@ def test_clipped_policy_loss_is_the_ppo_surrogate():
     new = old.clone().requires_grad_(True)
     clipped_policy_loss(new, old, advantages, 1e-4).backward()
     np.testing.assert_allclose(new.grad.numpy(), -np.clip(advantages.numpy(), -5, 5) / 64, rtol=1e-12)
+
+
+def test_steps_scored_while_the_stream_runs_match_the_whole_rollout(client, tiny_transformer):
+    """A trainer scoring each step as soon as x_i, x_{i+1} and its log-probs arrive gets the same
+    numbers as one that waits for the whole rollout, and the streamed log-probs."""
+    request = make_request(
+        {"prompts": ["a red fox", "two cats"], "samples_per_prompt": 2, "base_seed": 9, "num_steps": 5},
+        {"height": 64, "width": 64, "latents": rollout_pb2.LATENT_SELECTION_AROUND_STOCHASTIC},
+        stochastic_steps=[1, 2],
+    )
+    collector, events, early = Collector(), [], {}
+    with torch.no_grad():
+        for event in client.stream(request):
+            collector.add(event)
+            events.append(event)
+            if isinstance(event, Step):
+                for i in (1, 2):
+                    if i not in early and collector.ready(i):
+                        assert collector.finished is None and not collector.images
+                        early[i] = step_log_probs(tiny_transformer, collector.trajectories(), i)
+        assert sorted(early) == [1, 2]
+        assert not collector.ready(0) and not collector.ready(3)  # deterministic steps
+        whole = collect(events)
+        assert torch.equal(collector.trajectories()[3].latents.nan_to_num(), whole[3].latents.nan_to_num())
+        assert whole[0].image_png is not None
+        for i, log_probs in early.items():
+            assert torch.equal(log_probs, step_log_probs(tiny_transformer, whole, i))
+            streamed = torch.stack([t.log_probs[i] for t in whole])
+            torch.testing.assert_close(log_probs, streamed, atol=TOLERANCE, rtol=0)
+
+
+def test_micro_batches_cover_every_row_once_and_never_mix_shapes(client, tiny_transformer):
+    small = client.rollout(
+        make_request(
+            {"prompts": ["a", "b"], "samples_per_prompt": 3, "num_steps": 3, "height": 64, "width": 64}
+        )
+    )
+    large = client.rollout(make_request({"prompts": ["c"], "num_steps": 3, "height": 128, "width": 64}))
+    trajectories = small + large
+    pieces = list(micro_batches(trajectories, [0, 2], size=4))
+    assert all(1 <= len(rows) <= 4 for _, rows in pieces)
+    covered = sorted((i, row) for i, rows in pieces for row in rows)
+    assert covered == sorted((i, row) for i in (0, 2) for row in range(7))
+    for i, rows in pieces:  # each piece is one batch of one shape, scored as streamed
+        with torch.no_grad():
+            log_probs = step_log_probs(tiny_transformer, [trajectories[row] for row in rows], i)
+        streamed = torch.stack([trajectories[row].log_probs[i] for row in rows])
+        torch.testing.assert_close(log_probs, streamed, atol=TOLERANCE, rtol=0)
+    with pytest.raises(ValueError, match="differ in transformer call or env shapes"):
+        step_log_probs(None, [small[0], large[0]], 0)
+
+
+def test_sde_window_is_consecutive_and_starts_in_the_first_half():
+    generator = torch.Generator().manual_seed(0)
+    starts = set()
+    for _ in range(200):
+        window = sde_window(10, 2, generator)
+        assert window == [window[0], window[0] + 1]
+        starts.add(window[0])
+    assert starts == {0, 1, 2, 3, 4}  # uniform over [0, 10 // 2 - 1]
+    assert sde_window(4, 4) == [0, 1, 2, 3]
+    assert sde_window(6, 3, last_start=5, generator=torch.Generator().manual_seed(1))[-1] <= 5
+    with pytest.raises(ValueError):
+        sde_window(3, 4)
+
+
+def test_kl_to_reference_is_the_gaussian_kl_per_element():
+    generator = torch.Generator().manual_seed(3)
+    means = torch.randn(3, 16, 8, generator=generator, dtype=torch.float64)
+    reference = means + 0.1 * torch.randn(3, 16, 8, generator=generator, dtype=torch.float64)
+    stds = torch.tensor([0.3, 0.05, 1.0], dtype=torch.float64)
+    got = kl_to_reference(means, reference, stds)
+    scale = stds.view(3, 1, 1).expand_as(means)
+    expected = torch.distributions.kl_divergence(
+        torch.distributions.Normal(means, scale), torch.distributions.Normal(reference, scale)
+    ).mean(dim=(1, 2))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=0)
+    assert torch.equal(kl_to_reference(means, means, stds), torch.zeros(3))
+
+
+def test_kl_to_the_base_model_is_zero_before_training_and_positive_after(client, tiny_transformer):
+    from helpers import with_lora
+
+    trajectories = client.rollout(
+        make_request({"prompts": ["a kite"], "num_steps": 3, "height": 64, "width": 64})
+    )
+    base = step_transitions(tiny_transformer, trajectories, 0)
+    for trained in (False, True):
+        adapted, _ = with_lora(tiny_transformer, trained=trained)
+        with torch.no_grad():
+            transition = step_transitions(adapted, trajectories, 0)
+            adapted.disable_adapters()
+            reference = step_transitions(adapted, trajectories, 0).means
+        assert torch.equal(reference, base.means.detach())
+        kl = kl_to_reference(transition.means, reference, transition.stds)
+        assert (kl > 1e-6).all() if trained else torch.equal(kl, torch.zeros(1))
+
+
+def test_jpeg_compressibility_is_minus_the_q95_size_in_kb_over_500():
+    rng = np.random.default_rng(0)
+    noise = Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    flat = Image.new("RGB", (64, 64), (120, 30, 200))
+    rewards = jpeg_compressibility([noise, flat.convert("L"), flat], ["a", "b", "c"])
+    sizes = []
+    for image in (noise, flat.convert("L").convert("RGB"), flat):
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", quality=95)
+        sizes.append(len(buffer.getvalue()))
+    np.testing.assert_allclose(rewards.numpy(), -np.array(sizes) / 1000 / 500, rtol=1e-6)
+    assert rewards[2] > rewards[0]  # a flat image compresses far better than noise

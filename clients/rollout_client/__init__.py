@@ -1,4 +1,5 @@
-"""Python client for rollout-server: typed streaming events, trajectories, and log-prob replay.
+"""Python client for rollout-server: typed streaming events, trajectories, log-prob replay, and the
+trainer's helpers (``rollout_client.grpo``, ``rollout_client.rewards``).
 
 Imports torch, safetensors and grpc, never diffusers: a trainer can use it with any model code.
 """
@@ -7,9 +8,10 @@ from rollout_client.client import RolloutClient
 from rollout_client.credentials import TLS, read_token
 from rollout_client.events import Finished, Image, Started, Step
 from rollout_client.replay import replay_log_probs
-from rollout_client.trajectory import Trajectory, collect
+from rollout_client.trajectory import Collector, Trajectory, collect
 
 __all__ = [
+    "Collector",
     "Finished",
     "Image",
     "RolloutClient",

@@ -115,39 +115,75 @@ class Trajectory:
         )
 
 
-def collect(events: Iterable[Event]) -> list[Trajectory]:
-    """Gather a whole rollout stream into one Trajectory per sample (prompt-major order)."""
-    started: Started | None = None
-    streamed: dict[int, torch.Tensor] = {}  # j -> x_j [B, ...]
-    log_probs = None
-    images: dict[int, bytes] = {}
-    finished = False
-    for event in events:
+class Collector:
+    """Gathers a rollout stream event by event, so a trainer can work on steps as they arrive.
+
+    ``add`` each event; ``trajectories()`` may be called at any time after the started event: the
+    trajectories it returns share the collector's buffers, so latents and log-probs that arrive later
+    appear in them (until then latents are NaN with ``latent_mask`` False, log-probs NaN).
+    ``ready(i)`` says whether step i can be scored now (x_i, x_{i+1} and its log-probs have arrived).
+    """
+
+    def __init__(self):
+        self.started: Started | None = None
+        self.finished: Finished | None = None
+        self.latents: torch.Tensor | None = None  # [B, T + 1, ...] once a latent arrives
+        self.mask = torch.zeros(0, dtype=torch.bool)
+        self.log_probs = torch.zeros(0)
+        self.scored = torch.zeros(0, dtype=torch.bool)
+        self.images: dict[int, bytes] = {}
+
+    def add(self, event: Event) -> None:
         if isinstance(event, Started):
-            started = event
-            log_probs = torch.full((len(event.message.seeds), len(event.message.stochastic)), float("nan"))
+            self.started = event
+            num_samples, num_steps = len(event.message.seeds), len(event.message.stochastic)
+            self.mask = torch.zeros(num_steps + 1, dtype=torch.bool)
+            self.log_probs = torch.full((num_samples, num_steps), float("nan"))
+            self.scored = torch.zeros(num_steps, dtype=torch.bool)
             if event.x0 is not None:
-                streamed[0] = event.x0.float()
+                self._store(0, event.x0)
         elif isinstance(event, Step):
             if event.x_next is not None:
-                streamed[event.index + 1] = event.x_next.float()
+                self._store(event.index + 1, event.x_next)
             if event.log_probs is not None:
-                log_probs[:, event.index] = event.log_probs
+                self.log_probs[:, event.index] = event.log_probs
+                self.scored[event.index] = True
         elif isinstance(event, Image):
-            images[event.sample_index] = event.png
+            self.images[event.sample_index] = event.png
         elif isinstance(event, Finished):
-            finished = True
-    if started is None or not finished:
+            self.finished = event
+
+    def _store(self, j: int, x: torch.Tensor) -> None:
+        if self.latents is None:
+            message = self.started.message
+            shape = (len(message.seeds), len(message.stochastic) + 1, *message.layout.shape)
+            self.latents = torch.full(shape, float("nan"))
+        self.latents[:, j] = x.float()
+        self.mask[j] = True
+
+    def ready(self, i: int) -> bool:
+        """Step i is stochastic and x_i, x_{i+1} and its log-probs have arrived."""
+        return bool(self.scored[i] and self.mask[i] and self.mask[i + 1])
+
+    def trajectories(self) -> list[Trajectory]:
+        """One Trajectory per sample (prompt-major order), with what has arrived so far."""
+        if self.started is None:
+            raise ValueError("no started event yet")
+        message = self.started.message
+        latents = self.latents
+        if latents is None:
+            latents = torch.zeros(len(message.seeds), 0, *message.layout.shape)
+        return _trajectories(self.started, latents, self.mask, self.log_probs, self.images)
+
+
+def collect(events: Iterable[Event]) -> list[Trajectory]:
+    """Gather a whole rollout stream into one Trajectory per sample (prompt-major order)."""
+    collector = Collector()
+    for event in events:
+        collector.add(event)
+    if collector.started is None or collector.finished is None:
         raise ValueError("incomplete rollout stream: no started or no finished event")
-    message = started.message
-    num_samples, num_steps = len(message.seeds), len(message.stochastic)
-    rows = num_steps + 1 if streamed else 0
-    latents = torch.full((num_samples, rows, *message.layout.shape), float("nan"))
-    mask = torch.zeros(num_steps + 1, dtype=torch.bool)
-    for j, x in streamed.items():
-        latents[:, j] = x
-        mask[j] = True
-    return _trajectories(started, latents, mask, log_probs, images)
+    return collector.trajectories()
 
 
 def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Trajectory]:
@@ -183,7 +219,7 @@ def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Tr
                 timesteps=timesteps,
                 stochastic=stochastic,
                 latents=latents[k],
-                latent_mask=mask.clone(),
+                latent_mask=mask,
                 log_probs=log_probs[k],
                 env={branch: per_prompt[p] for branch, per_prompt in started.env.items()},
                 transformer_call=transformer_call,
