@@ -282,6 +282,16 @@ def _load_lora(
         target_modules=sorted(config.target_modules),
         tensors=len(update.tensors),
         policy_version=update.policy_version,
+        modules=adapter_modules(transformer, name),
+    )
+
+
+def adapter_modules(transformer: torch.nn.Module, peft_name: str) -> list[str]:
+    """The modules the LoRA adapter ``peft_name`` is attached to, as they stand after loading."""
+    return sorted(
+        name
+        for name, module in transformer.named_modules()
+        if isinstance(module, BaseTunerLayer) and peft_name in getattr(module, "lora_A", {})
     )
 
 

@@ -33,6 +33,7 @@ from helpers import (
     with_lora,
 )
 from peft import LoraConfig, get_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load, save, save_file
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -193,6 +194,9 @@ def test_lora_adapter_changes_rollouts_as_the_trainer_replays_them(
     info = updated.server_info().lora_adapter
     assert (info.name, info.rank, info.alpha, info.policy_version) == ("style", 4, 8.0, version)
     assert (list(info.target_modules), info.tensors) == (sorted(LORA_TARGETS), len(adapter))
+    # The modules the adapter binds to on the server are the ones it wraps in the trainer's copy.
+    wrapped = sorted(name for name, module in adapted.named_modules() if isinstance(module, BaseTunerLayer))
+    assert wrapped and list(info.modules) == wrapped and info.tensors == 2 * len(wrapped)
 
     pushed = rollout_events(updated)
     assert pushed.started.message.policy_version == version
@@ -210,6 +214,7 @@ def test_lora_adapter_changes_rollouts_as_the_trainer_replays_them(
     )
     assert updated.load_weights("adapter", version + 1, adapter_name="from-disk").tensors == len(adapter)
     assert updated.server_info().lora_adapter.name == "from-disk"
+    assert list(updated.server_info().lora_adapter.modules) == wrapped
     assert_same_rollout(rollout_events(updated), pushed)
 
     # A FULL update is the whole policy: it removes the adapter.
