@@ -8,7 +8,7 @@ MODEL ?= tiny-flux
 STUBS := clients/rollout/v1/rollout_pb2.py
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test demo proto lint bench clean
+.PHONY: serve test demo train proto lint bench clean
 
 serve: $(STAMP) $(STUBS)
 	$(VENV)/bin/rollout-server serve --model $(MODEL) --host $(HOST) --port $(PORT)
@@ -18,6 +18,9 @@ test: $(STAMP) $(STUBS)
 
 demo: $(STAMP) $(STUBS)
 	$(PY) examples/demo.py --out demo-output
+
+train: $(STAMP) $(STUBS)
+	$(PY) examples/train_grpo.py --out train-output
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=clients --pyi_out=clients \
@@ -37,14 +40,15 @@ bench: $(STAMP) $(STUBS)
 	$(PY) bench/weight_update.py
 	$(PY) bench/prompt_cache.py
 	$(PY) bench/concurrency.py
+	$(PY) bench/train_modes.py
 
 # torch goes first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==26.3 setuptools==80.9.0
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,train]'
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) demo-output clients/rollout/v1/*_pb2*.py* .pytest_cache .ruff_cache
+	rm -rf $(VENV) demo-output train-output clients/rollout/v1/*_pb2*.py* .pytest_cache .ruff_cache

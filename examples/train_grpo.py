@@ -1,0 +1,438 @@
+"""FlowGRPO on the rollout stream: a small, real trainer to copy from.
+
+Each iteration samples P prompts x G images on a rollout server, scores the images with a reward
+(JPEG compressibility by default: no download), standardises the rewards within each prompt's group,
+recomputes the stochastic steps' log-probs with gradients, takes one PPO-clipped step on a LoRA of the
+transformer, and pushes the adapter back as the next policy version. The next rollouts ask for that
+version with ``min_policy_version``, so they never run on an older policy than they should.
+
+    python examples/train_grpo.py                       # its own tiny-flux server; writes train-output/
+    python examples/train_grpo.py --async               # next rollouts stream while this one trains
+    python examples/train_grpo.py --server HOST:PORT --model-path FOLDER
+
+Sync: iteration i rolls out on policy version i, so at its update the ratio exp(logp_new - logp_old)
+is 1 up to float rounding (``ratio_max_dev`` in metrics.csv: the on-policy proof). Async: iteration
+i + 1's rollouts are requested when iteration i starts training, with ``min_policy_version = i``: they
+run on version i while the trainer holds i + 1, one version stale at most, and the clipped ratio
+corrects for it.
+
+Writes to --out: metrics.csv (one row per iteration), reward.png (reward mean +/- std per iteration),
+the first and last iteration's images in samples/iter-NNNN/ and the final LoRA in lora/ (a PEFT
+adapter folder).
+"""
+
+import argparse
+import csv
+import functools
+import importlib
+import math
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from rollout.v1 import rollout_pb2
+from rollout_client import Collector, RolloutClient, Step, Trajectory, read_token
+from rollout_client.grpo import (
+    clipped_policy_loss,
+    group_advantages,
+    kl_to_reference,
+    micro_batches,
+    sde_window,
+    step_transitions,
+)
+from rollout_client.rewards import Reward
+from rollout_server.local import LocalServer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the server builds its model locally
+
+PROMPTS = [
+    "a red fox in the snow",
+    "a lighthouse at dusk",
+    "two cats on a sofa",
+    "a bowl of ramen",
+    "an old tram in the rain",
+    "a kite over the dunes",
+    "a mountain lake at dawn",
+    "a city street at night",
+]
+# FLUX's attention and feed-forward layers, with the latent projections in and out.
+FLUX_TARGETS = ["x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
+COLUMNS = [
+    "iteration",
+    "policy_version",
+    "pushed_version",
+    "reward_mean",
+    "reward_std",
+    "loss",
+    "ratio_max_dev",
+    "kl",
+    "scored_steps",
+    "rollout_seconds",
+    "train_seconds",
+    "update_seconds",
+    "iteration_seconds",
+]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", help="address of a running server (default: start one on --model)")
+    parser.add_argument("--model", default="tiny-flux", help="preset or folder for the server we start")
+    parser.add_argument("--model-path", type=Path, help="the model folder (default: the server's)")
+    parser.add_argument("--token-file", type=Path, help="admin token of a server started with tokens")
+    parser.add_argument("--iterations", type=int, default=70)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration (P)")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
+    parser.add_argument("--steps", type=int, default=6, help="denoising steps")
+    parser.add_argument("--size", type=int, default=128, help="image height and width")
+    parser.add_argument("--noise-level", type=float, default=1.0)
+    parser.add_argument(
+        "--window", type=int, default=0, help="Flow-GRPO-Fast: this many consecutive SDE steps (0: all)"
+    )
+    parser.add_argument("--lr", type=float, default=1e-2, help="peak; a cosine takes it to lr / 10")
+    parser.add_argument(
+        "--clip-range",
+        type=float,
+        help="PPO clip range (default 1e-4; 1e-2 with --async, whose one-version-stale ratios reach 1e-2)",
+    )
+    parser.add_argument("--kl-beta", type=float, default=0.0, help="weight of the KL to the base model")
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument(
+        "--lora-alpha", type=float, default=32.0, help="the LoRA's output scale is alpha / rank"
+    )
+    parser.add_argument("--lora-targets", default=",".join(FLUX_TARGETS), help="comma-separated modules")
+    parser.add_argument("--micro-batch", type=int, default=32, help="rows per forward and backward")
+    parser.add_argument("--reward", default="rollout_client.rewards:jpeg_compressibility")
+    parser.add_argument("--async", dest="async_", action="store_true", help="one version stale rollouts")
+    parser.add_argument(
+        "--score-while-streaming",
+        action="store_true",
+        help="sync only: compute each step's log-probs as it arrives (holds their graphs until the end)",
+    )
+    parser.add_argument("--seed", type=int, default=2024)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
+    parser.add_argument("--out", type=Path, default=Path("train-output"))
+    args = parser.parse_args(argv)
+    if args.clip_range is None:
+        args.clip_range = 1e-2 if args.async_ else 1e-4
+    if args.async_ and args.score_while_streaming:
+        parser.error("--score-while-streaming scores with the rollout's policy: it needs sync mode")
+    if not 1 <= args.prompts <= len(PROMPTS):
+        parser.error(f"--prompts must be in [1, {len(PROMPTS)}]")
+    if not 0 <= args.window <= args.steps:
+        parser.error("--window must be in [0, --steps]")
+    return args
+
+
+def load_reward(spec: str) -> Reward:
+    """``module:callable``, e.g. ``rollout_client.rewards:jpeg_compressibility``."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_policy(model_path: Path, args: argparse.Namespace) -> tuple[torch.nn.Module, LoraConfig]:
+    """The base transformer, frozen, with a trainable LoRA."""
+    from diffusers import AutoModel  # the trainer's side; the client library never imports diffusers
+
+    transformer = AutoModel.from_pretrained(str(model_path), subfolder="transformer").to(args.device)
+    transformer.requires_grad_(False)
+    config = LoraConfig(
+        r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=args.lora_targets.split(",")
+    )
+    transformer.add_adapter(config)
+    return transformer, config
+
+
+def lora_modules(transformer: torch.nn.Module) -> list[str]:
+    """The modules a LoRA is attached to."""
+    return sorted(name for name, module in transformer.named_modules() if isinstance(module, BaseTunerLayer))
+
+
+@dataclass
+class Rollout:
+    """One iteration's samples, as they stream in."""
+
+    collector: Collector = field(default_factory=Collector)
+    seconds: float = 0.0
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return self.collector.trajectories()
+
+    @property
+    def policy_version(self) -> int:
+        return self.collector.started.message.policy_version
+
+
+def rollout_request(args: argparse.Namespace, iteration: int, min_version: int) -> rollout_pb2.RolloutRequest:
+    generator = torch.Generator().manual_seed(args.seed + iteration)
+    window = sde_window(args.steps, args.window, generator) if args.window else []
+    samples = args.prompts * args.group_size
+    return rollout_pb2.RolloutRequest(
+        request_id=f"grpo-iter-{iteration}",
+        prompts=PROMPTS[: args.prompts],
+        samples_per_prompt=args.group_size,
+        base_seed=args.seed + iteration * samples,  # per-sample seeds never repeat across iterations
+        num_steps=args.steps,
+        height=args.size,
+        width=args.size,
+        sampler=rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
+        noise_level=args.noise_level,
+        stochastic_steps=window,
+        latents=rollout_pb2.LATENT_SELECTION_AROUND_STOCHASTIC,
+        min_policy_version=min_version,
+    )
+
+
+def stream(client: RolloutClient, request, on_step=None) -> Rollout:
+    """Run one rollout, storing each event as it arrives; ``on_step(collector)`` after every step."""
+    rollout, start = Rollout(), time.perf_counter()
+    for event in client.stream(request):
+        rollout.collector.add(event)
+        if on_step is not None and isinstance(event, Step):
+            on_step(rollout.collector)
+    if rollout.collector.finished is None:
+        raise RuntimeError(f"rollout {request.request_id} ended without its finished event")
+    rollout.seconds = time.perf_counter() - start
+    return rollout
+
+
+class PolicyUpdate:
+    """One clipped policy step, accumulated piece by piece ((step, rows) micro-batches).
+
+    A piece scored before the advantages are known (while the rollout still streams) keeps its graph
+    until ``finish``; once they are known, each piece is backpropagated at once, so memory is bounded
+    by one micro-batch."""
+
+    def __init__(self, transformer: torch.nn.Module, args: argparse.Namespace):
+        self.transformer, self.args = transformer, args
+        self.pending: list[tuple[int, list[int], tuple]] = []  # (step, rows, (transition, reference))
+        self.scored_steps: set[int] = set()
+        self.weight = 0.0  # of one row at one step in the loss, once the rollout is complete
+        self.loss = self.kl = self.ratio_max_dev = 0.0
+
+    def score_ready(self, collector: Collector) -> None:
+        """Score the steps that have fully arrived and are not scored yet (advantages unknown)."""
+        steps = [i for i in stochastic_steps(collector) if i not in self.scored_steps and collector.ready(i)]
+        trajectories = collector.trajectories()
+        for i, rows in micro_batches(trajectories, steps, self.args.micro_batch):
+            self.pending.append((i, rows, self._score(trajectories, i, rows)))
+        self.scored_steps.update(steps)
+
+    def finish(self, collector: Collector, advantages: torch.Tensor) -> None:
+        """Backpropagate every scored step with the advantages, scoring the steps not scored yet."""
+        steps, trajectories = stochastic_steps(collector), collector.trajectories()
+        self.weight = 1.0 / (len(steps) * len(trajectories))  # the loss is a mean over steps and samples
+        for i, rows, scored in self.pending:
+            self._backward(trajectories, advantages, i, rows, scored)
+        todo = [i for i in steps if i not in self.scored_steps]
+        for i, rows in micro_batches(trajectories, todo, self.args.micro_batch):
+            self._backward(trajectories, advantages, i, rows, self._score(trajectories, i, rows))
+
+    def _score(self, trajectories, i, rows):
+        pieces = [trajectories[r] for r in rows]
+        transition = step_transitions(self.transformer, pieces, i, self.args.device)
+        reference = None
+        if self.args.kl_beta > 0:
+            with torch.no_grad():
+                self.transformer.disable_adapters()
+                try:
+                    reference = step_transitions(self.transformer, pieces, i, self.args.device).means
+                finally:
+                    self.transformer.enable_adapters()
+        return transition, reference
+
+    def _backward(self, trajectories, advantages, i, rows, scored) -> None:
+        transition, reference = scored
+        old = torch.stack([trajectories[r].log_probs[i] for r in rows]).to(transition.log_probs.device)
+        ratio = torch.exp(transition.log_probs.detach() - old)
+        self.ratio_max_dev = max(self.ratio_max_dev, (ratio - 1).abs().max().item())
+        piece_advantages = advantages[rows].to(old.device)
+        loss = clipped_policy_loss(transition.log_probs, old, piece_advantages, self.args.clip_range)
+        if reference is not None:
+            kl = kl_to_reference(transition.means, reference, transition.stds).mean()
+            self.kl += kl.item() * len(rows) * self.weight
+            loss = loss + self.args.kl_beta * kl
+        (loss * len(rows) * self.weight).backward()
+        self.loss += loss.item() * len(rows) * self.weight
+
+
+def step_arrived(collector: Collector, bar: tqdm, update: PolicyUpdate | None) -> None:
+    bar.update(1)
+    if update is not None:
+        update.score_ready(collector)
+
+
+def stochastic_steps(collector: Collector) -> list[int]:
+    return [i for i, stochastic in enumerate(collector.started.message.stochastic) if stochastic]
+
+
+def save_images(trajectories: list[Trajectory], folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for trajectory in trajectories:
+        slug = re.sub(r"[^a-z0-9]+", "-", trajectory.prompt.lower()).strip("-")
+        name = f"p{trajectory.prompt_index:02d}-s{trajectory.sample_index:03d}-{slug}.png"
+        (folder / name).write_bytes(trajectory.image_png)
+
+
+def save_adapter(transformer: torch.nn.Module, config: LoraConfig, folder: Path) -> None:
+    """The LoRA as a PEFT adapter folder (adapter_config.json, adapter_model.safetensors): what
+    ``LoadWeights`` takes, and what ``peft`` and diffusers load."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    weights = get_peft_model_state_dict(transformer)
+    save_file(
+        {name: t.detach().cpu().contiguous() for name, t in weights.items()},
+        folder / "adapter_model.safetensors",
+    )
+
+
+def plot_rewards(rows: list[dict], reward: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    iterations = [row["iteration"] for row in rows]
+    mean = [row["reward_mean"] for row in rows]
+    std = [row["reward_std"] for row in rows]
+    figure, axis = plt.subplots(figsize=(6, 3.5), dpi=120)
+    axis.plot(iterations, mean, marker="o", markersize=3, label="reward mean")
+    lower = [m - s for m, s in zip(mean, std, strict=True)]
+    upper = [m + s for m, s in zip(mean, std, strict=True)]
+    axis.fill_between(iterations, lower, upper, alpha=0.25, label="+/- std")
+    axis.set_xlabel("iteration")
+    axis.set_ylabel("reward (-JPEG kB / 500)" if reward.endswith(":jpeg_compressibility") else reward)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def push(
+    client: RolloutClient, transformer, lora_config: LoraConfig, version: int, trained: list[str]
+) -> int:
+    """Send the LoRA as policy ``version``; check that the server bound it to the trained modules."""
+    weights = {name: t.detach().cpu() for name, t in get_peft_model_state_dict(transformer).items()}
+    pushed = client.update_weights(weights, version, lora_config=lora_config, progress=False)
+    bound = list(client.server_info().lora_adapter.modules)
+    if bound != trained:
+        raise RuntimeError(f"the server's LoRA binds {bound}, not the trained {trained}")
+    return pushed.policy_version
+
+
+def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> list[dict]:
+    torch.manual_seed(args.seed)
+    reward = load_reward(args.reward)
+    transformer, lora_config = load_policy(model_path, args)
+    trained = lora_modules(transformer)
+    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=args.lr)
+    # A cosine from lr down to lr / 10 over the run: the late steps refine instead of overshooting.
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.iterations, eta_min=args.lr / 10)
+    version = client.server_info().policy_version  # the policy the trainer holds; a fresh server: 0
+    staleness = 1 if args.async_ else 0
+    rows: list[dict] = []
+    # async: the next rollout streams in the pool's thread while this one trains
+    with open(args.out / "metrics.csv", "w", newline="") as metrics, ThreadPoolExecutor(1) as pool:
+        upcoming = None
+        writer = csv.DictWriter(metrics, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for iteration in range(args.iterations):
+            start = time.perf_counter()
+            bar = tqdm(total=args.steps + 2, desc=f"iter {iteration:>4}", dynamic_ncols=True)
+            update = PolicyUpdate(transformer, args)
+            if upcoming is None:
+                on_step = functools.partial(
+                    step_arrived, bar=bar, update=update if args.score_while_streaming else None
+                )
+                rollout = stream(client, rollout_request(args, iteration, version), on_step)
+            else:
+                rollout = upcoming.result()
+            bar.update(args.steps - bar.n)
+            if args.async_ and iteration + 1 < args.iterations:
+                # Streams while this iteration trains, on the policy the server has now: one behind.
+                upcoming = pool.submit(stream, client, rollout_request(args, iteration + 1, version))
+            if not 0 <= version - rollout.policy_version <= staleness:
+                raise RuntimeError(
+                    f"iteration {iteration} ran on policy {rollout.policy_version}, not {version}"
+                )
+
+            trajectories = rollout.trajectories
+            rewards = reward([t.image() for t in trajectories], [t.prompt for t in trajectories])
+            advantages = group_advantages(rewards, torch.tensor([t.prompt_index for t in trajectories]))
+            train_start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            update.finish(rollout.collector, advantages)
+            optimizer.step()
+            schedule.step()
+            bar.update(1)
+
+            update_start = time.perf_counter()
+            version = push(client, transformer, lora_config, version + 1, trained)
+            bar.update(1)
+            row = {
+                "iteration": iteration,
+                "policy_version": rollout.policy_version,
+                "pushed_version": version,
+                "reward_mean": rewards.mean().item(),
+                "reward_std": rewards.std(correction=0).item(),
+                "loss": update.loss,
+                "ratio_max_dev": update.ratio_max_dev,
+                "kl": update.kl if args.kl_beta > 0 else math.nan,
+                "scored_steps": " ".join(map(str, stochastic_steps(rollout.collector))),
+                "rollout_seconds": rollout.seconds,
+                "train_seconds": update_start - train_start,
+                "update_seconds": time.perf_counter() - update_start,
+                "iteration_seconds": time.perf_counter() - start,
+            }
+            writer.writerow(row)
+            metrics.flush()
+            rows.append(row)
+            bar.set_postfix(reward=f"{row['reward_mean']:.5f}", ratio_dev=f"{update.ratio_max_dev:.1e}")
+            bar.close()
+            if iteration in (0, args.iterations - 1):
+                save_images(trajectories, args.out / "samples" / f"iter-{iteration:04d}")
+    save_adapter(transformer, lora_config, args.out / "lora")
+    plot_rewards(rows, args.reward, args.out / "reward.png")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    server = None
+    if args.server is None:
+        server = LocalServer.start(args.out / "server.log", "--model", args.model, "--threads", "1")
+    token = read_token(args.token_file) if args.token_file else None
+    try:
+        with RolloutClient(args.server or server.address, timeout=600, token=token) as client:
+            model_path = args.model_path or Path(client.server_info().model_path)
+            started = time.perf_counter()
+            rows = train(args, client, model_path)
+            seconds = time.perf_counter() - started
+    finally:
+        if server is not None:
+            server.stop()
+    first, last = rows[0]["reward_mean"], rows[-1]["reward_mean"]
+    print(
+        f"{len(rows)} iterations in {seconds:.0f} s ({'async' if args.async_ else 'sync'}): reward "
+        f"{first:.5f} -> {last:.5f}, max ratio deviation {max(r['ratio_max_dev'] for r in rows):.1e}; "
+        f"results in {args.out}/"
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""``make train``: examples/train_grpo.py closes the loop on a real server. Its rollouts run on the
+policy it pushed, the server binds its LoRA to the modules it trained, and what the server samples
+afterwards is exactly the trainer's final policy (replayed through the base transformer with the saved
+adapter)."""
+
+import copy
+import csv
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT, TOLERANCE, assert_replays, make_request, start_server
+from peft import LoraConfig, set_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
+from PIL import Image
+from safetensors.torch import load_file
+
+from rollout_client import RolloutClient
+
+COLUMNS = [
+    "iteration",
+    "policy_version",
+    "pushed_version",
+    "reward_mean",
+    "reward_std",
+    "loss",
+    "ratio_max_dev",
+    "rollout_seconds",
+    "train_seconds",
+    "update_seconds",
+]
+TINY = ["--iterations", "3", "--prompts", "2", "--group-size", "3", "--steps", "3", "--size", "64"]
+PROBE = make_request(
+    {"prompts": ["a red fox"], "samples_per_prompt": 2, "base_seed": 11, "num_steps": 3},
+    {"height": 64, "width": 64},
+)
+
+
+def run_trainer(address: str, out, *flags: str) -> list[dict]:
+    command = [sys.executable, ROOT / "examples" / "train_grpo.py", "--server", address, *TINY, *flags]
+    result = subprocess.run([*command, "--out", out], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with open(out / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert set(COLUMNS) <= set(rows[0])
+    return rows
+
+
+@pytest.fixture
+def fresh_client(tmp_path, cache_dir, tiny_flux_folder):
+    """A server of its own (the trainer moves its policy), at policy version 0."""
+    server = start_server(cache_dir, tmp_path / "server.log")
+    try:
+        with RolloutClient(server.address, timeout=120) as client:
+            yield client
+    finally:
+        server.stop()
+
+
+def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
+    fresh_client, tmp_path, tiny_transformer
+):
+    before = fresh_client.rollout(PROBE)
+    out = tmp_path / "train"
+    rows = run_trainer(fresh_client.address, out)
+
+    assert [int(row["iteration"]) for row in rows] == [0, 1, 2]
+    assert [int(row["policy_version"]) for row in rows] == [0, 1, 2]  # each ran on the last push
+    assert [int(row["pushed_version"]) for row in rows] == [1, 2, 3]
+    assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)  # on policy, in fp32
+    assert all(float(row[column]) > 0 for row in rows for column in COLUMNS[-3:])
+    assert Image.open(out / "reward.png").format == "PNG"
+    for iteration in ("iter-0000", "iter-0002"):
+        assert len(list((out / "samples" / iteration).glob("p0?-s00?-*.png"))) == 6
+
+    # The adapter the server runs is bound to every module the trainer trained, and only those.
+    config = LoraConfig.from_pretrained(out / "lora")
+    trained = copy.deepcopy(tiny_transformer)
+    trained.add_adapter(config)
+    set_peft_model_state_dict(trained, load_file(out / "lora" / "adapter_model.safetensors"))
+    wrapped = sorted(name for name, module in trained.named_modules() if isinstance(module, BaseTunerLayer))
+    info = fresh_client.server_info()
+    assert info.policy_version == 3
+    assert list(info.lora_adapter.modules) == wrapped
+    assert {target for target in config.target_modules if any(m.endswith(target) for m in wrapped)} == set(
+        config.target_modules
+    )
+
+    # Same request, same noise; after the pushes the rollout differs, and it is the trainer's policy.
+    after = fresh_client.rollout(PROBE)
+    assert after[0].policy_version == 3
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(old.latents[0], new.latents[0])
+        assert (old.latents[-1] - new.latents[-1]).abs().max() > 1e-4
+    assert_replays(trained, after)
+
+
+def test_async_rollouts_are_at_most_one_version_stale(fresh_client, tmp_path):
+    rows = run_trainer(fresh_client.address, tmp_path / "train", "--async", "--kl-beta", "0.04")
+    # Iteration 0 waits for its rollout; iteration i > 0 trains on rollouts of version i - 1, which
+    # streamed while iteration i - 1 trained.
+    assert [int(row["policy_version"]) for row in rows] == [0, 0, 1]
+    assert [int(row["pushed_version"]) for row in rows] == [1, 2, 3]
+    deviations = [float(row["ratio_max_dev"]) for row in rows]
+    assert deviations[0] <= TOLERANCE < deviations[1]  # the ratio sees the stale policy
+    # The KL to the base model: none before the first step (the LoRA starts at zero), then some.
+    kls = [float(row["kl"]) for row in rows]
+    assert kls[0] == 0 and kls[1] > 0 and kls[2] > 0
+
+
+def test_steps_scored_while_streaming_train_as_after_the_stream(fresh_client, tmp_path, cache_dir):
+    """The same run with log-probs computed as steps arrive ends with the same adapter (here with a
+    Flow-GRPO-Fast window of 2 stochastic steps and micro-batches smaller than a step's rows)."""
+    flags = ("--window", "2", "--micro-batch", "4")
+    streamed = run_trainer(fresh_client.address, tmp_path / "streamed", *flags, "--score-while-streaming")
+    other = start_server(cache_dir, tmp_path / "other.log")
+    try:
+        plain = run_trainer(other.address, tmp_path / "plain", *flags)
+    finally:
+        other.stop()
+    for a, b in zip(streamed, plain, strict=True):
+        assert float(a["reward_mean"]) == pytest.approx(float(b["reward_mean"]), abs=1e-6)
+        assert a["scored_steps"] in ("0 1", "1 2")  # a window of 2 consecutive steps out of 3
+    adapters = [
+        load_file(tmp_path / run / "lora" / "adapter_model.safetensors") for run in ("streamed", "plain")
+    ]
+    assert adapters[0].keys() == adapters[1].keys()
+    for name, tensor in adapters[0].items():
+        torch.testing.assert_close(tensor, adapters[1][name], atol=1e-6, rtol=0)
+    assert any(tensor.abs().max() > 0 for name, tensor in adapters[0].items() if "lora_B" in name)
