@@ -41,13 +41,14 @@ bench: $(STAMP) $(STUBS)
 	$(PY) bench/prompt_cache.py
 	$(PY) bench/concurrency.py
 	$(PY) bench/train_modes.py
+	$(PY) bench/replicas.py
 
 # torch goes first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==26.3 setuptools==80.9.0
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,train]'
+	$(PY) -m pip install --quiet -e '.[dev,train,ray]'
 	touch $(STAMP)
 
 clean:

@@ -1,4 +1,5 @@
-"""``rollout-server serve``: start the gRPC server on a model preset or a local diffusers folder."""
+"""``rollout-server serve``: start the gRPC server on a model preset or a local diffusers folder.
+``rollout-server ray``: start replicas of it as Ray actors and print their addresses."""
 
 import argparse
 import asyncio
@@ -105,12 +106,53 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=30.0,
         help="seconds an UpdateWeights stream may send nothing before it is dropped",
     )
+    r = commands.add_parser(
+        "ray",
+        help="start replicas as Ray actors, print their addresses, keep them up until interrupted",
+        description="Start N replicas of `rollout-server serve` as Ray actors (restarted by Ray when they "
+        "die), print one address per line, and keep them up until SIGINT or SIGTERM. Arguments after "
+        "`--` go to every `rollout-server serve`.",
+    )
+    r.add_argument("--replicas", type=int, required=True)
+    r.add_argument("--model", default="tiny-flux", help="preset name or a diffusers folder on every node")
+    r.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks per replica")
+    r.add_argument("--device", default="cpu", help="cpu, or cuda (each replica then gets --sp GPUs)")
+    r.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
+    r.add_argument("--base-port", type=int, default=50100, help="replica k listens on base-port + k")
+    r.add_argument("--cpus-per-replica", type=float, default=1.0)
+    r.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then arguments for rollout-server serve")
     return parser.parse_args(argv)
+
+
+def run_ray(args: argparse.Namespace) -> None:
+    try:
+        import ray
+
+        from rollout_server.ray import launch, wait_forever
+    except ImportError:
+        sys.exit("rollout-server ray: Ray is not installed (pip install 'rollout-server[ray]')")
+    if args.replicas < 1 or args.sp < 1:
+        sys.exit("rollout-server ray: --replicas and --sp must be at least 1")
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    ray.init(address=args.address)
+    replicas = launch(
+        args.replicas,
+        args.model,
+        sp=args.sp,
+        device=args.device,
+        serve_args=serve_args,
+        base_port=args.base_port,
+        cpus_per_replica=args.cpus_per_replica,
+    )
+    print("\n".join(replicas.addresses), flush=True)
+    wait_forever(replicas)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "ray":
+        return run_ray(args)
     diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components" while the model loads
     if args.threads:
         import torch

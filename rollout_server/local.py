@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,13 +23,19 @@ class LocalServer:
 
     @classmethod
     def start(
-        cls, log_path: Path, *args: str, launcher: tuple[str, ...] = (), timeout: float = 120.0
+        cls,
+        log_path: Path,
+        *args: str,
+        launcher: tuple[str, ...] = (),
+        timeout: float = 120.0,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> "LocalServer":
         """Start ``rollout-server serve --port 0 ARGS`` (under ``python LAUNCHER``, e.g. torchrun's
-        ``-m torch.distributed.run --nproc-per-node 2``) and return once it accepts connections."""
+        ``-m torch.distributed.run --nproc-per-node 2``) and return once it accepts connections.
+        ``preexec_fn`` runs in the child before the server starts."""
         command = [sys.executable, *launcher, "-m", "rollout_server", "serve", "--port", "0", *args]
         with log_path.open("w") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             match = next(filter(None, map(SERVING_LINE.search, log_path.read_text().splitlines())), None)

@@ -10,6 +10,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2
 from helpers import SERVICE, TO_Q, grpcurl, grpcurl_exit, health_status, start_server
 
-from rollout_client import TLS, RolloutClient
+from rollout_client import TLS, RolloutClient, RolloutPool
 from rollout_client import cli as client_cli
 from rollout_server import cli
 from rollout_server.auth import TokenPolicy, exposure_warning, load_token
@@ -221,6 +222,29 @@ def test_tokens_through_the_python_client(secured_server, pki, tiny_transformer)
         assert admin.update_weights(subset, version, kind="subset").policy_version == version
         started = next(iter(admin.stream(**REQUEST)))
         assert started.message.policy_version == version
+
+
+def test_a_pool_carries_tls_and_tokens_to_its_replicas(secured_server, pki, tiny_transformer):
+    """The pool's credentials reach every call, its health checks included; refused ones fail at
+    once instead of being retried."""
+    for token in (None, "not-the-token"):
+        with pytest.raises(grpc.RpcError) as refused:
+            RolloutPool([secured_server.address], timeout=120, tls=mtls(pki), token=token)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    two_prompts = {**REQUEST, "prompts": ["a red fox", "a kite"]}
+    subset = {TO_Q: tiny_transformer.state_dict()[TO_Q].clone()}
+    with RolloutPool([secured_server.address], timeout=120, tls=mtls(pki), token=ROLLOUT_TOKEN) as trainer:
+        assert [t.prompt_index for t in trainer.rollout(**two_prompts)] == [0, 1]
+        version = trainer.version + 1
+        assert rpc_code(lambda: trainer.update_weights(subset, version, kind="subset")) == (
+            grpc.StatusCode.PERMISSION_DENIED
+        )
+        assert trainer.retries == 0 and trainer.version == version - 1
+    with RolloutPool([secured_server.address], timeout=120, tls=mtls(pki), token=ADMIN_TOKEN) as admin:
+        assert admin.update_weights(subset, version, kind="subset").policy_version == version
+        time.sleep(1.5)  # a health round of the watcher, over mutual TLS
+        assert admin.replicas[0].healthy
+        assert {t.policy_version for t in admin.rollout(**two_prompts)} == {version}
 
 
 def test_tokens_through_grpcurl(secured_server, pki):

@@ -7,6 +7,7 @@ Imports torch, safetensors and grpc, never diffusers: a trainer can use it with 
 from rollout_client.client import RolloutClient
 from rollout_client.credentials import TLS, read_token
 from rollout_client.events import Finished, Image, Started, Step
+from rollout_client.pool import RolloutPool
 from rollout_client.replay import replay_log_probs
 from rollout_client.trajectory import Collector, Trajectory, collect
 
@@ -15,6 +16,7 @@ __all__ = [
     "Finished",
     "Image",
     "RolloutClient",
+    "RolloutPool",
     "Started",
     "Step",
     "TLS",

@@ -1,7 +1,7 @@
 """``RolloutClient``: call a rollout server, get typed events or whole trajectories, push weights."""
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -73,15 +73,21 @@ class RolloutClient:
 
     ``tls``: connect over TLS (``TLS(ca=..., cert=..., key=...)``; None: plaintext). ``token``: sent
     as ``authorization: Bearer <token>`` on every call, for a server started with token files.
+    ``channel_options``: more gRPC channel arguments.
     """
 
     def __init__(
-        self, address: str, timeout: float | None = None, tls: TLS | None = None, token: str | None = None
+        self,
+        address: str,
+        timeout: float | None = None,
+        tls: TLS | None = None,
+        token: str | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
     ):
         self.address = address
         self.timeout = timeout
         self.metadata = bearer_metadata(token)
-        options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+        options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES), *channel_options]
         if tls is None:
             self.channel = grpc.insecure_channel(address, options=options)
         else:

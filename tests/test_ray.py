@@ -1,0 +1,85 @@
+"""Replicas as Ray actors on a real local Ray cluster: they serve a pool rollout; a killed actor (or a
+dead server inside one) is restarted by Ray, its old server does not outlive it, and the pool
+re-admits it."""
+
+import os
+import socket
+import time
+
+import pytest
+import ray
+from helpers import make_request
+
+from rollout_client import RolloutPool
+
+REQUEST = make_request(
+    {"prompts": ["a red fox", "a kite"], "samples_per_prompt": 2, "base_seed": 3},
+    {"num_steps": 3, "height": 64, "width": 64},
+)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_until(condition, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def ray_cluster(cache_dir, tiny_flux_folder):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_replica_actors_serve_a_pool_and_come_back_after_a_kill(ray_cluster, cache_dir):
+    from rollout_server.ray import launch
+
+    replicas = launch(
+        2,
+        "tiny-flux",
+        serve_args=["--threads", "1", "--cache-dir", str(cache_dir)],
+        ports=[free_port(), free_port()],
+    )
+    try:
+        with RolloutPool(replicas.addresses, timeout=60, health_interval=0.2) as pool:
+            assert len(pool.rollout(REQUEST)) == 4
+            assert all(replica.healthy for replica in pool.replicas)
+
+            # The actor is killed: Ray restarts it, its server comes back on the same address.
+            first = ray.get(replicas.actors[0].pid.remote())
+            ray.kill(replicas.actors[0], no_restart=False)
+            wait_until(lambda: not pool.replicas[0].healthy)
+            wait_until(lambda: not alive(first))  # the server died with its actor
+            wait_until(lambda: pool.replicas[0].healthy)
+            assert ray.get(replicas.actors[0].address.remote()) == replicas.addresses[0]
+            second = ray.get(replicas.actors[0].pid.remote())
+            assert second != first
+
+            # The server inside an actor dies: the actor exits with it, and Ray restarts both.
+            os.kill(second, 9)
+            wait_until(lambda: not pool.replicas[0].healthy)
+            wait_until(lambda: pool.replicas[0].healthy)
+            assert ray.get(replicas.actors[0].pid.remote()) not in (first, second)
+
+            trajectories = pool.rollout(REQUEST)
+            assert [t.prompt_index for t in trajectories] == [0, 0, 1, 1]
+            assert pool.retries == 0  # nothing was routed to the replica while it was down
+    finally:
+        replicas.shutdown()
