@@ -3,7 +3,10 @@ dead server inside one) is restarted by Ray, its old server does not outlive it,
 re-admits it."""
 
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -83,3 +86,33 @@ def test_replica_actors_serve_a_pool_and_come_back_after_a_kill(ray_cluster, cac
             assert pool.retries == 0  # nothing was routed to the replica while it was down
     finally:
         replicas.shutdown()
+
+
+def test_rollout_server_ray_prints_addresses_serves_and_stops(tmp_path, cache_dir, tiny_flux_folder):
+    """`rollout-server ray` on a local Ray: one address per replica on stdout, a pool over them
+    serves, SIGTERM takes the replicas down."""
+    base = next(port for port in iter(free_port, None) if not listening("127.0.0.1", port + 1))
+    command = [
+        sys.executable,
+        *("-m", "rollout_server", "ray", "--replicas", "2", "--base-port", str(base)),
+        *("--", "--threads", "1", "--cache-dir", str(cache_dir)),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        addresses = [process.stdout.readline().strip() for _ in range(2)]
+        assert [address.rsplit(":", 1)[1] for address in addresses] == [str(base), str(base + 1)]
+        with RolloutPool(addresses, timeout=60) as pool:
+            assert len(pool.rollout(REQUEST)) == 4
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        for address in addresses:
+            host, port = address.rsplit(":", 1)
+            wait_until(lambda h=host, p=int(port): not listening(h, p))
+    finally:
+        process.kill()
+        process.wait()
+
+
+def listening(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex((host, port)) == 0
