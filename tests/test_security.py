@@ -240,6 +240,7 @@ def test_a_pool_carries_tls_and_tokens_to_its_replicas(secured_server, pki, tiny
             grpc.StatusCode.PERMISSION_DENIED
         )
         assert trainer.retries == 0 and trainer.version == version - 1
+        assert trainer.replicas[0].healthy  # a refused update is not a failed replica
     with RolloutPool([secured_server.address], timeout=120, tls=mtls(pki), token=ADMIN_TOKEN) as admin:
         assert admin.update_weights(subset, version, kind="subset").policy_version == version
         time.sleep(1.5)  # a health round of the watcher, over mutual TLS

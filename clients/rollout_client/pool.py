@@ -77,6 +77,7 @@ class Replica:
     healthy: bool = False
     outstanding: int = 0  # samples routed to it and not finished
     failures: int = 0  # prompt groups that failed on it and were re-run elsewhere
+    stuck: str = ""  # why it cannot catch up with the pool's version, if it cannot
 
 
 @dataclasses.dataclass
@@ -332,6 +333,9 @@ class RolloutPool:
             applied = [
                 (r, result) for r, (result, error) in zip(targets, outcomes, strict=True) if error is None
             ]
+            errors = [error for _, error in outcomes if error is not None]
+            if not applied and not any(_replica_failure(error) for error in errors):
+                raise errors[0]  # the update itself was refused (by every replica alike)
             with self._lock:
                 for replica, (_, error) in zip(targets, outcomes, strict=True):
                     if error is None:
@@ -349,7 +353,7 @@ class RolloutPool:
                         self.updates.append(update)
                 self._lock.notify_all()
             if not applied:
-                raise outcomes[0][1]
+                raise errors[0]
             return applied[0][1]
 
     def _catch_up(self, replica: Replica, version: int) -> None:
@@ -385,8 +389,11 @@ class RolloutPool:
                     try:
                         self._catch_up(replica, version)
                     except (grpc.RpcError, RuntimeError) as error:
-                        log.warning("replica %s cannot catch up: %s", replica.address, error)
+                        if replica.stuck != str(error):  # once, not every health round
+                            log.warning("replica %s cannot catch up: %s", replica.address, error)
+                        replica.stuck = str(error)
                         continue
+                    replica.stuck = ""
                     version = _serving_version(replica.client)
                 with self._lock:
                     replica.version = version if version is not None else replica.version
@@ -459,6 +466,10 @@ def _serving_version(client: RolloutClient) -> int | None:
         if error.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             raise
         return None
+
+
+def _replica_failure(error: grpc.RpcError) -> bool:
+    return error.code() in REPLICA_FAILURES or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def _attempt(send, client: RolloutClient):
