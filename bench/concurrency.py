@@ -190,17 +190,19 @@ def forward_bound(preset: str, args) -> dict[int, float]:
     from rollout_core import dtypes
     from rollout_core.transformer_call import call_transformer, stack_envs
     from rollout_server import families
+    from rollout_server.families.base import MediaShape
     from rollout_server.limits import Limits
     from rollout_server.presets import resolve_model
 
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), dtypes.BY_NAME[args.dtype]
     adapter = families.load(resolve_model(preset, args.cache_dir), device, dtype)
-    env = adapter.encode_text("a red fox in the snow", 3.5, args.size, args.size)
+    shape = MediaShape(frames=1, height=args.size, width=args.size)
+    env = adapter.encode_text("a red fox in the snow", 3.5, shape)
     per_row = {}
     with torch.inference_mode():
         for rows in (1, Limits.max_batch_size):
-            x = torch.randn(rows, *adapter.latent_shape(args.size, args.size), device=device)
+            x = torch.randn(rows, *adapter.latent_shape(shape), device=device)
             batch_env = stack_envs([env] * rows, adapter.batched_env_keys)
             timesteps = torch.full((rows,), 500.0)
             seconds = []

@@ -58,13 +58,14 @@ class Limits:
             if not value > 0:
                 raise ValueError(f"{option} must be positive, got {value}")
 
-    def to_proto(self, side_multiple: int) -> rollout_pb2.Limits:
+    def to_proto(self, side_multiple: int, max_frames: int) -> rollout_pb2.Limits:
         return rollout_pb2.Limits(
             max_samples=self.max_samples,
             max_batch_size=self.max_batch_size,
             max_steps=self.max_steps,
             max_side=self.max_side,
             side_multiple=side_multiple,
+            max_frames=max_frames,
             max_prompt_chars=self.max_prompt_chars,
             max_message_bytes=self.max_message_bytes,
             max_queued_requests=self.max_queued_requests,

@@ -6,7 +6,7 @@ encoded on its own, as a batch of one: its conditioning then depends on nothing 
 encoding parameters (never on the other prompts of a request), so a cached entry is bitwise what
 encoding would give. The negative prompt is one more text: one entry, shared by every prompt.
 
-A key is (family, text, guidance scale, height, width): every parameter an adapter's encoding reads.
+A key is (family, text, guidance scale, media shape): every parameter an adapter's encoding reads.
 Entries hold the adapter's tensors on its device; ``max_entries`` bounds them (0 turns caching off).
 """
 
@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_server.families.base import FamilyAdapter
+from rollout_server.families.base import FamilyAdapter, MediaShape
 
 # Real text encoders give a few MB per text (T5-XXL: 512 x 4096 values), held on the model's device.
 DEFAULT_PROMPT_CACHE_ENTRIES = 256
@@ -52,17 +52,17 @@ class PromptCache:
         return len(self._entries)
 
     def encode(
-        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, height: int, width: int
+        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, shape: MediaShape
     ) -> Encoded:
         """The conditioning of ``prompts`` (and of the negative branch, when ``negative_prompt`` is
         given), each distinct text encoded alone or taken from the cache."""
         texts = list(dict.fromkeys([*prompts, *([negative_prompt] if negative_prompt is not None else [])]))
         envs, hits = {}, 0
         for text in texts:
-            key = (self.adapter.family, text, guidance_scale, height, width)
+            key = (self.adapter.family, text, guidance_scale, shape)
             env = self._entries.get(key)
             if env is None:
-                env = self.adapter.encode_text(text, guidance_scale, height, width)
+                env = self.adapter.encode_text(text, guidance_scale, shape)
                 if self.max_entries:
                     self._entries[key] = env
                     while len(self._entries) > self.max_entries:

@@ -23,7 +23,7 @@ import torch
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, steps
 from rollout_core.transformer_call import apply_guidance, call_transformer, stack_envs
-from rollout_server.families.base import FamilyAdapter
+from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import SequenceParallel
 from rollout_server.prompt_cache import Conditioning, PromptCache
@@ -121,17 +121,15 @@ class Runner:
         prompt_indices = [k // group for k in range(len(request.prompts) * group)]
         cfg_scale = getattr(request, adapter.cfg_scale_field)
         cfg = cfg_scale > 1.0
+        shape = MediaShape.of(request)
+        negative_prompt = request.negative_prompt if cfg else None
         encoded = self.prompt_cache.encode(
-            list(request.prompts),
-            request.negative_prompt if cfg else None,
-            request.guidance_scale,
-            request.height,
-            request.width,
+            list(request.prompts), negative_prompt, request.guidance_scale, shape
         )
         conditioning = encoded.conditioning
-        sigmas, timesteps = adapter.schedule(request.num_steps, request.height, request.width)
+        sigmas, timesteps = adapter.schedule(request.num_steps, shape)
         sampler_type = steps.SAMPLERS_BY_ENUM[request.sampler].name
-        latent_shape = adapter.latent_shape(request.height, request.width)
+        latent_shape = adapter.latent_shape(shape)
         self.parallel.check_splittable(adapter.transformer, latent_shape, conditioning.envs)
         plan = SamplerPlan(
             sampler_type=sampler_type,
@@ -231,5 +229,4 @@ class Runner:
     @torch.inference_mode()
     def decode(self, rollout: Rollout) -> list:
         """The rollout's final latents as images."""
-        request = rollout.request
-        return self.adapter.decode(rollout.state.x, request.height, request.width)
+        return self.adapter.decode(rollout.state.x, MediaShape.of(rollout.request))

@@ -89,6 +89,7 @@ def build_service(options: ServerOptions) -> RolloutService:
         side_multiple=adapter.side_multiple,
         cfg_scale_field=adapter.cfg_scale_field,
         limits=limits,
+        max_frames=adapter.max_frames,
     )
     info = rollout_pb2.GetServerInfoResponse(
         model=options.model,
@@ -101,7 +102,7 @@ def build_service(options: ServerOptions) -> RolloutService:
         attention_split=options.parallel.attention_split,
         sampler_types=list(steps.SAMPLERS_BY_ENUM),
         defaults=defaults_proto(serving),
-        limits=limits.to_proto(adapter.side_multiple),
+        limits=limits.to_proto(adapter.side_multiple, adapter.max_frames),
         versions=versions(),
         cfg_scale_field=adapter.cfg_scale_field,
         cfg_rule=adapter.cfg_rule,

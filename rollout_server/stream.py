@@ -100,6 +100,7 @@ def started_event(
             packing=adapter.latent_packing(),
             height=request.height,
             width=request.width,
+            frames=request.num_frames,
         ),
         transformer_call=rollout_pb2.TransformerCall(
             transformer_class=type(adapter.transformer).__name__,

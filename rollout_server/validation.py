@@ -69,6 +69,7 @@ class ServingContext:
     side_multiple: int
     limits: Limits
     cfg_scale_field: str = "true_cfg_scale"
+    max_frames: int = 1  # the family's; image families take 1
 
 
 def defaults_proto(context: ServingContext) -> rollout_pb2.RolloutRequest:
@@ -78,6 +79,7 @@ def defaults_proto(context: ServingContext) -> rollout_pb2.RolloutRequest:
         samples_per_prompt=1,
         height=d.height,
         width=d.width,
+        num_frames=1,
         num_steps=d.num_steps,
         guidance_scale=d.guidance_scale,
         true_cfg_scale=d.true_cfg_scale,
@@ -153,6 +155,10 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
             bad.append((field, f"must be in [1, {limits.max_side}] pixels, got {side}"))
         elif side % context.side_multiple:
             bad.append((field, f"must be a multiple of {context.side_multiple}, got {side}"))
+
+    if not 0 < resolved.num_frames <= context.max_frames:
+        allowed = "1 for this image model" if context.max_frames == 1 else f"in [1, {context.max_frames}]"
+        bad.append(("num_frames", f"must be {allowed}, got {resolved.num_frames}"))
 
     num_steps = resolved.num_steps
     if not 0 < num_steps <= limits.max_steps:

@@ -53,6 +53,8 @@ MALFORMED = [
     ("noise-above-max", {"noise_level": 3.5}, "noise_level"),
     ("cps-noise-above-one", {"sampler": rollout_pb2.SAMPLER_TYPE_CPS, "noise_level": 1.2}, "noise_level"),
     ("min-policy-version-at-uint64-max", {"min_policy_version": 2**64 - 1}, "min_policy_version"),
+    ("frames-of-an-image-model", {"num_frames": 5}, "num_frames"),
+    ("zero-frames", {"num_frames": 0}, "num_frames"),
     ("noise-underflows", {"noise_level": 1e-30}, "noise_level"),
     ("stochastic-step-out-of-range", {"stochastic_steps": [2]}, "stochastic_steps"),
     ("stochastic-steps-decreasing", {"stochastic_steps": [1, 0]}, "stochastic_steps"),

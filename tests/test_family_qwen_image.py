@@ -31,6 +31,7 @@ def test_server_info(family_client):
     assert (defaults.guidance_scale, defaults.true_cfg_scale) == (1.0, 4.0)  # Qwen-Image's
     assert defaults.noise_level == pytest.approx(0.7)
     assert info.limits.side_multiple == 16  # 8x VAE, 2x2 patches
+    assert (info.limits.max_frames, defaults.num_frames) == (1, 1)  # an image family
 
 
 def test_template_prefix_is_dropped_exactly(family_pipeline):

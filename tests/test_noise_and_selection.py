@@ -39,6 +39,7 @@ def test_noise_is_reproducible_from_the_documented_rule(client):
         client, prompts=["a red fox"], samples_per_prompt=2, base_seed=8, debug_tensors=[EPS]
     )
     shape = tuple(started.message.layout.shape)
+    assert started.message.layout.frames == started.message.resolved.num_frames == 1  # an image
     assert torch.equal(started.x0, noise.initial_noise(started.message.seeds, shape))
     for step in steps:
         assert torch.equal(step.debug["eps"], noise.step_noise(started.message.seeds, step.index, shape))

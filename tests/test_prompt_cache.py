@@ -11,9 +11,11 @@ from helpers import Rollout, assert_same_env, assert_same_kwargs, start_server, 
 
 from rollout_client import RolloutClient
 from rollout_server import families
+from rollout_server.families.base import MediaShape
 from rollout_server.prompt_cache import PromptCache
 
 # Texts no other test sends to the shared server, so its cache holds none of them yet.
+SHAPE = MediaShape(frames=1, height=64, width=64)
 NEGATIVE = "grainy, overexposed (prompt cache test)"
 
 
@@ -74,7 +76,7 @@ def test_least_recently_used_texts_leave_a_full_cache(tiny_flux_folder):
     cache = PromptCache(adapter, max_entries=2)
 
     def hits(prompts: list[str]) -> int:
-        return cache.encode(prompts, None, 3.5, 64, 64).hits
+        return cache.encode(prompts, None, 3.5, SHAPE).hits
 
     assert hits(["a", "b"]) == 0
     assert hits(["a"]) == 1  # "a" is now the most recent
@@ -82,7 +84,7 @@ def test_least_recently_used_texts_leave_a_full_cache(tiny_flux_folder):
     assert len(cache) == 2
     assert hits(["a", "c"]) == 2
     assert hits(["b"]) == 0
-    assert cache.encode(["a"], None, 4.0, 64, 64).hits == 0  # another guidance scale: another entry
+    assert cache.encode(["a"], None, 4.0, SHAPE).hits == 0  # another guidance scale: another entry
     off = PromptCache(adapter, max_entries=0)
-    assert off.encode(["a"], None, 3.5, 64, 64).hits == off.encode(["a"], None, 3.5, 64, 64).hits == 0
+    assert off.encode(["a"], None, 3.5, SHAPE).hits == off.encode(["a"], None, 3.5, SHAPE).hits == 0
     assert len(off) == 0

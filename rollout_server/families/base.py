@@ -19,6 +19,20 @@ from PIL import Image
 
 
 @dataclass(frozen=True)
+class MediaShape:
+    """What one sample is: ``frames`` frames of ``height`` x ``width`` pixels (an image is one frame)."""
+
+    frames: int
+    height: int
+    width: int
+
+    @classmethod
+    def of(cls, request) -> "MediaShape":
+        """The shape a resolved RolloutRequest asks for."""
+        return cls(request.num_frames, request.height, request.width)
+
+
+@dataclass(frozen=True)
 class FamilyDefaults:
     """Request defaults that follow the family's usual settings."""
 
@@ -42,6 +56,8 @@ class FamilyAdapter(ABC):
     # > 1) and the rule of rollout_core.transformer_call that combines the branches.
     cfg_scale_field: ClassVar[str] = "true_cfg_scale"
     cfg_rule: ClassVar[str] = "true_cfg"
+    # Frames per sample: image families take 1 (the default of every request).
+    max_frames: ClassVar[int] = 1
     # The env entries concatenated along dim 0 to batch samples (the others are shared).
     batched_env_keys: ClassVar[tuple[str, ...]]
 
@@ -67,12 +83,12 @@ class FamilyAdapter(ABC):
         """The family's usual request settings."""
 
     @abstractmethod
-    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def schedule(self, num_steps: int, shape: MediaShape) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigmas, timesteps), each T + 1 float32 values on the CPU with the terminal 0 included,
         exactly as the family's own diffusers scheduler sets them up."""
 
     @abstractmethod
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+    def latent_shape(self, shape: MediaShape) -> tuple[int, ...]:
         """One sample's latent shape as the transformer consumes it."""
 
     @abstractmethod
@@ -80,13 +96,13 @@ class FamilyAdapter(ABC):
         """A readable description of how latents are packed."""
 
     @abstractmethod
-    def encode_text(self, text: str, guidance_scale: float, height: int, width: int) -> dict[str, Any]:
+    def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict[str, Any]:
         """The frozen env of one text (a prompt, or the negative prompt: both take the same path),
         encoded as a batch of one: every ``forward()`` keyword argument besides ``hidden_states`` and
         ``timestep``, those named in ``batched_env_keys`` with a leading batch dimension of 1."""
 
     @abstractmethod
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
+    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[Image.Image]:
         """Decode final latents [B, ...] into images."""
 
 
@@ -98,17 +114,17 @@ class PackedLatentAdapter(FamilyAdapter):
     def side_multiple(self) -> int:
         return self.pipe.vae_scale_factor * 2
 
-    def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        return height // self.side_multiple, width // self.side_multiple
+    def _latent_grid(self, shape: MediaShape) -> tuple[int, int]:
+        return shape.height // self.side_multiple, shape.width // self.side_multiple
 
-    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, cols = self._latent_grid(height, width)
+    def schedule(self, num_steps: int, shape: MediaShape) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols = self._latent_grid(shape)
         mu = resolution_shift(self.pipe.scheduler.config, rows * cols)
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
         return set_up_schedule(self.pipe.scheduler, num_steps, sigmas=sigmas, mu=mu)
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        rows, cols = self._latent_grid(height, width)
+    def latent_shape(self, shape: MediaShape) -> tuple[int, ...]:
+        rows, cols = self._latent_grid(shape)
         return (rows * cols, self.pipe.transformer.config.in_channels)
 
 

@@ -10,10 +10,7 @@ import torch
 from diffusers import FluxPipeline
 from PIL import Image
 
-from rollout_server.families.base import (
-    FamilyDefaults,
-    PackedLatentAdapter,
-)
+from rollout_server.families.base import FamilyDefaults, MediaShape, PackedLatentAdapter
 
 MAX_SEQUENCE_LENGTH = 512
 
@@ -36,8 +33,8 @@ class FluxAdapter(PackedLatentAdapter):
         return "flux 2x2 patches: [(H/16) * (W/16), 4 * vae_latent_channels], row-major over the grid"
 
     @torch.no_grad()
-    def encode_text(self, text: str, guidance_scale: float, height: int, width: int) -> dict:
-        rows, cols = self._latent_grid(height, width)
+    def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
+        rows, cols = self._latent_grid(shape)
         embeds, pooled, txt_ids = self.pipe.encode_prompt(
             prompt=[text], prompt_2=None, device=self.device, max_sequence_length=MAX_SEQUENCE_LENGTH
         )
@@ -55,9 +52,11 @@ class FluxAdapter(PackedLatentAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
+    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[Image.Image]:
         vae = self.pipe.vae
-        spatial = self.pipe._unpack_latents(latents.to(vae.dtype), height, width, self.pipe.vae_scale_factor)
+        spatial = self.pipe._unpack_latents(
+            latents.to(vae.dtype), shape.height, shape.width, self.pipe.vae_scale_factor
+        )
         spatial = spatial / vae.config.scaling_factor + vae.config.shift_factor
         images = vae.decode(spatial, return_dict=False)[0]
         return self.pipe.image_processor.postprocess(images, output_type="pil")

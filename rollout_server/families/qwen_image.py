@@ -14,6 +14,7 @@ from PIL import Image
 
 from rollout_server.families.base import (
     FamilyDefaults,
+    MediaShape,
     PackedLatentAdapter,
 )
 
@@ -40,7 +41,7 @@ class QwenImageAdapter(PackedLatentAdapter):
         return "qwen-image 2x2 patches: [(H/16) * (W/16), 4 * vae_z_dim], row-major over the grid"
 
     @torch.no_grad()
-    def encode_text(self, text: str, guidance_scale: float, height: int, width: int) -> dict:
+    def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
         # One text per encode_prompt call: a batch would pad every prompt to the longest.
         embeds, mask = self.pipe.encode_prompt(
             prompt=text, device=self.device, max_sequence_length=MAX_SEQUENCE_LENGTH
@@ -48,7 +49,7 @@ class QwenImageAdapter(PackedLatentAdapter):
         guidance = None
         if self.pipe.transformer.config.guidance_embeds:
             guidance = torch.full([1], guidance_scale, device=self.device, dtype=torch.float32)
-        rows, cols = self._latent_grid(height, width)
+        rows, cols = self._latent_grid(shape)
         return {
             "encoder_hidden_states": embeds,
             "encoder_hidden_states_mask": mask,
@@ -59,9 +60,10 @@ class QwenImageAdapter(PackedLatentAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
+    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[Image.Image]:
         vae = self.pipe.vae
-        latents = self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor).to(vae.dtype)
+        latents = self.pipe._unpack_latents(latents, shape.height, shape.width, self.pipe.vae_scale_factor)
+        latents = latents.to(vae.dtype)
         stats_shape = (1, vae.config.z_dim, 1, 1, 1)
         latents_mean = (
             torch.tensor(vae.config.latents_mean).view(stats_shape).to(latents.device, latents.dtype)

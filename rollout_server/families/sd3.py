@@ -15,6 +15,7 @@ from PIL import Image
 from rollout_server.families.base import (
     FamilyAdapter,
     FamilyDefaults,
+    MediaShape,
     resolution_shift,
     set_up_schedule,
 )
@@ -44,26 +45,26 @@ class SD3Adapter(FamilyAdapter):
             height=side, width=side, num_steps=40, guidance_scale=4.5, true_cfg_scale=1.0, noise_level=0.7
         )
 
-    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def schedule(self, num_steps: int, shape: MediaShape) -> tuple[torch.Tensor, torch.Tensor]:
         # As StableDiffusion3Pipeline.__call__: the scheduler's own static shift, or with dynamic shifting
         # a shift that follows the image token count.
         kwargs = {}
         if self.pipe.scheduler.config.get("use_dynamic_shifting", None):
             patch_size = self.pipe.transformer.config.patch_size
-            _, rows, cols = self.latent_shape(height, width)
+            _, rows, cols = self.latent_shape(shape)
             tokens = (rows // patch_size) * (cols // patch_size)
             kwargs["mu"] = resolution_shift(self.pipe.scheduler.config, tokens, max_shift_default=1.16)
         return set_up_schedule(self.pipe.scheduler, num_steps, **kwargs)
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+    def latent_shape(self, shape: MediaShape) -> tuple[int, ...]:
         scale = self.pipe.vae_scale_factor
-        return (self.pipe.transformer.config.in_channels, height // scale, width // scale)
+        return (self.pipe.transformer.config.in_channels, shape.height // scale, shape.width // scale)
 
     def latent_packing(self) -> str:
         return "unpacked: [vae_latent_channels, H/8, W/8] (the transformer patchifies 2x2 itself)"
 
     @torch.no_grad()
-    def encode_text(self, text: str, guidance_scale: float, height: int, width: int) -> dict:
+    def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
         # guidance_scale is SD3's CFG scale, applied when the branches are combined. The negative prompt
         # takes this path too: without clip_skip it is the pipeline's negative-branch computation.
         embeds, _, pooled, _ = self.pipe.encode_prompt(
@@ -82,7 +83,7 @@ class SD3Adapter(FamilyAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
+    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[Image.Image]:
         vae = self.pipe.vae
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         images = vae.decode(latents, return_dict=False)[0]
