@@ -12,7 +12,7 @@ def mean_and_sd(kind: str, x: np.ndarray, v: np.ndarray, sigmas: np.ndarray, i: 
     dt = s1 - s
     if kind in ("FLOW_SDE", "DANCE"):
         if kind == "FLOW_SDE":
-            s_hat = float(sigmas[1]) if s == 1.0 else s
+            s_hat = float(sigmas[1]) if i == 0 else s  # FlowGRPO: s == 1; Wan starts at 1 - 1e-6
             std_t = a * math.sqrt(s / (1 - s_hat))
         else:
             std_t = a

@@ -61,6 +61,14 @@ def test_flow_sde_first_step_uses_second_sigma():
     expected = 0.7 * math.sqrt(1.0 / (1 - sigmas[1].item())) * math.sqrt(1.0 - sigmas[1].item())
     assert steps.noise_std("FLOW_SDE", sigmas, 0, 0.7).item() == pytest.approx(expected, rel=1e-6)
 
+    # Wan's UniPC flow sigmas start just below 1: the first step takes the second sigma all the same,
+    # where s / (1 - s) would give a noise std in the hundreds.
+    wan = torch.tensor([1 - 1e-6, 0.9001, 0.7504, 0.5010, 0.0], dtype=torch.float32)
+    s0, s1 = wan[0].item(), wan[1].item()
+    expected = 0.7 * math.sqrt(s0 / (1 - s1)) * math.sqrt(s0 - s1)
+    assert steps.noise_std("FLOW_SDE", wan, 0, 0.7).item() == pytest.approx(expected, rel=1e-5)
+    assert steps.noise_std("FLOW_SDE", wan, 0, 0.7).item() < 1
+
 
 def test_cps_into_zero_sigma_is_deterministic():
     sigmas = flux_like_sigmas(4)

@@ -5,7 +5,7 @@ v = velocity after guidance, x = x_i, a = noise level. All math is float32 whate
 
 * FLOW_SDE (FlowGRPO)::
 
-      std_t = a * sqrt(s / (1 - s_hat)),   s_hat = s_1 if s == 1 else s
+      std_t = a * sqrt(s / (1 - s_hat)),   s_hat = s_1 at the first step (i = 0), else s
       mean  = x * (1 + std_t^2 / (2 s) * dt) + v * (1 + std_t^2 * (1 - s) / (2 s)) * dt
       sd    = std_t * sqrt(-dt)
 
@@ -44,7 +44,9 @@ def _scalar(value: float) -> torch.Tensor:
 
 def _flow_sde_std_t(sigmas: torch.Tensor, i: int, noise_level: float) -> torch.Tensor:
     s = sigmas[i]
-    s_hat = sigmas[1] if s.item() == 1.0 else s
+    # FlowGRPO takes s_1 where s == 1 (the first step) to stay finite. Wan's UniPC schedule starts just
+    # below 1 (1 - 1e-6), where s / (1 - s) is as singular: the first step takes s_1 whatever s_0 is.
+    s_hat = sigmas[1] if i == 0 else s
     return _scalar(noise_level) * torch.sqrt(s / (1 - s_hat))
 
 
