@@ -1,6 +1,6 @@
 """Streaming overhead: the same rollout (a) in-process through the runner and sampler, nothing
 encoded, and (b) through a real server, streaming every latent and the env to a client that decodes
-every tensor.
+every tensor. Both sides cache prompt encodings, as the server does by default.
 
 Prints a Markdown table with the median seconds of each, the ratio b/a and the streamed tensor
 throughput. Runs (a) and (b) alternately so machine noise hits both alike.
@@ -28,6 +28,7 @@ from rollout_server.local import LocalServer
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import SequenceParallel
 from rollout_server.presets import defaults_for, resolve_model
+from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
 from rollout_server.runner import Runner
 from rollout_server.sampler import advance
 from rollout_server.validation import ServingContext, resolve
@@ -36,9 +37,12 @@ from rollout_server.validation import ServingContext, resolve
 def in_process_runner(preset: str, cache_dir: Path) -> tuple[Runner, ServingContext]:
     """The model loaded on this thread, where (a) runs it (as the server's worker does for (b))."""
     adapter = families.load(resolve_model(preset, cache_dir), torch.device("cpu"), torch.float32)
-    runner = Runner(adapter, SequenceParallel(), Limits.max_batch_size, 0, ServerMetrics())
+    # The server's prompt cache as well: both sides encode the prompts once, in the warm-up.
+    runner = Runner(
+        adapter, SequenceParallel(), Limits.max_batch_size, DEFAULT_PROMPT_CACHE_ENTRIES, ServerMetrics()
+    )
     defaults = defaults_for(preset, adapter.defaults())
-    return runner, ServingContext(defaults, adapter.side_multiple, Limits(), adapter.cfg_scale_field)
+    return runner, ServingContext.of(adapter, defaults, Limits())
 
 
 def in_process_seconds(runner: Runner, request: rollout_pb2.RolloutRequest) -> float:
@@ -67,6 +71,7 @@ CASES = [
     ("tiny-sd3", "tiny-sd3", {}),
     ("tiny-qwen-image", "tiny-qwen-image", {}),
     ("small-flux", "small-flux", {}),
+    ("tiny-wan, 9 frames", "tiny-wan", {"num_frames": 9}),
     (
         "tiny-flux, 1024px + debug tensors",
         "tiny-flux",

@@ -51,6 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="samples of the rollouts stepping together (a larger rollout runs alone)",
     )
     s.add_argument(
+        "--max-latent-elements",
+        type=int,
+        default=Limits.max_latent_elements,
+        help="elements of one sample's latent, whatever its frames and size",
+    )
+    s.add_argument(
         "--max-waiting",
         type=int,
         default=Limits.max_waiting_requests,
@@ -164,6 +170,7 @@ def main(argv=None) -> None:
         max_message_bytes=args.max_message_bytes,
         max_queued_requests=args.max_queued,
         max_running_samples=args.max_running_samples,
+        max_latent_elements=args.max_latent_elements,
         max_waiting_requests=args.max_waiting,
         stall_seconds=args.stall_seconds,
     )

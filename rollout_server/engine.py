@@ -245,8 +245,9 @@ class Engine:
         if job is not None:
             denoised_at = time.perf_counter()
             if rollout.request.images:
-                for k, image in enumerate(self.runner.decode(rollout)):
-                    rollout.stream.on_image(k, image)
+                for k, frames in enumerate(self.runner.decode(rollout)):
+                    for f, frame in enumerate(frames):
+                        rollout.stream.on_image(k, f, frame)
             times, finished_at = rollout.times, time.perf_counter()
             rollout.stream.on_finish(
                 rollout_pb2.RolloutFinished(

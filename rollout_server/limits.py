@@ -30,6 +30,9 @@ class Limits:
     max_running_samples: int = 64
     max_waiting_requests: int = 64
     max_request_id_chars: int = 128
+    # One sample's latent: 8M elements (32 MiB in float32) fits 81 frames of 1280 x 720 in Wan's
+    # 16-channel latent, and any image at max_side.
+    max_latent_elements: int = 8 * 1024 * 1024
     stall_seconds: float = 60.0
 
     @property
@@ -52,13 +55,14 @@ class Limits:
             ("--max-batch-size", self.max_batch_size),
             ("--max-queued", self.max_queued_requests),
             ("--max-running-samples", self.max_running_samples),
+            ("--max-latent-elements", self.max_latent_elements),
             ("--max-waiting", self.max_waiting_requests),
             ("--stall-seconds", self.stall_seconds),
         ):
             if not value > 0:
                 raise ValueError(f"{option} must be positive, got {value}")
 
-    def to_proto(self, side_multiple: int, max_frames: int) -> rollout_pb2.Limits:
+    def to_proto(self, side_multiple: int, max_frames: int, frame_step: int) -> rollout_pb2.Limits:
         return rollout_pb2.Limits(
             max_samples=self.max_samples,
             max_batch_size=self.max_batch_size,
@@ -66,6 +70,8 @@ class Limits:
             max_side=self.max_side,
             side_multiple=side_multiple,
             max_frames=max_frames,
+            frame_step=frame_step,
+            max_latent_elements=self.max_latent_elements,
             max_prompt_chars=self.max_prompt_chars,
             max_message_bytes=self.max_message_bytes,
             max_queued_requests=self.max_queued_requests,

@@ -228,5 +228,5 @@ class Runner:
 
     @torch.inference_mode()
     def decode(self, rollout: Rollout) -> list:
-        """The rollout's final latents as images."""
+        """The rollout's final latents as each sample's frames."""
         return self.adapter.decode(rollout.state.x, MediaShape.of(rollout.request))

@@ -84,13 +84,7 @@ def build_service(options: ServerOptions) -> RolloutService:
     """Load the model and assemble the servicer (no network yet)."""
     engine = build_engine(options)
     adapter, limits = engine.adapter, options.limits
-    serving = ServingContext(
-        defaults=presets.defaults_for(options.model, adapter.defaults()),
-        side_multiple=adapter.side_multiple,
-        cfg_scale_field=adapter.cfg_scale_field,
-        limits=limits,
-        max_frames=adapter.max_frames,
-    )
+    serving = ServingContext.of(adapter, presets.defaults_for(options.model, adapter.defaults()), limits)
     info = rollout_pb2.GetServerInfoResponse(
         model=options.model,
         model_path=str(adapter.folder),
@@ -102,7 +96,7 @@ def build_service(options: ServerOptions) -> RolloutService:
         attention_split=options.parallel.attention_split,
         sampler_types=list(steps.SAMPLERS_BY_ENUM),
         defaults=defaults_proto(serving),
-        limits=limits.to_proto(adapter.side_multiple, adapter.max_frames),
+        limits=limits.to_proto(adapter.side_multiple, adapter.max_frames, adapter.frame_step),
         versions=versions(),
         cfg_scale_field=adapter.cfg_scale_field,
         cfg_rule=adapter.cfg_rule,

@@ -203,10 +203,11 @@ class StreamEncoder:
         response = rollout_pb2.RolloutResponse(step=step)
         self._send_tensors(response, response.step.tensors, tensors)
 
-    def on_image(self, sample_index: int, image) -> None:
-        response = rollout_pb2.RolloutResponse(
-            image=rollout_pb2.RolloutImage(sample_index=sample_index, width=image.width, height=image.height)
+    def on_image(self, sample_index: int, frame_index: int, image) -> None:
+        image_event = rollout_pb2.RolloutImage(
+            sample_index=sample_index, frame_index=frame_index, width=image.width, height=image.height
         )
+        response = rollout_pb2.RolloutResponse(image=image_event)
         self._send(response, response.image, "png", png_bytes(image))
 
     def on_finish(self, finished: rollout_pb2.RolloutFinished) -> None:

@@ -7,11 +7,12 @@ violation, so a trainer sees at once everything that is wrong with its request.
 import math
 import secrets
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, noise, steps
-from rollout_server.families.base import FamilyDefaults
+from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape
 from rollout_server.limits import MAX_POLICY_VERSION, Limits
 
 LATENT_SELECTIONS = {
@@ -70,6 +71,22 @@ class ServingContext:
     limits: Limits
     cfg_scale_field: str = "true_cfg_scale"
     max_frames: int = 1  # the family's; image families take 1
+    frame_step: int = 0  # video families: num_frames - 1 is a multiple of it
+    # One sample's latent shape for a media shape (None: not checked against max_latent_elements).
+    latent_shape: Callable[[MediaShape], tuple[int, ...]] | None = None
+
+    @classmethod
+    def of(cls, adapter: FamilyAdapter, defaults: FamilyDefaults, limits: Limits) -> "ServingContext":
+        """The context of a loaded model, with the request ``defaults`` it serves."""
+        return cls(
+            defaults=defaults,
+            side_multiple=adapter.side_multiple,
+            limits=limits,
+            cfg_scale_field=adapter.cfg_scale_field,
+            max_frames=adapter.max_frames,
+            frame_step=adapter.frame_step,
+            latent_shape=adapter.latent_shape,
+        )
 
 
 def defaults_proto(context: ServingContext) -> rollout_pb2.RolloutRequest:
@@ -79,7 +96,7 @@ def defaults_proto(context: ServingContext) -> rollout_pb2.RolloutRequest:
         samples_per_prompt=1,
         height=d.height,
         width=d.width,
-        num_frames=1,
+        num_frames=d.frames,
         num_steps=d.num_steps,
         guidance_scale=d.guidance_scale,
         true_cfg_scale=d.true_cfg_scale,
@@ -156,9 +173,20 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         elif side % context.side_multiple:
             bad.append((field, f"must be a multiple of {context.side_multiple}, got {side}"))
 
-    if not 0 < resolved.num_frames <= context.max_frames:
+    frames, step = resolved.num_frames, context.frame_step
+    if not 0 < frames <= context.max_frames:
         allowed = "1 for this image model" if context.max_frames == 1 else f"in [1, {context.max_frames}]"
-        bad.append(("num_frames", f"must be {allowed}, got {resolved.num_frames}"))
+        bad.append(("num_frames", f"must be {allowed}, got {frames}"))
+    elif step and (frames - 1) % step:
+        bad.append(("num_frames", f"must be {step}k + 1 (1, {step + 1}, {2 * step + 1}, ...), got {frames}"))
+    elif context.latent_shape is not None and not any(
+        field == "height" or field == "width" for field, _ in bad
+    ):
+        elements = math.prod(context.latent_shape(MediaShape.of(resolved)))
+        if elements > limits.max_latent_elements:
+            bad.append(
+                ("num_frames", f"a latent of {elements} elements is above {limits.max_latent_elements}")
+            )
 
     num_steps = resolved.num_steps
     if not 0 < num_steps <= limits.max_steps:

@@ -75,6 +75,7 @@ class Family:
     # dtype (None: the request leaves it unset).
     replay_samplers: tuple[str, ...] = ("FLOW_SDE", "CPS")
     replay_latent_dtypes: tuple[str | None, ...] = (None,)
+    text_width: str = "joint_attention_dim"  # the transformer config entry of the text states' width
 
 
 SHORT_PROMPT = "a fox"
@@ -143,6 +144,22 @@ FAMILIES = {
             }
         ),
         latent_shape=(16, 4 * 16),  # 4 x 4 packed tokens of 4 x 16 channels
+    ),
+    # Wan 2.1: video latents, the raw integer timestep, classic CFG on guidance_scale.
+    "wan": Family(
+        preset="tiny-wan",
+        transformer="WanTransformer3DModel",
+        pipeline="WanPipeline",
+        prompts=("a red fox in the snow", "two cats"),
+        base_seed=41,
+        cfg_on={"guidance_scale": 5.0, "negative_prompt": "blurry"},
+        cfg_off={"guidance_scale": 1.0},
+        timestep_divisor=1.0,
+        cfg_rule=("true_cfg", 5.0),
+        env_keys=frozenset({"encoder_hidden_states", "attention_kwargs", "return_dict"}),
+        latent_shape=(16, 2, 8, 8),  # the preset's 5 frames: 2 latent frames of 8 x 8
+        replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
+        text_width="text_dim",
     ),
 }
 

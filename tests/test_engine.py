@@ -29,7 +29,7 @@ def engine(tiny_flux_folder):
 def resolved(engine: Engine, **fields) -> rollout_pb2.RolloutRequest:
     adapter = engine.adapter
     defaults = defaults_for("tiny-flux", adapter.defaults())
-    serving = ServingContext(defaults, adapter.side_multiple, Limits(), adapter.cfg_scale_field)
+    serving = ServingContext.of(adapter, defaults, Limits())
     return resolve(rollout_pb2.RolloutRequest(images=False, **fields), serving)
 
 

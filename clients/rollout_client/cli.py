@@ -38,6 +38,7 @@ REQUEST_FIELDS = (
     "num_steps",
     "height",
     "width",
+    "num_frames",
     "sampler",
     "noise_level",
     "guidance_scale",
@@ -52,6 +53,8 @@ ENUM_PREFIXES = {"sampler": "SAMPLER_TYPE_", "latents": "LATENT_SELECTION_", "la
 FINISHED_FIELDS = rollout_pb2.RolloutFinished.DESCRIPTOR.fields
 EXIT_RPC_ERROR = 2
 EXIT_USAGE = 1
+# Animated previews of video samples play at 16 frames per second, as Wan exports its videos.
+PREVIEW_FRAME_MS = 1000 // 16
 
 
 def _unsigned(bits: int):
@@ -105,6 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--steps", dest="num_steps", type=_unsigned(32), metavar="T", help="denoising steps")
     r.add_argument("--height", type=_unsigned(32), help="image height in pixels")
     r.add_argument("--width", type=_unsigned(32), help="image width in pixels")
+    r.add_argument(
+        "--frames", dest="num_frames", type=_unsigned(32), help="video frames per sample (4k + 1 for Wan)"
+    )
     r.add_argument("--sampler", choices=("flow-sde", "dance", "cps", "ode"), help="step rule")
     r.add_argument("--noise-level", type=float, help="noise level a of the stochastic steps")
     r.add_argument("--guidance", dest="guidance_scale", type=float, help="embedded (distilled) guidance")
@@ -181,6 +187,8 @@ def summary(started: Started, finished: Finished, trajectories: list[Trajectory]
                 "log_probs": _finite_or_none(t.log_probs),
                 "latents_streamed": t.latent_mask.nonzero().flatten().tolist(),
                 "image": f"sample-{t.sample_index}.png" if t.image_png else None,
+                "frames": len(t.frames_png),
+                "preview": f"sample-{t.sample_index}.gif" if len(t.frames_png) > 1 else None,
                 "trajectory": f"sample-{t.sample_index}.safetensors",
             }
             for t in trajectories
@@ -193,7 +201,8 @@ def summary(started: Started, finished: Finished, trajectories: list[Trajectory]
 
 
 def save_rollout(out: Path, events: list[Event]) -> list[Trajectory]:
-    """Write images, trajectories, the contact sheet and rollout.json into ``out``."""
+    """Write images (a video's first frame), animated previews of videos, trajectories, the contact
+    sheet and rollout.json into ``out``."""
     trajectories = collect(events)
     started = next(e for e in events if isinstance(e, Started))
     finished = next(e for e in events if isinstance(e, Finished))
@@ -204,6 +213,12 @@ def save_rollout(out: Path, events: list[Event]) -> list[Trajectory]:
         if t.image_png:
             (out / f"sample-{t.sample_index}.png").write_bytes(t.image_png)
             images.append(t.image())
+        if len(t.frames_png) > 1:
+            frames = t.frames()
+            preview = out / f"sample-{t.sample_index}.gif"
+            frames[0].save(
+                preview, save_all=True, append_images=frames[1:], duration=PREVIEW_FRAME_MS, loop=0
+            )
     if images:
         sheet = contact_sheet(images, columns=started.message.resolved.samples_per_prompt)
         sheet.save(out / "contact-sheet.png")

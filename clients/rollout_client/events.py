@@ -37,11 +37,12 @@ class Step:
 
 @dataclass
 class Image:
-    """A decoded PNG image of one sample."""
+    """A decoded PNG image of one sample: frame ``frame_index`` of a video sample, or the image."""
 
     request_id: str
     sample_index: int
     png: bytes
+    frame_index: int = 0
 
 
 @dataclass
@@ -108,7 +109,7 @@ def decode_stream(responses: Iterable[rollout_pb2.RolloutResponse]) -> Iterator[
             yield Step(rid, step, step.index, step.stochastic, log_probs, x_next, tensors)
         elif kind == "image":
             png = _read_payload(response.image.png, response.image.following_chunks, responses)
-            yield Image(rid, response.image.sample_index, png)
+            yield Image(rid, response.image.sample_index, png, response.image.frame_index)
         elif kind == "finished":
             yield Finished(rid, response.finished)
         else:

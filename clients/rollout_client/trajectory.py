@@ -3,7 +3,7 @@
 import io
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,8 @@ class Trajectory:
     env: dict[str, dict[str, Any]]  # branch -> kwargs (batched entries with leading dim 1)
     transformer_call: dict[str, Any]  # model_dtype, timestep_divisor, guidance_rule, ...
     policy_version: int
-    image_png: bytes | None = None
+    image_png: bytes | None = None  # the image, or a video's first frame
+    frames_png: list[bytes] = field(default_factory=list)  # every frame (an image: the one)
 
     @property
     def num_steps(self) -> int:
@@ -50,6 +51,10 @@ class Trajectory:
 
     def image(self) -> PILImage.Image | None:
         return PILImage.open(io.BytesIO(self.image_png)) if self.image_png else None
+
+    def frames(self) -> list[PILImage.Image]:
+        """The sample's decoded frames in order (one for an image)."""
+        return [PILImage.open(io.BytesIO(png)) for png in self.frames_png]
 
     def save(self, path: str | Path) -> None:
         """Write tensors, env, the PNG and metadata to one safetensors file."""
@@ -69,8 +74,8 @@ class Trajectory:
                     tensors[f"env/{branch}/{key}"] = value.contiguous().clone()
                 else:
                     values.setdefault(branch, {})[key] = value
-        if self.image_png is not None:
-            tensors["image_png"] = torch.frombuffer(bytearray(self.image_png), dtype=torch.uint8)
+        for j, png in enumerate(self.frames_png):
+            tensors[f"frame_png/{j}"] = torch.frombuffer(bytearray(png), dtype=torch.uint8)
         scalars = {
             k: getattr(self, k)
             for k in (
@@ -111,7 +116,7 @@ class Trajectory:
             log_probs=tensors["log_probs"],
             env=env,
             transformer_call=json.loads(metadata["transformer_call"]),
-            image_png=tensors["image_png"].numpy().tobytes() if "image_png" in tensors else None,
+            **_frames(tensors),
         )
 
 
@@ -131,7 +136,7 @@ class Collector:
         self.mask = torch.zeros(0, dtype=torch.bool)
         self.log_probs = torch.zeros(0)
         self.scored = torch.zeros(0, dtype=torch.bool)
-        self.images: dict[int, bytes] = {}
+        self.images: dict[int, dict[int, bytes]] = {}  # sample -> frame -> PNG
 
     def add(self, event: Event) -> None:
         if isinstance(event, Started):
@@ -149,7 +154,7 @@ class Collector:
                 self.log_probs[:, event.index] = event.log_probs
                 self.scored[event.index] = True
         elif isinstance(event, Image):
-            self.images[event.sample_index] = event.png
+            self.images.setdefault(event.sample_index, {})[event.frame_index] = event.png
         elif isinstance(event, Finished):
             self.finished = event
 
@@ -174,6 +179,16 @@ class Collector:
         if latents is None:
             latents = torch.zeros(len(message.seeds), 0, *message.layout.shape)
         return _trajectories(self.started, latents, self.mask, self.log_probs, self.images)
+
+
+def _frames(stored: dict) -> dict[str, Any]:
+    """``image_png`` and ``frames_png`` from ``frame_png/<j>`` entries (bytes or uint8 tensors)."""
+    count = sum(name.startswith("frame_png/") for name in stored)
+    frames = [stored[f"frame_png/{j}"] for j in range(count)]
+    if not frames and "image_png" in stored:  # a file written before frames were stored
+        frames = [stored["image_png"]]
+    frames = [f if isinstance(f, bytes) else f.numpy().tobytes() for f in frames]
+    return {"image_png": frames[0] if frames else None, "frames_png": frames}
 
 
 def collect(events: Iterable[Event]) -> list[Trajectory]:
@@ -224,7 +239,7 @@ def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Tr
                 env={branch: per_prompt[p] for branch, per_prompt in started.env.items()},
                 transformer_call=transformer_call,
                 policy_version=message.policy_version,
-                image_png=images.get(k),
+                **_frames({f"frame_png/{j}": png for j, png in images.get(k, {}).items()}),
             )
         )
     return trajectories

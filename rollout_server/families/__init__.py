@@ -5,18 +5,16 @@ from pathlib import Path
 
 import torch
 
-from rollout_server.families.base import FamilyAdapter
+from rollout_server.families.base import FamilyAdapter, UnsupportedModel
 from rollout_server.families.flux import FluxAdapter
 from rollout_server.families.qwen_image import QwenImageAdapter
 from rollout_server.families.sd3 import SD3Adapter
+from rollout_server.families.wan import WanAdapter
 
 ADAPTERS: dict[str, type[FamilyAdapter]] = {
-    adapter.pipeline_type.__name__: adapter for adapter in (FluxAdapter, SD3Adapter, QwenImageAdapter)
+    adapter.pipeline_type.__name__: adapter
+    for adapter in (FluxAdapter, SD3Adapter, QwenImageAdapter, WanAdapter)
 }
-
-
-class UnsupportedModel(Exception):
-    """The folder holds a pipeline no adapter supports."""
 
 
 def detect(folder: Path) -> type[FamilyAdapter]:

@@ -18,6 +18,10 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 from PIL import Image
 
 
+class UnsupportedModel(Exception):
+    """The folder holds a pipeline no adapter supports."""
+
+
 @dataclass(frozen=True)
 class MediaShape:
     """What one sample is: ``frames`` frames of ``height`` x ``width`` pixels (an image is one frame)."""
@@ -42,6 +46,7 @@ class FamilyDefaults:
     guidance_scale: float
     true_cfg_scale: float
     noise_level: float
+    frames: int = 1
 
 
 class FamilyAdapter(ABC):
@@ -78,6 +83,11 @@ class FamilyAdapter(ABC):
     def side_multiple(self) -> int:
         """Height and width must be multiples of this many pixels."""
 
+    @property
+    def frame_step(self) -> int:
+        """Video families: ``num_frames - 1`` must be a multiple of it. 0: one frame only."""
+        return 0
+
     @abstractmethod
     def defaults(self) -> FamilyDefaults:
         """The family's usual request settings."""
@@ -102,8 +112,8 @@ class FamilyAdapter(ABC):
         ``timestep``, those named in ``batched_env_keys`` with a leading batch dimension of 1."""
 
     @abstractmethod
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[Image.Image]:
-        """Decode final latents [B, ...] into images."""
+    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
+        """Decode final latents [B, ...] into each sample's frames (an image is one frame)."""
 
 
 class PackedLatentAdapter(FamilyAdapter):

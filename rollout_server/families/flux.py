@@ -52,11 +52,11 @@ class FluxAdapter(PackedLatentAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[Image.Image]:
+    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
         vae = self.pipe.vae
         spatial = self.pipe._unpack_latents(
             latents.to(vae.dtype), shape.height, shape.width, self.pipe.vae_scale_factor
         )
         spatial = spatial / vae.config.scaling_factor + vae.config.shift_factor
         images = vae.decode(spatial, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(images, output_type="pil")
+        return [[image] for image in self.pipe.image_processor.postprocess(images, output_type="pil")]

@@ -60,7 +60,7 @@ class QwenImageAdapter(PackedLatentAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[Image.Image]:
+    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
         vae = self.pipe.vae
         latents = self.pipe._unpack_latents(latents, shape.height, shape.width, self.pipe.vae_scale_factor)
         latents = latents.to(vae.dtype)
@@ -73,4 +73,4 @@ class QwenImageAdapter(PackedLatentAdapter):
         )
         latents = latents / latents_std + latents_mean
         images = vae.decode(latents, return_dict=False)[0][:, :, 0]  # the video VAE's single frame
-        return self.pipe.image_processor.postprocess(images, output_type="pil")
+        return [[image] for image in self.pipe.image_processor.postprocess(images, output_type="pil")]

@@ -83,8 +83,8 @@ class SD3Adapter(FamilyAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[Image.Image]:
+    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
         vae = self.pipe.vae
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         images = vae.decode(latents, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(images, output_type="pil")
+        return [[image] for image in self.pipe.image_processor.postprocess(images, output_type="pil")]

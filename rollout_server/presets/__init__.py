@@ -29,9 +29,10 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "small-flux": ("flux", "build_flux_preset", "small"),
     "tiny-sd3": ("sd3", "build_sd3_preset", "tiny"),
     "tiny-qwen-image": ("qwen_image", "build_qwen_image_preset", "tiny"),
+    "tiny-wan": ("wan", "build_wan_preset", "tiny"),
 }
 
-_BUILDER_SOURCES = ("flux.py", "sd3.py", "qwen_image.py", "tokenizers.py", "components.py")
+_BUILDER_SOURCES = ("flux.py", "sd3.py", "qwen_image.py", "wan.py", "tokenizers.py", "components.py")
 _FINGERPRINTED_PACKAGES = ("diffusers", "transformers", "tokenizers", "sentencepiece", "torch")
 
 
@@ -103,6 +104,7 @@ PRESET_DEFAULTS: dict[str, dict[str, int]] = {
     "small-flux": {"height": 256, "width": 256, "num_steps": 10},
     "tiny-sd3": {"height": 128, "width": 128, "num_steps": 10},
     "tiny-qwen-image": {"height": 128, "width": 128, "num_steps": 10},
+    "tiny-wan": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
 }
 
 

@@ -1,0 +1,115 @@
+"""Seeded, randomly initialised Wan 2.1 text-to-video pipelines for tests and benchmarks.
+
+Every component is the real diffusers/transformers class with Wan's structure:
+- a WanTransformer3DModel with 1x2x2 patches, 3D RoPE, RMS qk-norm and cross-attention to the text;
+- the causal 3D AutoencoderKLWan (8x spatial and 4x temporal downsampling, 16 latent channels with
+  Wan's per-channel latents mean and std);
+- a UMT5 text encoder with a locally trained SentencePiece tokenizer;
+- the UniPC flow-matching scheduler with Wan's flow shift.
+
+Only the widths, depths and vocabulary are shrunk.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+
+from .tokenizers import write_t5_tokenizer
+
+
+@dataclass(frozen=True)
+class WanPresetConfig:
+    num_layers: int
+    num_attention_heads: int  # divisible by 2: Ulysses sequence parallelism splits heads
+    attention_head_dim: int
+    ffn_dim: int
+    vae_base_dim: int
+    vae_num_res_blocks: int
+    umt5_d_model: int
+    umt5_layers: int
+    umt5_heads: int
+    umt5_vocab_size: int
+
+
+WAN_PRESET_CONFIGS = {
+    "tiny": WanPresetConfig(
+        num_layers=1,
+        num_attention_heads=2,
+        attention_head_dim=24,  # 3D RoPE: 8 + 8 dims for height and width, 8 for frames
+        ffn_dim=64,
+        vae_base_dim=8,
+        vae_num_res_blocks=1,
+        umt5_d_model=32,
+        umt5_layers=1,
+        umt5_heads=4,
+        umt5_vocab_size=1000,
+    ),
+}
+# Wan 2.1 text-to-video: UniPC in flow-prediction mode with shifted flow sigmas.
+WAN_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "prediction_type": "flow_prediction",
+    "use_flow_sigmas": True,
+    "flow_shift": 3.0,
+}
+
+
+def build_wan_preset(folder: Path, size: str) -> None:
+    """Builds the `size` ("tiny") preset and saves it as a float32 WanPipeline into `folder`."""
+    cfg = WAN_PRESET_CONFIGS[size]
+    folder = Path(folder)
+    write_t5_tokenizer(folder / "tokenizer", cfg.umt5_vocab_size)
+    tokenizer = T5TokenizerFast.from_pretrained(folder / "tokenizer")
+
+    # A fixed seed per component keeps each one stable when another component's config changes.
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=cfg.vae_base_dim,
+        z_dim=16,  # the default latents_mean / latents_std are Wan's 16 channels
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=cfg.vae_num_res_blocks,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],  # 4x in time, 8x in space
+    )
+
+    torch.manual_seed(1)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=cfg.num_attention_heads,
+        attention_head_dim=cfg.attention_head_dim,
+        in_channels=vae.config.z_dim,
+        out_channels=vae.config.z_dim,
+        text_dim=cfg.umt5_d_model,
+        ffn_dim=cfg.ffn_dim,
+        num_layers=cfg.num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+    )
+
+    torch.manual_seed(2)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=cfg.umt5_d_model,
+            d_kv=cfg.umt5_d_model // cfg.umt5_heads,
+            d_ff=2 * cfg.umt5_d_model,
+            num_layers=cfg.umt5_layers,
+            num_heads=cfg.umt5_heads,
+            feed_forward_proj="gated-gelu",
+            tie_word_embeddings=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
+        transformer=transformer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)

@@ -1,0 +1,158 @@
+"""Wan 2.1 text-to-video on the tiny-wan preset: the server's schedule, transformer call, CFG and
+decoding are WanPipeline's own; frames are validated as 4k + 1 and streamed as one PNG each. Replay
+parity is in test_replay.py with the other families."""
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from helpers import family_request, field_violations
+
+from rollout_server.families import UnsupportedModel, load
+
+pytestmark = pytest.mark.parametrize("family", ["wan"])
+
+
+def test_server_info(family_client):
+    info = family_client.server_info()
+    assert (info.family, info.pipeline_class) == ("wan", "WanPipeline")
+    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
+        "guidance_scale",
+        "true_cfg",
+        "timestep",
+    )
+    defaults = info.defaults
+    assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)
+    assert defaults.guidance_scale == 5.0  # Wan 2.1's
+    limits = info.limits
+    assert (limits.side_multiple, limits.frame_step, limits.max_frames) == (
+        16,
+        4,
+        161,
+    )  # 8x VAE, 1x2x2 patches
+
+
+@pytest.mark.parametrize("frames", [2, 4, 6, 200])
+def test_frames_must_be_4k_plus_1_and_bounded(family_client, frames):
+    with pytest.raises(grpc.RpcError) as refused:
+        family_client.rollout(family_request("wan", "ODE", cfg=False, num_frames=frames))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [violation.field for violation in field_violations(refused.value)] == ["num_frames"]
+
+
+def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline):
+    """Schedule (UniPC's shifted flow sigmas and integer timesteps), env, raw timestep and CFG all as
+    WanPipeline: its own loop, stepping with Euler over the same sigmas, reaches the streamed final
+    latents from the same x_0."""
+    request = family_request("wan", "ODE", cfg=True, samples_per_prompt=1)
+    trajectories = family_client.rollout(request)
+    sigmas, timesteps = trajectories[0].sigmas, trajectories[0].timesteps
+    pipe = family_pipeline
+    unipc = pipe.scheduler
+    unipc.set_timesteps(4)
+    np.testing.assert_array_equal(sigmas.numpy(), unipc.sigmas.numpy())
+    np.testing.assert_array_equal(timesteps[:-1].numpy(), unipc.timesteps.float().numpy())
+    euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000)
+
+    def set_timesteps(num_inference_steps, device=None):
+        # Euler steps over UniPC's sigmas; the transformer gets UniPC's integer timesteps, as served
+        # (Euler's own would be sigma * 1000).
+        FlowMatchEulerDiscreteScheduler.set_timesteps(euler, sigmas=sigmas[:-1].tolist(), device=device)
+        euler.timesteps = timesteps[:-1].clone()
+
+    euler.set_timesteps = set_timesteps
+    pipe.scheduler = euler
+    try:
+        final = pipe(
+            prompt=list(request.prompts),
+            negative_prompt=request.negative_prompt,
+            latents=torch.stack([t.latents[0] for t in trajectories]),
+            height=64,
+            width=64,
+            num_frames=5,
+            num_inference_steps=4,
+            guidance_scale=5.0,
+            output_type="latent",
+        ).frames
+    finally:
+        pipe.scheduler = unipc
+    torch.testing.assert_close(
+        final, torch.stack([t.latents[-1] for t in trajectories]), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_each_sample_streams_its_frames_as_the_pipeline_decodes_them(family_client, family_pipeline):
+    trajectories = family_client.rollout(
+        family_request("wan", "FLOW_SDE", cfg=False, images=True, num_frames=9)
+    )
+    pipe = family_pipeline
+    vae = pipe.vae
+    stats = (1, vae.config.z_dim, 1, 1, 1)
+    latents = torch.stack([t.latents[-1] for t in trajectories])
+    assert latents.shape[2] == 3  # 9 frames: 3 latent frames
+    mean, std = (
+        torch.tensor(vae.config.latents_mean).view(stats),
+        torch.tensor(vae.config.latents_std).view(stats),
+    )
+    with torch.no_grad():
+        video = vae.decode(latents * std + mean, return_dict=False)[0]
+    expected = pipe.video_processor.postprocess_video(video, output_type="np")  # [B, F, H, W, 3] in [0, 1]
+    for k, trajectory in enumerate(trajectories):
+        frames = trajectory.frames()
+        assert len(frames) == 9 and all(frame.size == (64, 64) for frame in frames)
+        assert trajectory.image_png == trajectory.frames_png[0]
+        got = np.stack([np.asarray(frame.convert("RGB"), dtype=np.float64) for frame in frames])
+        np.testing.assert_allclose(got, np.round(expected[k] * 255), atol=1)
+
+
+def test_a_two_expert_folder_is_refused_by_name(family_folder, tmp_path):
+    """Wan 2.2's second expert is not served yet: a folder with transformer_2 says so at load."""
+    import json
+    import shutil
+
+    folder = tmp_path / "wan2.2"
+    shutil.copytree(family_folder, folder)
+    shutil.copytree(folder / "transformer", folder / "transformer_2")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["transformer_2"] = index["transformer"]
+    index["boundary_ratio"] = 0.875
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(UnsupportedModel, match="transformer_2"):
+        load(folder, torch.device("cpu"), torch.float32)
+
+
+def test_the_cli_writes_an_animated_preview_and_a_sheet_of_first_frames(family_resources, family, tmp_path):
+    from PIL import Image
+
+    from rollout_client.cli import main
+
+    out = tmp_path / "video"
+    address = family_resources.server(family).address
+    argv = ["rollout", "--address", address, "a red fox", "a kite", "--samples-per-prompt", "2"]
+    assert main([*argv, "--frames", "9", "--steps", "2", "--out", str(out)]) == 0
+    for k in range(4):
+        with Image.open(out / f"sample-{k}.gif") as preview:
+            assert (preview.n_frames, preview.size) == (9, (64, 64))
+    assert Image.open(out / "contact-sheet.png").size == (2 * 64, 2 * 64)  # first frames, a row per prompt
+
+
+def test_a_latent_above_the_servers_bound_is_refused(family, cache_dir, tmp_path):
+    """--max-latent-elements bounds one sample's latent: 9 frames at 64 x 64 are 16 x 3 x 8 x 8 = 3072
+    elements."""
+    from helpers import start_server
+
+    from rollout_client import RolloutClient
+
+    server = start_server(
+        cache_dir, tmp_path / "bounded.log", "--model", "tiny-wan", "--max-latent-elements", "3000"
+    )
+    try:
+        with RolloutClient(server.address, timeout=60) as bounded:
+            assert bounded.server_info().limits.max_latent_elements == 3000
+            assert len(bounded.rollout(family_request(family, "ODE", cfg=False, num_frames=5))) == 4  # 2048
+            with pytest.raises(grpc.RpcError) as refused:
+                bounded.rollout(family_request(family, "ODE", cfg=False, num_frames=9))
+            assert [v.field for v in field_violations(refused.value)] == ["num_frames"]
+    finally:
+        server.stop()
