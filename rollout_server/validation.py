@@ -179,9 +179,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         bad.append(("num_frames", f"must be {allowed}, got {frames}"))
     elif step and (frames - 1) % step:
         bad.append(("num_frames", f"must be {step}k + 1 (1, {step + 1}, {2 * step + 1}, ...), got {frames}"))
-    elif context.latent_shape is not None and not any(
-        field == "height" or field == "width" for field, _ in bad
-    ):
+    elif context.latent_shape is not None and not any(field in ("height", "width") for field, _ in bad):
         elements = math.prod(context.latent_shape(MediaShape.of(resolved)))
         if elements > limits.max_latent_elements:
             bad.append(
