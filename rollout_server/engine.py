@@ -95,7 +95,7 @@ class Engine:
             self.adapter: FamilyAdapter = loaded.result()
         else:
             self.adapter = load_adapter()
-        self.policy = Policy(self.adapter.transformer, self.parallel)
+        self.policy = Policy(self.adapter.experts, self.parallel)
         self.runner = Runner(
             self.adapter, self.parallel, limits.max_batch_size, prompt_cache_entries, self.metrics
         )

@@ -22,20 +22,33 @@ log = logging.getLogger("rollout_server.policy")
 
 
 class Policy:
-    """The transformer's weights as served: version 0 as loaded, then that of each applied update."""
+    """The transformers' weights as served (one, or Wan 2.2's two experts, by pipeline component
+    name): version 0 as loaded, then that of each applied update, whichever transformer it changed."""
 
-    def __init__(self, transformer: torch.nn.Module, parallel: SequenceParallel):
-        self.transformer = transformer
+    def __init__(self, experts: dict[str, torch.nn.Module], parallel: SequenceParallel):
+        self.experts = experts
         self.parallel = parallel
         self.version = 0
-        self.lora_adapter: rollout_pb2.LoraAdapter | None = None
-        self.spec = weights.TransformerSpec.of(transformer, parallel.enabled)
+        self.lora_adapters: dict[str, rollout_pb2.LoraAdapter] = {}
+        self.specs = {
+            name: weights.TransformerSpec.of(module, parallel.enabled) for name, module in experts.items()
+        }
+
+    @property
+    def spec(self) -> weights.TransformerSpec:
+        """The (first) transformer's: its size bounds an update's."""
+        return self.specs["transformer"]
+
+    @property
+    def lora_adapter(self) -> rollout_pb2.LoraAdapter | None:
+        return self.lora_adapters.get("transformer")
 
     def check(self, update: weights.WeightUpdate) -> None:
         """StaleUpdate or InvalidRequest unless ``update`` applies to the current weights. It changes
         nothing and reads no live tensor, so any thread may call it while rollouts run."""
+        weights.check_target(update.target, self.experts)
         weights.check_version(update.policy_version, self.version)
-        weights.check(self.spec, update)
+        weights.check(self.specs[update.target], update)
 
     def apply(self, update: weights.WeightUpdate) -> None:
         """Rank 0: check ``update`` again (another update may have gone first), send it to the other
@@ -58,7 +71,11 @@ class Policy:
     def _apply_here(self, update: weights.WeightUpdate) -> None:
         started_at = time.perf_counter()
         # If this fails, the previous weights are back in place (weights.apply restores them).
-        self.lora_adapter = weights.apply(self.transformer, update, self.lora_adapter)
+        target = update.target
+        adapter = weights.apply(self.experts[target], update, self.lora_adapters.get(target))
+        self.lora_adapters.pop(target, None)
+        if adapter is not None:
+            self.lora_adapters[target] = adapter
         self.version = update.policy_version
         log.info("applied %s in %.3f s", update.describe(), time.perf_counter() - started_at)
 

@@ -2,7 +2,8 @@
 
 Rows: every sample of a rollout has one transformer row per env branch (``positive``, and
 ``negative`` with true CFG). Rows of any rollouts run in the same forward when they are compatible:
-the same latent shape and the same env signature (the shapes of the batched env tensors, and equal
+the same transformer at their current steps (Wan 2.2's two experts run apart), the same latent shape
+and the same env signature (the shapes of the batched env tensors, and equal
 shared entries such as Flux's ``txt_ids``; the model dtype is the server's one). They may sit at
 different steps, with different schedules, samplers, noise levels, guidance and CFG scales: each
 row is fed its own timestep. A compatible group is cut into the fewest forwards of at most
@@ -49,6 +50,7 @@ class Rollout:
     plan: SamplerPlan
     state: SamplerState
     timesteps: torch.Tensor  # float32 [T + 1], as fed (before the family's divisor)
+    experts: list[str]  # [T]: the transformer (pipeline component) each step runs
     guidance_rule: str
     cfg_scale: float
     conditioning: Conditioning
@@ -158,6 +160,7 @@ class Runner:
             plan=plan,
             state=init(plan),
             timesteps=timesteps,
+            experts=[adapter.expert_for(t) for t in timesteps[:-1].tolist()],
             guidance_rule=adapter.cfg_rule if cfg else "none",
             cfg_scale=cfg_scale,
             conditioning=conditioning,
@@ -175,7 +178,8 @@ class Runner:
         groups: dict[tuple, list[tuple[Rollout, Row]]] = {}
         for rollout in rollouts:
             for row in rollout.rows:
-                key = (tuple(rollout.plan.latent_shape), row.signature)
+                expert = rollout.experts[rollout.state.step]
+                key = (expert, tuple(rollout.plan.latent_shape), row.signature)
                 groups.setdefault(key, []).append((rollout, row))
         per_branch: dict[int, dict[str, torch.Tensor]] = {
             r.key: {branch: torch.empty_like(r.state.x) for branch in r.conditioning.envs} for r in rollouts
@@ -183,7 +187,7 @@ class Runner:
         failures: dict[int, Exception] = {}
         shared: set[int] = set()
         stacked: dict[tuple, dict[str, Any]] = {}
-        for members in groups.values():
+        for (expert, *_), members in groups.items():
             # The fewest forwards of at most max_batch_size rows, of even sizes (9 rows at 8: 5 + 4).
             forwards = -(-len(members) // self.max_batch_size)
             size = -(-len(members) // forwards)
@@ -192,7 +196,7 @@ class Runner:
                 if not batch:
                     continue
                 try:
-                    v = self._forward(batch, stacked)
+                    v = self._forward(expert, batch, stacked)
                 except Exception as error:
                     if self.parallel.enabled:
                         raise
@@ -211,8 +215,9 @@ class Runner:
         }
         return Velocities(guided, failures, shared)
 
-    def _forward(self, batch: list[tuple[Rollout, Row]], stacked: dict) -> torch.Tensor:
-        """One transformer call on ``batch``'s rows, each at its rollout's current step."""
+    def _forward(self, expert: str, batch: list[tuple[Rollout, Row]], stacked: dict) -> torch.Tensor:
+        """One call of the transformer ``expert`` on ``batch``'s rows, each at its rollout's current
+        step."""
         adapter = self.adapter
         members = tuple((r.key, row.sample, row.branch) for r, row in batch)
         env = self._stacked.get(members)
@@ -223,7 +228,7 @@ class Runner:
         timesteps = torch.stack([r.timesteps[r.state.step] for r, _ in batch])
         self.metrics.forward(len(batch))
         return call_transformer(
-            adapter.transformer, x, timesteps, env, adapter.dtype, adapter.timestep_divisor
+            adapter.experts[expert], x, timesteps, env, adapter.dtype, adapter.timestep_divisor
         )
 
     @torch.inference_mode()

@@ -74,7 +74,8 @@ def build_engine(options: ServerOptions) -> Engine:
 
     def load() -> families.FamilyAdapter:
         adapter = families.load(folder, device, dtype)
-        options.parallel.split_transformer(adapter.transformer)
+        for expert in adapter.experts.values():
+            options.parallel.split_transformer(expert)
         return adapter
 
     return Engine(load, options.model, options.limits, options.parallel, options.prompt_cache_entries)
@@ -93,6 +94,7 @@ def build_service(options: ServerOptions) -> RolloutService:
         dtype=options.dtype,
         device=str(adapter.device),
         sp_degree=options.parallel.degree,
+        transformers=list(adapter.experts),
         attention_split=options.parallel.attention_split,
         sampler_types=list(steps.SAMPLERS_BY_ENUM),
         defaults=defaults_proto(serving),

@@ -115,6 +115,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
         info = rollout_pb2.GetServerInfoResponse()
         info.CopyFrom(self.server_info)
+        for target, adapter in self.engine.policy.lora_adapters.items():
+            info.lora_adapters[target].CopyFrom(adapter)
         lora_adapter = self.engine.policy.lora_adapter
         info.policy_version = self.engine.policy.version
         if lora_adapter is not None:
@@ -157,6 +159,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 request,
                 self.engine.policy.version,
                 self.server_info.limits.max_update_bytes,
+                self.engine.policy.experts,
             )
             update = await self._updating(context, read)
             await self._updating(context, self._apply(update))

@@ -93,6 +93,7 @@ def started_event(
         prompt_indices=rollout.prompt_indices,
         sigmas=plan.sigmas.tolist(),
         timesteps=rollout.timesteps.tolist(),
+        step_transformers=rollout.experts,
         stochastic=plan.stochastic,
         log_prob_constants=request.log_prob_constants,
         layout=rollout_pb2.LatentLayout(

@@ -77,14 +77,24 @@ class WeightUpdate:
     nbytes: int
     lora_config_json: str = ""
     adapter_name: str = ""
+    target: str = "transformer"  # the pipeline component it changes
 
     def describe(self) -> str:
         kind = rollout_pb2.WeightsKind.Name(self.kind) if self.kind in (FULL, SUBSET, LORA) else self.kind
-        return f"policy version {self.policy_version} ({kind}, {len(self.tensors)} tensors)"
+        of = "" if self.target == "transformer" else f" of {self.target}"
+        return f"policy version {self.policy_version} ({kind}{of}, {len(self.tensors)} tensors)"
 
 
 def _reject(field: str, description: str) -> InvalidRequest:
     return InvalidRequest([(field, description)])
+
+
+def check_target(target: str, experts) -> None:
+    """InvalidRequest on ``target`` unless it names one of the server's transformers (checked before
+    the name reaches a path or a lookup)."""
+    if target not in experts:
+        named = ", ".join(repr(name) for name in experts)
+        raise _reject("target", f"{quoted(target)} is not one of this model's transformers ({named})")
 
 
 def check_version(new: int, current: int, field: str = "policy_version") -> None:
@@ -354,6 +364,7 @@ def _from_header(
         nbytes=nbytes,
         lora_config_json=header.lora_config_json,
         adapter_name=header.adapter_name,
+        target=header.target or "transformer",
     )
 
 
@@ -364,6 +375,7 @@ def to_payload(update: WeightUpdate) -> bytes:
         kind=update.kind,
         lora_config_json=update.lora_config_json,
         adapter_name=update.adapter_name,
+        target=update.target,
     ).SerializeToString()
     _, buffer = codec.encode(update.tensors)
     return struct.pack("<Q", len(header)) + header + buffer
@@ -404,12 +416,13 @@ def resolve_under(root: Path, requested: str) -> Path:
 
 
 def read_update(
-    root: Path, request: rollout_pb2.LoadWeightsRequest, current_version: int, max_bytes: int
+    root: Path, request: rollout_pb2.LoadWeightsRequest, current_version: int, max_bytes: int, experts
 ) -> WeightUpdate:
     """The update stored at ``request.path`` under ``root``: a PEFT adapter folder (LORA), or the
-    safetensors weights of a file, a diffusers model folder or a pipeline folder's transformer/. A
+    safetensors weights of a file, a diffusers model folder or a pipeline folder's ``target``. A
     stale version, or files of more than ``max_bytes`` in all, are refused before anything is read;
     non-finite values once read."""
+    check_target(request.target or "transformer", experts)
     check_version(request.policy_version, current_version, "policy_version")
     path = resolve_under(root, request.path)
     try:
@@ -427,7 +440,7 @@ def read_update(
             }
         else:
             config_json, tensors = "", {}
-            for file in _check_size(_weight_files(path), max_bytes):
+            for file in _check_size(_weight_files(path, request.target or "transformer"), max_bytes):
                 tensors.update(load_file(file))
     except (OSError, SafetensorError, UnicodeDecodeError) as error:
         raise _reject("path", f"cannot read the weights: {quoted(str(error))}") from error
@@ -440,6 +453,7 @@ def read_update(
         nbytes=sum(t.nbytes for t in tensors.values()),
         lora_config_json=config_json,
         adapter_name=request.adapter_name,
+        target=request.target or "transformer",
     )
 
 
@@ -451,13 +465,13 @@ def _check_size(files: list[Path], max_bytes: int) -> list[Path]:
     return files
 
 
-def _weight_files(path: Path) -> list[Path]:
+def _weight_files(path: Path, target: str) -> list[Path]:
     if path.is_file():
         if path.suffix != ".safetensors":
             raise _reject("path", f"{quoted(path.name)} is not a .safetensors file")
         return [path]
-    if (path / "model_index.json").is_file():  # a pipeline: its transformer is the policy
-        path = path / "transformer"
+    if (path / "model_index.json").is_file():  # a pipeline: the targeted transformer is the policy
+        path = path / target
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise _reject("path", "no .safetensors weights there")

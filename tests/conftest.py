@@ -43,12 +43,16 @@ class FamilyResources:
 
         return self.once("client", family, lambda: RolloutClient(self.server(family).address, timeout=300))
 
-    def transformer(self, family: str) -> torch.nn.Module:
+    def transformer(self, family: str) -> torch.nn.Module | dict[str, torch.nn.Module]:
         import diffusers
 
         def load():
-            model_class = getattr(diffusers, FAMILIES[family].transformer)
-            return model_class.from_pretrained(self.folder(family) / "transformer").eval()
+            spec = FAMILIES[family]
+            model_class = getattr(diffusers, spec.transformer)
+            experts = {
+                name: model_class.from_pretrained(self.folder(family) / name).eval() for name in spec.experts
+            }
+            return experts["transformer"] if len(experts) == 1 else experts
 
         return self.once("transformer", family, load)
 

@@ -76,6 +76,10 @@ class Family:
     replay_samplers: tuple[str, ...] = ("FLOW_SDE", "CPS")
     replay_latent_dtypes: tuple[str | None, ...] = (None,)
     text_width: str = "joint_attention_dim"  # the transformer config entry of the text states' width
+    # The pipeline's denoising transformers; a trainer replays with all of them by name when several.
+    experts: tuple[str, ...] = ("transformer",)
+    # The expert of each of the 4 steps of ``family_request``.
+    step_transformers: tuple[str, ...] = ("transformer",) * 4
 
 
 SHORT_PROMPT = "a fox"
@@ -160,6 +164,25 @@ FAMILIES = {
         latent_shape=(16, 2, 8, 8),  # the preset's 5 frames: 2 latent frames of 8 x 8
         replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
         text_width="text_dim",
+    ),
+    # Wan 2.2: two experts; of 4 steps (timesteps 999, 900, 750, 500) the last two are below the
+    # boundary (875) and run transformer_2.
+    "wan2.2": Family(
+        preset="tiny-wan2.2",
+        transformer="WanTransformer3DModel",
+        pipeline="WanPipeline",
+        prompts=("a red fox in the snow", "two cats"),
+        base_seed=51,
+        cfg_on={"guidance_scale": 5.0, "negative_prompt": "blurry"},
+        cfg_off={"guidance_scale": 1.0},
+        timestep_divisor=1.0,
+        cfg_rule=("true_cfg", 5.0),
+        env_keys=frozenset({"encoder_hidden_states", "attention_kwargs", "return_dict"}),
+        latent_shape=(16, 2, 8, 8),
+        replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
+        text_width="text_dim",
+        experts=("transformer", "transformer_2"),
+        step_transformers=("transformer", "transformer", "transformer_2", "transformer_2"),
     ),
 }
 

@@ -55,9 +55,11 @@ def bare_log_probs(transformer, trajectory) -> dict[int, float]:
     for i in torch.nonzero(trajectory.stochastic).flatten().tolist():
         x = trajectory.latents[i].unsqueeze(0)
         timestep = torch.full((1,), trajectory.timesteps[i].item()) / call["timestep_divisor"]
+        # Wan 2.2: the expert the started event names for this step.
+        model = transformer[trajectory.step_transformers[i]] if isinstance(transformer, dict) else transformer
         with torch.no_grad():
             v = {
-                branch: transformer(hidden_states=x, timestep=timestep, **env)[0].double().numpy()
+                branch: model(hidden_states=x, timestep=timestep, **env)[0].double().numpy()
                 for branch, env in trajectory.env.items()
             }
         velocity = guidance(call["guidance_rule"], call["guidance_rule_scale"], v)

@@ -1,20 +1,19 @@
-"""Wan 2.1 text-to-video on the tiny-wan preset: the server's schedule, transformer call, CFG and
-decoding are WanPipeline's own; frames are validated as 4k + 1 and streamed as one PNG each. Replay
-parity is in test_replay.py with the other families."""
+"""Wan text-to-video on the tiny-wan (2.1) and tiny-wan2.2 (two experts) presets: the server's
+schedule, transformer call, expert choice, CFG and decoding are WanPipeline's own; frames are
+validated as 4k + 1 and streamed as one PNG each; a weight update names the expert it changes.
+Replay parity is in test_replay.py with the other families."""
 
 import grpc
 import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from helpers import family_request, field_violations
+from helpers import FAMILIES, family_request, field_violations
 
-from rollout_server.families import UnsupportedModel, load
-
-pytestmark = pytest.mark.parametrize("family", ["wan"])
+pytestmark = pytest.mark.parametrize("family", ["wan", "wan2.2"])
 
 
-def test_server_info(family_client):
+def test_server_info(family_client, family):
     info = family_client.server_info()
     assert (info.family, info.pipeline_class) == ("wan", "WanPipeline")
     assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
@@ -22,6 +21,7 @@ def test_server_info(family_client):
         "true_cfg",
         "timestep",
     )
+    assert list(info.transformers) == list(FAMILIES[family].experts)
     defaults = info.defaults
     assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)
     assert defaults.guidance_scale == 5.0  # Wan 2.1's
@@ -34,18 +34,18 @@ def test_server_info(family_client):
 
 
 @pytest.mark.parametrize("frames", [2, 4, 6, 200])
-def test_frames_must_be_4k_plus_1_and_bounded(family_client, frames):
+def test_frames_must_be_4k_plus_1_and_bounded(family_client, family, frames):
     with pytest.raises(grpc.RpcError) as refused:
-        family_client.rollout(family_request("wan", "ODE", cfg=False, num_frames=frames))
+        family_client.rollout(family_request(family, "ODE", cfg=False, num_frames=frames))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [violation.field for violation in field_violations(refused.value)] == ["num_frames"]
 
 
-def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline):
-    """Schedule (UniPC's shifted flow sigmas and integer timesteps), env, raw timestep and CFG all as
-    WanPipeline: its own loop, stepping with Euler over the same sigmas, reaches the streamed final
-    latents from the same x_0."""
-    request = family_request("wan", "ODE", cfg=True, samples_per_prompt=1)
+def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family):
+    """Schedule (UniPC's shifted flow sigmas and integer timesteps), env, raw timestep, expert per step
+    and CFG all as WanPipeline: its own loop, stepping with Euler over the same sigmas, reaches the
+    streamed final latents from the same x_0."""
+    request = family_request(family, "ODE", cfg=True, samples_per_prompt=1)
     trajectories = family_client.rollout(request)
     sigmas, timesteps = trajectories[0].sigmas, trajectories[0].timesteps
     pipe = family_pipeline
@@ -104,22 +104,6 @@ def test_each_sample_streams_its_frames_as_the_pipeline_decodes_them(family_clie
         assert trajectory.image_png == trajectory.frames_png[0]
         got = np.stack([np.asarray(frame.convert("RGB"), dtype=np.float64) for frame in frames])
         np.testing.assert_allclose(got, np.round(expected[k] * 255), atol=1)
-
-
-def test_a_two_expert_folder_is_refused_by_name(family_folder, tmp_path):
-    """Wan 2.2's second expert is not served yet: a folder with transformer_2 says so at load."""
-    import json
-    import shutil
-
-    folder = tmp_path / "wan2.2"
-    shutil.copytree(family_folder, folder)
-    shutil.copytree(folder / "transformer", folder / "transformer_2")
-    index = json.loads((folder / "model_index.json").read_text())
-    index["transformer_2"] = index["transformer"]
-    index["boundary_ratio"] = 0.875
-    (folder / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(UnsupportedModel, match="transformer_2"):
-        load(folder, torch.device("cpu"), torch.float32)
 
 
 def test_the_cli_writes_an_animated_preview_and_a_sheet_of_first_frames(family_resources, family, tmp_path):

@@ -140,7 +140,7 @@ def test_micro_batches_cover_every_row_once_and_never_mix_shapes(client, tiny_tr
             log_probs = step_log_probs(tiny_transformer, [trajectories[row] for row in rows], i)
         streamed = torch.stack([trajectories[row].log_probs[i] for row in rows])
         torch.testing.assert_close(log_probs, streamed, atol=TOLERANCE, rtol=0)
-    with pytest.raises(ValueError, match="differ in transformer call or env shapes"):
+    with pytest.raises(ValueError, match="differ in transformer call, env shapes or expert"):
         step_log_probs(None, [small[0], large[0]], 0)
 
 

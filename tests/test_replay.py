@@ -46,7 +46,8 @@ REPLAY_CASES = [
 def test_streamed_log_probs_replay(
     family, family_client, family_transformer, family_resources, sampler, cfg, latent_dtype
 ):
-    spec, config = FAMILIES[family], family_transformer.config
+    spec = FAMILIES[family]
+    config = family_transformer["transformer"].config if len(spec.experts) > 1 else family_transformer.config
     request = family_request(family, sampler, cfg, latent_dtype=LATENT_DTYPES.get(latent_dtype))
     trajectories = family_client.rollout(request)
     assert [t.prompt_index for t in trajectories] == [0, 0, 1, 1]
@@ -62,6 +63,7 @@ def test_streamed_log_probs_replay(
             if "pooled_projections" in env:
                 assert env["pooled_projections"].shape == (1, config.pooled_projection_dim)
         assert trajectory.latents.shape == (5, *spec.latent_shape)
+        assert trajectory.step_transformers == list(spec.step_transformers)
         assert trajectory.latent_mask.all()
         # CPS's last step goes into sigma_T = 0 with sd = 0: deterministic, not scored.
         stochastic = [True, True, True, False] if sampler == "CPS" else [True] * 4

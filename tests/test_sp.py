@@ -182,15 +182,17 @@ def test_qwen_image_sp2_matches_sp1_with_uneven_prompt_lengths(cache_dir, tmp_pa
     assert_replays(transformer, runs[2].trajectories())
 
 
-def test_wan_sp2_splits_video_tokens_and_matches_sp1(cache_dir, tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-wan", "tiny-wan2.2"])
+def test_wan_sp2_splits_video_tokens_and_matches_sp1(cache_dir, tmp_path, preset):
     """Wan's video tokens (latent frames x rows x columns) split across the ranks through its
-    context-parallel plan: noise and log-probs bitwise as at SP=1, with CFG."""
+    context-parallel plan, both of Wan 2.2's experts alike: noise and log-probs bitwise as at SP=1,
+    with CFG."""
     from diffusers import WanTransformer3DModel
 
     video = request(num_frames=9, guidance_scale=5.0, negative_prompt="blurry")
     runs = {}
     for sp in (1, 2):
-        server = start_server(cache_dir, tmp_path / f"wan-sp{sp}.log", "--model", "tiny-wan", "--sp", str(sp))
+        server = start_server(cache_dir, tmp_path / f"wan-sp{sp}.log", "--model", preset, "--sp", str(sp))
         try:
             with RolloutClient(server.address, timeout=300) as wan_client:
                 runs[sp] = split_events(wan_client.stream(video))
@@ -200,5 +202,8 @@ def test_wan_sp2_splits_video_tokens_and_matches_sp1(cache_dir, tmp_path):
     assert tuple(runs[2].started.message.layout.shape) == (16, 3, 8, 8)  # 9 frames: 3 x 4 x 4 tokens
     assert runs[2].started.message.sp_degree == 2
     assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True)
-    transformer = WanTransformer3DModel.from_pretrained(f"{model_path}/transformer").eval()
-    assert_replays(transformer, runs[2].trajectories())
+    experts = runs[2].trajectories()[0].step_transformers
+    transformers = {
+        name: WanTransformer3DModel.from_pretrained(f"{model_path}/{name}").eval() for name in set(experts)
+    }
+    assert_replays(transformers, runs[2].trajectories())

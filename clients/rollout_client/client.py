@@ -126,6 +126,7 @@ class RolloutClient:
         lora_config: Any = None,
         adapter_name: str = "",
         progress: bool = True,
+        target: str = "",
     ) -> rollout_pb2.UpdateWeightsResponse:
         """Stream new policy weights to the server; returns once they are applied.
 
@@ -134,6 +135,8 @@ class RolloutClient:
         (kind "lora", the default when a config is given). Tensors must have the server model's
         dtypes. ``version`` must be above the server's policy version: rollouts that start after
         this call returns report it. A progress bar counts the bytes sent of a large update.
+        ``target`` names the transformer it changes when the model has several (Wan 2.2:
+        "transformer_2" for the low-noise expert; GetServerInfo lists them).
         """
         kind = kind or ("lora" if lora_config is not None else "full")
         header = rollout_pb2.WeightsUpdateHeader(
@@ -141,6 +144,7 @@ class RolloutClient:
             kind=WEIGHTS_KINDS[kind],
             lora_config_json=lora_config_json(lora_config) if lora_config is not None else "",
             adapter_name=adapter_name,
+            target=target,
         )
 
         def frame(index: int, length: int) -> bytes:
@@ -155,7 +159,7 @@ class RolloutClient:
             return self._update_weights(messages, timeout=self.timeout, metadata=self.metadata)
 
     def load_weights(
-        self, path: str, version: int, kind: str | None = None, adapter_name: str = ""
+        self, path: str, version: int, kind: str | None = None, adapter_name: str = "", target: str = ""
     ) -> rollout_pb2.LoadWeightsResponse:
         """Have the server load policy weights from ``path`` under its ``--weights-root``: a
         .safetensors file, a diffusers model or pipeline folder, or a PEFT adapter folder (the kind is
@@ -165,6 +169,7 @@ class RolloutClient:
             path=str(path),
             kind=WEIGHTS_KINDS[kind] if kind else rollout_pb2.WEIGHTS_KIND_UNSPECIFIED,
             adapter_name=adapter_name,
+            target=target,
         )
         return self.stub.LoadWeights(request, timeout=self.timeout, metadata=self.metadata)
 

@@ -32,7 +32,7 @@ advantages, the clipped policy loss, the KL penalty and the Flow-GRPO-Fast step 
 """
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -47,8 +47,8 @@ def _on(value, device: torch.device):
 
 
 def _call_key(trajectory: Trajectory) -> tuple:
-    """Trajectories with equal keys can share one batched forward: same transformer call, same
-    latent shape, same env tensor shapes per branch."""
+    """Trajectories with equal keys can share one batched forward: same transformer call and expert
+    per step, same latent shape, same env tensor shapes per branch."""
     shapes = sorted(
         (branch, key, tuple(value.shape))
         for branch, env in trajectory.env.items()
@@ -56,7 +56,7 @@ def _call_key(trajectory: Trajectory) -> tuple:
         if isinstance(value, torch.Tensor)
     )
     call = json.dumps(trajectory.transformer_call, sort_keys=True)
-    return call, tuple(trajectory.latents.shape[1:]), tuple(shapes)
+    return call, tuple(trajectory.step_transformers), tuple(trajectory.latents.shape[1:]), tuple(shapes)
 
 
 class Transition(NamedTuple):
@@ -67,27 +67,43 @@ class Transition(NamedTuple):
     stds: torch.Tensor  # [B]
 
 
+Transformer = torch.nn.Module | Mapping[str, torch.nn.Module]
+
+
+def expert(transformer: Transformer, trajectory: Trajectory, i: int) -> torch.nn.Module:
+    """The module that replays step ``i``: ``transformer`` itself, or, given the pipeline's experts
+    by component name (Wan 2.2: ``{"transformer": ..., "transformer_2": ...}``), the one that ran it."""
+    if not isinstance(transformer, Mapping):
+        return transformer
+    name = trajectory.step_transformers[i] if trajectory.step_transformers else "transformer"
+    return transformer[name]
+
+
 def step_transitions(
-    transformer: torch.nn.Module,
+    transformer: Transformer,
     trajectories: Sequence[Trajectory],
     i: int,
     device: str | torch.device = "cpu",
 ) -> Transition:
     """Step ``i`` of each trajectory recomputed with ``transformer`` (gradients flow unless the caller
-    disables them). Step i must be stochastic in each, with x_i and x_{i+1} streamed; all must share
-    one transformer-call rule and env shapes (e.g. the samples of one request: split other mixes by
-    request, as ``micro_batches`` does)."""
+    disables them), or with the expert that ran it when given the experts by name. Step i must be
+    stochastic in each, with x_i and x_{i+1} streamed; all must share one transformer-call rule, env
+    shapes and expert at step i (e.g. the samples of one request: split other mixes by request, as
+    ``micro_batches`` does)."""
     device = torch.device(device)
     first = trajectories[0]
     call = first.transformer_call
+    model = expert(transformer, first, i)
     for trajectory in trajectories:
         if not (trajectory.stochastic[i] and trajectory.latent_mask[i] and trajectory.latent_mask[i + 1]):
             raise ValueError(
                 f"step {i} of sample {trajectory.sample_index} is not stochastic, or x_{i} or x_{i + 1} "
                 "was not streamed"
             )
-        if _call_key(trajectory) != _call_key(first):
-            raise ValueError("the trajectories differ in transformer call or env shapes: pass them apart")
+        if _call_key(trajectory) != _call_key(first) or expert(transformer, trajectory, i) is not model:
+            raise ValueError(
+                "the trajectories differ in transformer call, env shapes or expert: pass them apart"
+            )
     model_dtype = dtypes.BY_NAME[call["model_dtype"]]
     x = torch.stack([t.latents[i] for t in trajectories]).to(device)
     timesteps = torch.stack([t.timesteps[i] for t in trajectories])
@@ -95,9 +111,7 @@ def step_transitions(
     for branch in first.env:
         env = stack_envs([t.env[branch] for t in trajectories], call["batched_env_keys"])
         env = {key: _on(value, device) for key, value in env.items()}
-        velocities[branch] = call_transformer(
-            transformer, x, timesteps, env, model_dtype, call["timestep_divisor"]
-        )
+        velocities[branch] = call_transformer(model, x, timesteps, env, model_dtype, call["timestep_divisor"])
     v = apply_guidance(call["guidance_rule"], call["guidance_rule_scale"], velocities)
     means, stds, log_probs = [], [], []
     for row, trajectory in enumerate(trajectories):
@@ -112,7 +126,7 @@ def step_transitions(
 
 
 def step_log_probs(
-    transformer: torch.nn.Module,
+    transformer: Transformer,
     trajectories: Sequence[Trajectory],
     i: int,
     device: str | torch.device = "cpu",

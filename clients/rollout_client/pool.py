@@ -300,6 +300,7 @@ class RolloutPool:
         lora_config: Any = None,
         adapter_name: str = "",
         progress: bool = False,
+        target: str = "",
     ) -> rollout_pb2.UpdateWeightsResponse:
         """``RolloutClient.update_weights`` on every routable replica at once (a progress bar per
         replica for a large update, when asked); returns once all of them applied it (the first
@@ -311,15 +312,16 @@ class RolloutPool:
             "lora_config": lora_config,
             "adapter_name": adapter_name,
             "progress": progress,
+            "target": target,
         }
         return self._fan_out(Update(version, snapshot, fields), full=_is_full(kind, lora_config))
 
     def load_weights(
-        self, path: str, version: int, kind: str | None = None, adapter_name: str = ""
+        self, path: str, version: int, kind: str | None = None, adapter_name: str = "", target: str = ""
     ) -> rollout_pb2.LoadWeightsResponse:
         """``RolloutClient.load_weights`` on every routable replica: ``path`` must hold the same
         weights under each replica's ``--weights-root``."""
-        fields = {"path": path, "kind": kind, "adapter_name": adapter_name}
+        fields = {"path": path, "kind": kind, "adapter_name": adapter_name, "target": target}
         return self._fan_out(Update(version, None, fields), full=kind == "full")
 
     def _fan_out(self, update: Update, full: bool):
@@ -347,14 +349,23 @@ class RolloutPool:
                         replica.healthy = False
                 if applied:
                     self.version = update.version
-                    if full:
-                        self.updates, self.updates_base = [update], None
-                    else:
-                        self.updates.append(update)
+                    self._keep(update, full)
                 self._lock.notify_all()
             if not applied:
                 raise errors[0]
             return applied[0][1]
+
+    def _keep(self, update: Update, full: bool) -> None:
+        """Add ``update`` to the kept ones. A full update replaces every earlier update of its
+        transformer; once it replaces the model's only transformer, the kept updates build on nothing."""
+        if not full:
+            self.updates.append(update)
+            return
+        target = update.fields.get("target") or "transformer"
+        self.updates = [u for u in self.updates if (u.fields.get("target") or "transformer") != target]
+        self.updates.append(update)
+        if len(self._static_info().transformers) <= 1:
+            self.updates_base = None
 
     def _catch_up(self, replica: Replica, version: int) -> None:
         """Replay, in order and with their versions, the kept updates a replica at ``version`` has

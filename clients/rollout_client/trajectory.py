@@ -42,6 +42,9 @@ class Trajectory:
     env: dict[str, dict[str, Any]]  # branch -> kwargs (batched entries with leading dim 1)
     transformer_call: dict[str, Any]  # model_dtype, timestep_divisor, guidance_rule, ...
     policy_version: int
+    # [T]: the pipeline component whose transformer ran each step ("transformer", or "transformer_2"
+    # on Wan 2.2's low-noise steps); replay step i with that expert.
+    step_transformers: list[str] = field(default_factory=list)
     image_png: bytes | None = None  # the image, or a video's first frame
     frames_png: list[bytes] = field(default_factory=list)  # every frame (an image: the one)
 
@@ -88,6 +91,7 @@ class Trajectory:
                 "noise_level",
                 "log_prob_constants",
                 "policy_version",
+                "step_transformers",
             )
         }
         metadata = {
@@ -239,6 +243,7 @@ def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Tr
                 env={branch: per_prompt[p] for branch, per_prompt in started.env.items()},
                 transformer_call=transformer_call,
                 policy_version=message.policy_version,
+                step_transformers=list(message.step_transformers),
                 **_frames({f"frame_png/{j}": png for j, png in images.get(k, {}).items()}),
             )
         )

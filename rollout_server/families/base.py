@@ -75,8 +75,17 @@ class FamilyAdapter(ABC):
 
     @property
     def transformer(self) -> torch.nn.Module:
-        """The denoising transformer (the policy)."""
+        """The denoising transformer (the policy; the first expert of a family with several)."""
         return self.pipe.transformer
+
+    @property
+    def experts(self) -> dict[str, torch.nn.Module]:
+        """The denoising transformers by pipeline component name; one for most families."""
+        return {"transformer": self.pipe.transformer}
+
+    def expert_for(self, timestep: float) -> str:
+        """The component that computes the velocity at ``timestep`` (as fed, before the divisor)."""
+        return "transformer"
 
     @property
     @abstractmethod

@@ -1,5 +1,5 @@
-"""Wan 2.1 text-to-video (``WanPipeline``): video latents, UMT5 conditioning, classic CFG, UniPC's
-shifted flow sigmas.
+"""Wan 2.1 / 2.2 text-to-video (``WanPipeline``): video latents, UMT5 conditioning, classic CFG,
+UniPC's shifted flow sigmas, and Wan 2.2's two experts.
 
 The transformer is called exactly as ``WanPipeline.__call__`` does, with the raw timestep (the
 scheduler's integer timesteps, 0..999), and its kwargs (the env) are ``encoder_hidden_states`` (the
@@ -9,8 +9,11 @@ encodes the request's ``negative_prompt``, and an empty one when none is given, 
 Latents are ``[C, F', H/8, W/8]`` with F' = (F - 1) / 4 + 1 latent frames, as the transformer
 consumes them (it patchifies 1x2x2 itself).
 
-Wan 2.2 folders with a second expert (``transformer_2``) are refused: a rollout would need to say
-which expert ran each step.
+Wan 2.2 (a folder with ``transformer_2`` and a ``boundary_ratio``): as in the pipeline, a step whose
+timestep is at least ``boundary_ratio * num_train_timesteps`` runs ``transformer`` (the high-noise
+expert), the later ones ``transformer_2``. The started event names each step's expert, and weight
+updates name the expert they change. Its second guidance scale (``guidance_scale_2``) is not
+exposed: both experts take the request's ``guidance_scale``, as the pipeline does by default.
 """
 
 import torch
@@ -40,10 +43,24 @@ class WanAdapter(FamilyAdapter):
 
     def __init__(self, folder, device, dtype):
         super().__init__(folder, device, dtype)
+        two_experts = self.pipe.transformer_2 is not None
+        if two_experts != (self.pipe.config.boundary_ratio is not None):
+            raise UnsupportedModel(f"{folder}: transformer_2 and boundary_ratio come together or not at all")
+        if self.pipe.transformer is None:
+            raise UnsupportedModel(f"{folder}: a Wan pipeline without its (high-noise) transformer")
+
+    @property
+    def experts(self) -> dict[str, torch.nn.Module]:
+        experts = {"transformer": self.pipe.transformer}
         if self.pipe.transformer_2 is not None:
-            raise UnsupportedModel(
-                f"{folder}: Wan 2.2 two-expert pipelines (transformer_2) are not supported yet"
-            )
+            experts["transformer_2"] = self.pipe.transformer_2
+        return experts
+
+    def expert_for(self, timestep: float) -> str:
+        ratio = self.pipe.config.boundary_ratio
+        if ratio is None or timestep >= ratio * self.pipe.scheduler.config.num_train_timesteps:
+            return "transformer"
+        return "transformer_2"
 
     @property
     def side_multiple(self) -> int:

@@ -30,6 +30,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "tiny-sd3": ("sd3", "build_sd3_preset", "tiny"),
     "tiny-qwen-image": ("qwen_image", "build_qwen_image_preset", "tiny"),
     "tiny-wan": ("wan", "build_wan_preset", "tiny"),
+    "tiny-wan2.2": ("wan", "build_wan_preset", "tiny-2.2"),
 }
 
 _BUILDER_SOURCES = ("flux.py", "sd3.py", "qwen_image.py", "wan.py", "tokenizers.py", "components.py")
@@ -105,6 +106,7 @@ PRESET_DEFAULTS: dict[str, dict[str, int]] = {
     "tiny-sd3": {"height": 128, "width": 128, "num_steps": 10},
     "tiny-qwen-image": {"height": 128, "width": 128, "num_steps": 10},
     "tiny-wan": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
+    "tiny-wan2.2": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
 }
 
 

@@ -1,4 +1,4 @@
-"""Seeded, randomly initialised Wan 2.1 text-to-video pipelines for tests and benchmarks.
+"""Seeded, randomly initialised Wan 2.1 and 2.2 text-to-video pipelines for tests and benchmarks.
 
 Every component is the real diffusers/transformers class with Wan's structure:
 - a WanTransformer3DModel with 1x2x2 patches, 3D RoPE, RMS qk-norm and cross-attention to the text;
@@ -7,9 +7,12 @@ Every component is the real diffusers/transformers class with Wan's structure:
 - a UMT5 text encoder with a locally trained SentencePiece tokenizer;
 - the UniPC flow-matching scheduler with Wan's flow shift.
 
-Only the widths, depths and vocabulary are shrunk.
+Only the widths, depths and vocabulary are shrunk. The "tiny-2.2" size adds Wan 2.2's second expert,
+``transformer_2``, which the pipeline runs on the steps whose timestep is below
+``boundary_ratio * 1000``.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +35,7 @@ class WanPresetConfig:
     umt5_layers: int
     umt5_heads: int
     umt5_vocab_size: int
+    two_experts: bool = False
 
 
 WAN_PRESET_CONFIGS = {
@@ -48,6 +52,9 @@ WAN_PRESET_CONFIGS = {
         umt5_vocab_size=1000,
     ),
 }
+WAN_PRESET_CONFIGS["tiny-2.2"] = dataclasses.replace(WAN_PRESET_CONFIGS["tiny"], two_experts=True)
+# Wan2.2-T2V-A14B hands the steps below timestep 875 to its low-noise expert.
+WAN22_BOUNDARY_RATIO = 0.875
 # Wan 2.1 text-to-video: UniPC in flow-prediction mode with shifted flow sigmas.
 WAN_SCHEDULER_CONFIG = {
     "num_train_timesteps": 1000,
@@ -58,7 +65,7 @@ WAN_SCHEDULER_CONFIG = {
 
 
 def build_wan_preset(folder: Path, size: str) -> None:
-    """Builds the `size` ("tiny") preset and saves it as a float32 WanPipeline into `folder`."""
+    """Builds the `size` preset ("tiny", or "tiny-2.2" with two experts) as a float32 WanPipeline."""
     cfg = WAN_PRESET_CONFIGS[size]
     folder = Path(folder)
     write_t5_tokenizer(folder / "tokenizer", cfg.umt5_vocab_size)
@@ -75,19 +82,23 @@ def build_wan_preset(folder: Path, size: str) -> None:
         temperal_downsample=[False, True, True],  # 4x in time, 8x in space
     )
 
-    torch.manual_seed(1)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=cfg.num_attention_heads,
-        attention_head_dim=cfg.attention_head_dim,
-        in_channels=vae.config.z_dim,
-        out_channels=vae.config.z_dim,
-        text_dim=cfg.umt5_d_model,
-        ffn_dim=cfg.ffn_dim,
-        num_layers=cfg.num_layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-    )
+    def expert(seed: int) -> WanTransformer3DModel:
+        torch.manual_seed(seed)
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=cfg.num_attention_heads,
+            attention_head_dim=cfg.attention_head_dim,
+            in_channels=vae.config.z_dim,
+            out_channels=vae.config.z_dim,
+            text_dim=cfg.umt5_d_model,
+            ffn_dim=cfg.ffn_dim,
+            num_layers=cfg.num_layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+        )
+
+    transformer = expert(1)
+    transformer_2 = expert(3) if cfg.two_experts else None
 
     torch.manual_seed(2)
     text_encoder = UMT5EncoderModel(
@@ -111,5 +122,7 @@ def build_wan_preset(folder: Path, size: str) -> None:
         vae=vae,
         scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
         transformer=transformer,
+        transformer_2=transformer_2,
+        boundary_ratio=WAN22_BOUNDARY_RATIO if cfg.two_experts else None,
     )
     pipe.save_pretrained(folder, safe_serialization=True)

@@ -1,0 +1,90 @@
+"""Wan 2.2's two experts on a server of their own: a weight update names the expert it changes (full,
+LoRA, or from a pipeline folder) and changes only the steps that expert runs, which a trainer then
+replays with both experts by name."""
+
+import shutil
+
+import grpc
+import pytest
+import torch
+from helpers import assert_replays, family_request, field_violations, perturbed, start_server, with_lora
+from peft import get_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from rollout_client import RolloutClient
+
+FAMILY = "wan2.2"
+
+
+@pytest.fixture
+def family():
+    return FAMILY
+
+
+@pytest.fixture
+def wan22(family_folder, cache_dir, tmp_path):
+    """A tiny-wan2.2 server whose --weights-root holds a copy of its own pipeline folder."""
+    root = tmp_path / "weights"
+    shutil.copytree(family_folder, root / "pipeline")
+    server = start_server(
+        cache_dir, tmp_path / "wan22.log", "--model", "tiny-wan2.2", "--weights-root", str(root)
+    )
+    try:
+        with RolloutClient(server.address, timeout=120) as client:
+            yield client
+    finally:
+        server.stop()
+
+
+def test_an_update_of_the_low_noise_expert_changes_only_its_steps(wan22, family_transformer):
+    experts = family_transformer
+    request = family_request(FAMILY, "FLOW_SDE", cfg=True)
+    before = wan22.rollout(request)
+    assert before[0].step_transformers == ["transformer", "transformer", "transformer_2", "transformer_2"]
+
+    changed = perturbed(experts["transformer_2"], seed=5)
+    assert wan22.update_weights(changed.state_dict(), 1, target="transformer_2").policy_version == 1
+    after = wan22.rollout(request)
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(old.latents[:3], new.latents[:3])  # x_0, and steps 0 and 1 on transformer
+        assert (old.latents[3:] - new.latents[3:]).abs().amax(dim=tuple(range(1, 5))).min() > 1e-3
+    assert_replays(
+        {"transformer": experts["transformer"], "transformer_2": changed}, after, bare_reference=True
+    )
+    with pytest.raises(AssertionError):
+        assert_replays(experts, after)  # the old low-noise expert does not replay it
+
+    # A LoRA on the low-noise expert only (over its updated weights): the server reports it under
+    # that expert's name.
+    adapted, config = with_lora(changed, trained=True)
+    adapter = get_peft_model_state_dict(adapted)
+    wan22.update_weights(adapter, 2, lora_config=config, target="transformer_2")
+    info = wan22.server_info()
+    wrapped = sorted(name for name, module in adapted.named_modules() if isinstance(module, BaseTunerLayer))
+    assert list(info.lora_adapters) == ["transformer_2"] and not info.HasField("lora_adapter")
+    assert list(info.lora_adapters["transformer_2"].modules) == wrapped
+    with_adapter = wan22.rollout(request)
+    assert torch.equal(with_adapter[0].latents[:3], before[0].latents[:3])
+    assert_replays({"transformer": experts["transformer"], "transformer_2": adapted}, with_adapter)
+
+    # The pipeline folder's transformer_2 brings the expert back (a full update drops its LoRA).
+    assert wan22.load_weights("pipeline", 3, target="transformer_2").policy_version == 3
+    assert not wan22.server_info().lora_adapters
+    for old, new in zip(before, wan22.rollout(request), strict=True):
+        assert torch.equal(old.latents, new.latents)
+
+
+@pytest.mark.parametrize("target", ["transformer_3", "../transformer", ""])
+def test_an_unknown_expert_is_refused_by_name(wan22, family_transformer, target):
+    if not target:  # the default, the first expert: accepted
+        assert wan22.load_weights("pipeline", 1, target=target).policy_version == 1
+        return
+    for call in (
+        lambda: wan22.update_weights(family_transformer["transformer"].state_dict(), 1, target=target),
+        lambda: wan22.load_weights("pipeline", 1, target=target),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [violation.field for violation in field_violations(refused.value)] == ["target"]
+    assert wan22.server_info().policy_version == 0
