@@ -295,7 +295,14 @@ def test_help_is_quiet_and_lists_every_preset():
     assert result.stdout.startswith("usage: rollout-server serve")
     squeezed = "".join(result.stdout.split())  # argparse wraps lines, even inside a preset name
     assert f"presetname({','.join(PRESETS)})" in squeezed
-    assert len(PRESETS) == 4
+    assert set(PRESETS) == {
+        "tiny-flux",
+        "small-flux",
+        "tiny-sd3",
+        "tiny-qwen-image",
+        "tiny-wan",
+        "tiny-wan2.2",
+    }
 
 
 def test_startup_shows_only_our_own_output(server):
