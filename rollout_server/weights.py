@@ -89,12 +89,12 @@ def _reject(field: str, description: str) -> InvalidRequest:
     return InvalidRequest([(field, description)])
 
 
-def check_target(target: str, experts) -> None:
-    """InvalidRequest on ``target`` unless it names one of the server's transformers (checked before
-    the name reaches a path or a lookup)."""
+def check_target(target: str, experts, field: str = "header.target") -> None:
+    """InvalidRequest on ``field`` unless ``target`` names one of the server's transformers (checked
+    before the name reaches a path or a lookup)."""
     if target not in experts:
         named = ", ".join(repr(name) for name in experts)
-        raise _reject("target", f"{quoted(target)} is not one of this model's transformers ({named})")
+        raise _reject(field, f"{quoted(target)} is not one of this model's transformers ({named})")
 
 
 def check_version(new: int, current: int, field: str = "policy_version") -> None:
@@ -422,7 +422,7 @@ def read_update(
     safetensors weights of a file, a diffusers model folder or a pipeline folder's ``target``. A
     stale version, or files of more than ``max_bytes`` in all, are refused before anything is read;
     non-finite values once read."""
-    check_target(request.target or "transformer", experts)
+    check_target(request.target or "transformer", experts, "target")
     check_version(request.policy_version, current_version, "policy_version")
     path = resolve_under(root, request.path)
     try:
