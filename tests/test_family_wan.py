@@ -127,22 +127,22 @@ def test_the_cli_writes_an_animated_preview_and_a_sheet_of_first_frames(family_r
 
 
 @pytest.mark.parametrize("family", ["wan"])
-def test_a_latent_above_the_servers_bound_is_refused(family, cache_dir, tmp_path):
-    """--max-latent-elements bounds one sample's latent: 9 frames at 64 x 64 are 16 x 3 x 8 x 8 = 3072
-    elements."""
-    from helpers import start_server
+def test_a_latent_above_the_servers_bound_is_refused(family, family_folder):
+    """``--max-latent-elements`` bounds one sample's latent: 9 frames at 64 x 64 are 16 x 3 x 8 x 8 =
+    3072 elements, 5 frames 2048."""
+    from rollout_server import families
+    from rollout_server.limits import Limits
+    from rollout_server.presets import defaults_for
+    from rollout_server.validation import InvalidRequest, ServingContext, resolve
 
-    from rollout_client import RolloutClient
-
-    server = start_server(
-        cache_dir, tmp_path / "bounded.log", "--model", "tiny-wan", "--max-latent-elements", "3000"
+    adapter = families.load(family_folder, torch.device("cpu"), torch.float32)
+    bounded = Limits(max_latent_elements=3000)
+    serving = ServingContext.of(adapter, defaults_for(FAMILIES[family].preset, adapter.defaults()), bounded)
+    assert (
+        bounded.to_proto(adapter.side_multiple, adapter.max_frames, adapter.frame_step).max_latent_elements
+        == 3000
     )
-    try:
-        with RolloutClient(server.address, timeout=60) as bounded:
-            assert bounded.server_info().limits.max_latent_elements == 3000
-            assert len(bounded.rollout(family_request(family, "ODE", cfg=False, num_frames=5))) == 4  # 2048
-            with pytest.raises(grpc.RpcError) as refused:
-                bounded.rollout(family_request(family, "ODE", cfg=False, num_frames=9))
-            assert [v.field for v in field_violations(refused.value)] == ["num_frames"]
-    finally:
-        server.stop()
+    assert resolve(family_request(family, "ODE", cfg=False, num_frames=5), serving).num_frames == 5
+    with pytest.raises(InvalidRequest) as refused:
+        resolve(family_request(family, "ODE", cfg=False, num_frames=9), serving)
+    assert [field for field, _ in refused.value.violations] == ["num_frames"]
