@@ -2,6 +2,7 @@
 replay parity, weight-update helpers and grpcurl. The fixtures built from these live in conftest.py."""
 
 import copy
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -84,6 +85,23 @@ class Family:
 
 SHORT_PROMPT = "a fox"
 LONG_PROMPT = "A cozy cabin in the mountains covered with fresh snow, warm light in the windows."
+# Wan 2.1: video latents, the raw integer timestep, classic CFG on guidance_scale.
+WAN = Family(
+    preset="tiny-wan",
+    transformer="WanTransformer3DModel",
+    pipeline="WanPipeline",
+    prompts=("a red fox in the snow", "two cats"),
+    base_seed=41,
+    cfg_on={"guidance_scale": 5.0, "negative_prompt": "blurry"},
+    cfg_off={"guidance_scale": 1.0},
+    timestep_divisor=1.0,
+    cfg_rule=("true_cfg", 5.0),
+    env_keys=frozenset({"encoder_hidden_states", "attention_kwargs", "return_dict"}),
+    latent_shape=(16, 2, 8, 8),  # the preset's 5 frames: 2 latent frames of 8 x 8
+    replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
+    text_width="text_dim",
+)
+
 FAMILIES = {
     "flux": Family(
         preset="tiny-flux",
@@ -149,38 +167,13 @@ FAMILIES = {
         ),
         latent_shape=(16, 4 * 16),  # 4 x 4 packed tokens of 4 x 16 channels
     ),
-    # Wan 2.1: video latents, the raw integer timestep, classic CFG on guidance_scale.
-    "wan": Family(
-        preset="tiny-wan",
-        transformer="WanTransformer3DModel",
-        pipeline="WanPipeline",
-        prompts=("a red fox in the snow", "two cats"),
-        base_seed=41,
-        cfg_on={"guidance_scale": 5.0, "negative_prompt": "blurry"},
-        cfg_off={"guidance_scale": 1.0},
-        timestep_divisor=1.0,
-        cfg_rule=("true_cfg", 5.0),
-        env_keys=frozenset({"encoder_hidden_states", "attention_kwargs", "return_dict"}),
-        latent_shape=(16, 2, 8, 8),  # the preset's 5 frames: 2 latent frames of 8 x 8
-        replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
-        text_width="text_dim",
-    ),
+    "wan": WAN,
     # Wan 2.2: two experts; of 4 steps (timesteps 999, 900, 750, 500) the last two are below the
     # boundary (875) and run transformer_2.
-    "wan2.2": Family(
+    "wan2.2": dataclasses.replace(
+        WAN,
         preset="tiny-wan2.2",
-        transformer="WanTransformer3DModel",
-        pipeline="WanPipeline",
-        prompts=("a red fox in the snow", "two cats"),
         base_seed=51,
-        cfg_on={"guidance_scale": 5.0, "negative_prompt": "blurry"},
-        cfg_off={"guidance_scale": 1.0},
-        timestep_divisor=1.0,
-        cfg_rule=("true_cfg", 5.0),
-        env_keys=frozenset({"encoder_hidden_states", "attention_kwargs", "return_dict"}),
-        latent_shape=(16, 2, 8, 8),
-        replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
-        text_width="text_dim",
         experts=("transformer", "transformer_2"),
         step_transformers=("transformer", "transformer", "transformer_2", "transformer_2"),
     ),
