@@ -224,6 +224,8 @@ class PolicyUpdate:
     def score_ready(self, collector: Collector) -> None:
         """Score the steps that have fully arrived and are not scored yet (advantages unknown)."""
         steps = [i for i in stochastic_steps(collector) if i not in self.scored_steps and collector.ready(i)]
+        if not steps:
+            return
         trajectories = collector.trajectories()
         for i, rows in micro_batches(trajectories, steps, self.args.micro_batch):
             self.pending.append((i, rows, self._score(trajectories, i, rows)))

@@ -93,14 +93,14 @@ def step_transitions(
     device = torch.device(device)
     first = trajectories[0]
     call = first.transformer_call
-    model = expert(transformer, first, i)
+    model, first_key = expert(transformer, first, i), _call_key(first)
     for trajectory in trajectories:
         if not (trajectory.stochastic[i] and trajectory.latent_mask[i] and trajectory.latent_mask[i + 1]):
             raise ValueError(
                 f"step {i} of sample {trajectory.sample_index} is not stochastic, or x_{i} or x_{i + 1} "
                 "was not streamed"
             )
-        if _call_key(trajectory) != _call_key(first) or expert(transformer, trajectory, i) is not model:
+        if _call_key(trajectory) != first_key or expert(transformer, trajectory, i) is not model:
             raise ValueError(
                 "the trajectories differ in transformer call, env shapes or expert: pass them apart"
             )
