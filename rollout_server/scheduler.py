@@ -144,9 +144,11 @@ class Scheduler:
 
     @property
     def in_flight(self) -> int:
-        """Rollouts queued or running."""
+        """Rollouts queued or running whose stream is still open: a cancelled call frees its place at
+        once, although the worker drops its rollout only at the next round."""
         with self._changed:
-            return len(self.running) + sum(isinstance(job, RolloutJob) for job in self._queue)
+            running = sum(not job.dropped for job in self.running.values())
+            return running + sum(isinstance(job, RolloutJob) and not job.dropped for job in self._queue)
 
     @property
     def queued(self) -> int:

@@ -36,6 +36,8 @@ SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
 SERVICE_NAME = SERVICE.full_name
 # How often a shutting-down server checks whether its rollouts have finished.
 _DRAIN_POLL_SECONDS = 0.05
+# How long the rollouts ended at shutdown have to send their status before their calls are cut.
+_STATUS_SECONDS = 2.0
 # Methods whose requests have a parser of their own (see upload.parse_update_message).
 _REQUEST_PARSERS = {"UpdateWeights": upload.parse_update_message}
 
@@ -200,8 +202,10 @@ class RolloutServer:
 
     async def stop(self) -> None:
         """Drain, then close: health goes NOT_SERVING and new calls get UNAVAILABLE "shutting down"
-        while the running rollouts get the grace period; then the listener closes, cancelling what
-        is left."""
+        while the running rollouts get the grace period. Then the engine stops after its current
+        round, ending what is left with UNAVAILABLE "the server is shutting down", and the listener
+        closes once those statuses are out (a client that reads nothing meanwhile is cut off after
+        ``_STATUS_SECONDS``)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.grace_seconds
         self.service.begin_shutdown()
@@ -209,8 +213,8 @@ class RolloutServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         while self.service.engine.scheduler.in_flight and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_POLL_SECONDS)
-        await self.server.stop(max(deadline - loop.time(), 0.0))
         await asyncio.to_thread(self.service.engine.close)  # the loop must keep running meanwhile
+        await self.server.stop(_STATUS_SECONDS)
 
     async def serve_until_stopped(self) -> int:
         """Serve until SIGINT/SIGTERM (exit code 0) or a fatal rank failure (exit code 1)."""

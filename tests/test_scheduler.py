@@ -56,6 +56,20 @@ def test_admission_is_bounded(loop):
     assert scheduler.in_flight == 2
 
 
+def test_a_cancelled_rollout_frees_its_place_at_once(loop):
+    """A closed stream stops counting against --max-queued before the worker's next round drops it,
+    whether its rollout was running or still queued."""
+    scheduler = Scheduler(max_queued=2, max_running_samples=1)
+    running, queued = job(loop, 1), job(loop, 1)
+    scheduler.submit(running)
+    scheduler.submit(queued)
+    assert scheduler.next_round(TIMEOUT).join == [running]  # queued does not fit beside it
+    for cancelled in (running, queued):
+        cancelled.outbox.close()
+        scheduler.submit(job(loop, 1))  # no round in between
+    assert scheduler.in_flight == 2
+
+
 def test_an_update_is_a_barrier(loop):
     """Rollout a runs when the update arrives; b arrives after it. b does not join while a runs; the
     update comes alone once a has finished, and b joins after it."""
