@@ -29,13 +29,16 @@ class LocalServer:
         launcher: tuple[str, ...] = (),
         timeout: float = 120.0,
         preexec_fn: Callable[[], None] | None = None,
+        cwd: Path | None = None,
     ) -> "LocalServer":
         """Start ``rollout-server serve --port 0 ARGS`` (under ``python LAUNCHER``, e.g. torchrun's
-        ``-m torch.distributed.run --nproc-per-node 2``) and return once it accepts connections.
-        ``preexec_fn`` runs in the child before the server starts."""
+        ``-m torch.distributed.run --nproc-per-node 2``) in ``cwd`` and return once it accepts
+        connections. ``preexec_fn`` runs in the child before the server starts."""
         command = [sys.executable, *launcher, "-m", "rollout_server", "serve", "--port", "0", *args]
         with log_path.open("w") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn, cwd=cwd
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             match = next(filter(None, map(SERVING_LINE.search, log_path.read_text().splitlines())), None)

@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,8 @@ ATTENTION_SPLITS = ("ulysses", "ring", "ulysses+ring")
 IMAGE_INPUTS = ("hidden_states", "img_ids")
 # Commands rank 0 broadcasts to the others.
 HEARTBEAT, ROUND, UPDATE, STOP = "heartbeat", "round", "update", "stop"
+# How long a failed collective waits for a spawned rank's process to exit, so the error can name it.
+_EXIT_WAIT_SECONDS = 2.0
 
 
 class RankFailure(RuntimeError):
@@ -156,9 +159,17 @@ class SequenceParallel:
         return bool(value.item())
 
     def describe_failure(self) -> str:
-        """Which ranks are gone, when this process started them."""
-        dead = [(rank, p.returncode) for rank, p in enumerate(self.helpers, start=1) if p.poll() is not None]
-        return "".join(f"rank {rank} exited with {code}; " for rank, code in dead)
+        """Which ranks are gone, when this process started them. A collective fails as soon as a dead
+        rank's sockets close, which can be before its process has exited: wait up to
+        ``_EXIT_WAIT_SECONDS`` for one to be reaped."""
+        deadline = time.monotonic() + _EXIT_WAIT_SECONDS
+        while True:
+            dead = [
+                (rank, p.returncode) for rank, p in enumerate(self.helpers, start=1) if p.poll() is not None
+            ]
+            if dead or not self.helpers or time.monotonic() > deadline:
+                return "".join(f"rank {rank} exited with {code}; " for rank, code in dead)
+            time.sleep(0.01)
 
     def shutdown(self) -> None:
         if self.enabled and dist.is_initialized():

@@ -27,6 +27,7 @@ DEBUG_TENSORS = {
     rollout_pb2.DEBUG_TENSOR_SD,
     rollout_pb2.DEBUG_TENSOR_VELOCITY,
 }
+SCALE_FIELDS = ("guidance_scale", "true_cfg_scale")
 # Smallest positive noise level: below it sd is lost in the float32 rounding of the latents, so a
 # 'stochastic' step would be deterministic in all but name.
 MIN_NOISE_LEVEL = 1e-6
@@ -70,6 +71,7 @@ class ServingContext:
     side_multiple: int
     limits: Limits
     cfg_scale_field: str = "true_cfg_scale"
+    scale_fields: tuple[str, ...] = ("guidance_scale", "true_cfg_scale")  # the scales the model reads
     max_frames: int = 1  # the family's; image families take 1
     frame_step: int = 0  # video families: num_frames - 1 is a multiple of it
     # One sample's latent shape for a media shape (None: not checked against max_latent_elements).
@@ -83,6 +85,7 @@ class ServingContext:
             side_multiple=adapter.side_multiple,
             limits=limits,
             cfg_scale_field=adapter.cfg_scale_field,
+            scale_fields=adapter.scale_fields,
             max_frames=adapter.max_frames,
             frame_step=adapter.frame_step,
             latent_shape=adapter.latent_shape,
@@ -116,8 +119,9 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     """Validate ``request`` and return a copy with every default filled in and explicit seeds."""
     limits = context.limits
     bad: list[tuple[str, str]] = []
+    defaults = defaults_proto(context)
     resolved = rollout_pb2.RolloutRequest()
-    resolved.CopyFrom(defaults_proto(context))
+    resolved.CopyFrom(defaults)
     resolved.MergeFrom(request)
     # MergeFrom appends repeated fields: take the request's own.
     del resolved.seeds[:], resolved.stochastic_steps[:], resolved.debug_tensors[:]
@@ -194,6 +198,12 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         bad.append(("guidance_scale", f"must be finite and in [0, 100], got {resolved.guidance_scale}"))
     if not _finite_in(resolved.true_cfg_scale, 1.0, 100.0):
         bad.append(("true_cfg_scale", f"must be finite and in [1, 100], got {resolved.true_cfg_scale}"))
+    for field in SCALE_FIELDS:
+        # A scale the model does not read would be ignored: refused, unless it is the default that a
+        # started event echoes (so a resolved request can be resent).
+        ignored = request.HasField(field) and getattr(request, field) != getattr(defaults, field)
+        if field not in context.scale_fields and ignored:
+            bad.append((field, f"this model does not use it; its CFG scale is {context.cfg_scale_field}"))
     if request.negative_prompt and getattr(resolved, context.cfg_scale_field) <= 1.0:
         bad.append(("negative_prompt", f"is only used with {context.cfg_scale_field} > 1"))
     if len(request.negative_prompt) > limits.max_prompt_chars:

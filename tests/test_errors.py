@@ -9,7 +9,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from helpers import field_violations, make_request
+from helpers import family_request, field_violations, make_request
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -169,3 +169,20 @@ def test_noise_level_bound_is_per_sampler(client, sampler, noise_level):
         make_request(VALID, sampler=sampler, noise_level=noise_level, manifest_only=False)
     )
     assert trajectory.log_probs[trajectory.stochastic].isfinite().all()
+
+
+@pytest.mark.parametrize(
+    "family, field, value",
+    [("sd3", "true_cfg_scale", 3.0), ("wan", "true_cfg_scale", 3.0), ("qwen-image", "guidance_scale", 3.5)],
+)
+def test_a_scale_the_model_does_not_read_is_refused(family, field, value, family_client):
+    """SD3 and Wan take their CFG scale from guidance_scale, Qwen-Image (no embedded guidance) from
+    true_cfg_scale: the other scale would be silently ignored, so it is INVALID_ARGUMENT naming it.
+    The default, which a started event echoes, is still accepted, so a resolved request can be resent."""
+    request = family_request(family, "ODE", cfg=False, num_steps=2, **{field: value})
+    with pytest.raises(grpc.RpcError) as raised:
+        family_client.rollout(request)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [violation.field for violation in field_violations(raised.value)] == [field]
+    setattr(request, field, getattr(family_client.server_info().defaults, field))
+    assert len(family_client.rollout(request)) == 4

@@ -7,6 +7,7 @@ so no test depends on how fast the CPU is. Every wait is bounded: a server bug f
 of hanging the suite.
 """
 
+import os
 import re
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,7 +23,8 @@ from grpc_health.v1 import health_pb2
 from helpers import health_status, start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rollout_server.presets import PRESETS
+from rollout_server.local import LocalServer
+from rollout_server.presets import PRESETS, resolve_model
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 WAIT_SECONDS = 30.0
@@ -173,6 +176,42 @@ def test_overload_is_resource_exhausted(launch):
     assert "Traceback" not in server.log()
 
 
+def test_a_cancelled_call_frees_its_place_at_once(launch):
+    """With --max-queued 2 and one rollout in long rounds (1-2 s a step), calls that start and
+    are cancelled one after another are each admitted: a cancel frees its place at once, not when
+    the round ends."""
+    server = launch("--max-queued", "2")
+    with grpc.insecure_channel(server.address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        long_round = rollout_pb2.RolloutRequest(
+            prompts=["a red fox"],
+            samples_per_prompt=8,
+            height=1024,
+            width=1024,
+            num_steps=20,
+            images=False,
+            latents=rollout_pb2.LATENT_SELECTION_NONE,
+        )
+        running = stub.Rollout(long_round, timeout=WAIT_SECONDS)
+        assert next(running).WhichOneof("event") == "started"
+        refused = []
+        for cycle in range(5):
+            request = small_request()
+            request.request_id = unique_id(f"cycle{cycle}")
+            call = stub.Rollout(request, timeout=WAIT_SECONDS)
+            ended = threading.Event()
+            call.add_done_callback(lambda _, ended=ended: ended.set())
+            # A refusal comes at once; an admitted call waits for the round to end before it starts.
+            if ended.wait(0.5) and call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                refused.append(cycle)
+            else:
+                call.cancel()
+                assert logged_status(server, request.request_id) == "CANCELLED"
+        running.cancel()
+        assert refused == [], f"cycles refused although every earlier call was cancelled: {refused}"
+        assert_serves(stub)
+
+
 def test_graceful_shutdown_on_sigterm(launch):
     """SIGTERM while a rollout streams: health leaves SERVING, new rollouts get UNAVAILABLE, the
     running rollout gets the 2 s grace period and is then cancelled, its stream ends, and the process
@@ -203,6 +242,23 @@ def test_graceful_shutdown_on_sigterm(launch):
         assert drain(running) in going_away
     assert "shutting down (grace 2 s)" in server.log()
     assert logged_status(server, request_id) == "CANCELLED"
+
+
+def test_rollouts_left_after_the_grace_period_end_as_shutting_down(launch):
+    """A rollout still running when the grace period ends (its client reads on, slowly) ends with
+    UNAVAILABLE "the server is shutting down", the documented status, not gRPC's own cancel."""
+    server = launch("--grace-seconds", "1")
+    with grpc.insecure_channel(server.address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        running = stub.Rollout(long_request(unique_id("slow")), timeout=WAIT_SECONDS)
+        assert next(running).WhichOneof("event") == "started"
+        server.process.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as raised:
+            for _ in running:
+                time.sleep(0.1)  # 100 steps take this reader 10 s, well past the grace period
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the server is shutting down" in raised.value.details()
+    assert server.process.wait(timeout=WAIT_SECONDS) == 0
 
 
 def test_stalled_reader_is_ended_and_frees_the_worker(launch):
@@ -321,3 +377,22 @@ def test_sigint_stops_the_server(launch):
     server.process.send_signal(signal.SIGINT)
     assert server.process.wait(timeout=WAIT_SECONDS) == 0
     assert "shutting down" in server.log()
+
+
+def test_model_path_is_absolute_with_a_relative_cache_dir(tiny_flux_folder, cache_dir, tmp_path):
+    """GetServerInfo.model_path is absolute whatever the server's working directory and --cache-dir,
+    so a trainer started elsewhere loads the same folder."""
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    relative = os.path.relpath(cache_dir, workdir)
+    server = LocalServer.start(
+        tmp_path / "server.log", "--cache-dir", relative, "--threads", "1", cwd=workdir
+    )
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            info = stub.GetServerInfo(rollout_pb2.GetServerInfoRequest(), timeout=WAIT_SECONDS)
+    finally:
+        assert server.stop() == 0
+    assert Path(info.model_path).is_absolute()
+    assert Path(info.model_path) == resolve_model("tiny-flux", cache_dir) == tiny_flux_folder

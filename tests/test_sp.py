@@ -5,6 +5,8 @@ rank that dies turns into a clear error and a non-zero exit, never a hang."""
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +18,7 @@ from helpers import assert_replays, assert_same_numbers, make_request, split_eve
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient
 from rollout_server.local import LocalServer
+from rollout_server.parallel import SequenceParallel
 
 EPS, VELOCITY = rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_VELOCITY
 RANK_READY = re.compile(r"rank (?P<rank>\d+) of 2 ready \(pid (?P<pid>\d+)")
@@ -152,6 +155,17 @@ def test_killed_rank_ends_the_stream_and_the_server(cache_dir, tmp_path):
     assert "rank 1" in raised.value.details()
     assert time.monotonic() - killed_at < timeout + 5
     assert server.process.wait(timeout=timeout + 30) != 0
+
+
+def test_a_failure_names_a_rank_whose_process_is_still_exiting():
+    """A collective fails as soon as a dead rank's sockets close, which can be before its process
+    has exited: the error still names the rank (here one that exits 0.3 s after the failure)."""
+    rank_1 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3); raise SystemExit(3)"])
+    try:
+        assert SequenceParallel(degree=2, helpers=[rank_1]).describe_failure() == "rank 1 exited with 3; "
+    finally:
+        rank_1.kill()
+        rank_1.wait()
 
 
 def test_qwen_image_sp2_matches_sp1_with_uneven_prompt_lengths(cache_dir, tmp_path):

@@ -74,6 +74,15 @@ class FamilyAdapter(ABC):
         self.pipe.set_progress_bar_config(disable=True)
 
     @property
+    def scale_fields(self) -> tuple[str, ...]:
+        """The request's scale fields this model reads: its CFG scale, and ``guidance_scale`` when the
+        transformer embeds guidance (guidance-distilled models)."""
+        fields = {self.cfg_scale_field}
+        if getattr(self.transformer.config, "guidance_embeds", False):
+            fields.add("guidance_scale")
+        return tuple(sorted(fields))
+
+    @property
     def transformer(self) -> torch.nn.Module:
         """The denoising transformer (the policy; the first expert of a family with several)."""
         return self.pipe.transformer

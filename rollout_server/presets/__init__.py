@@ -56,13 +56,15 @@ def preset_fingerprint() -> str:
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
-    """Returns a folder holding a diffusers pipeline (with `model_index.json`) for a preset name or a path.
+    """Returns the absolute path of a folder holding a diffusers pipeline (with `model_index.json`) for
+    a preset name or a path: absolute, so that a trainer in another working directory can load it.
 
     Presets are built into `cache_dir` (default: `default_cache_dir()`) on first use.
     """
     if name_or_path in PRESETS:
-        return _build_preset_once(name_or_path, Path(cache_dir) if cache_dir else default_cache_dir())
-    path = Path(name_or_path).expanduser()
+        cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        return _build_preset_once(name_or_path, cache.resolve())
+    path = Path(name_or_path).expanduser().resolve()
     if (path / "model_index.json").is_file():
         return path
     if path.is_dir():
