@@ -4,7 +4,7 @@ Rollouts and weight updates wait in one queue, in arrival order. The engine's wo
 ``Round`` before each batched step; the scheduler decides it:
 
 * **drop**: rollouts whose stream has ended (the caller left, its deadline passed, or it stalled);
-  queued ones are dropped before they cost anything.
+  queued ones are dropped before they cost anything, as are queued updates whose caller left.
 * **join**: rollouts join the running set from the head of the queue while their samples fit in
   ``max_running_samples`` (a rollout joins an empty set whatever its size). The first one that does
   not fit waits, and everything behind it waits too: strictly FIFO, so a large request is never
@@ -116,6 +116,10 @@ class UpdateJob:
     update: weights.WeightUpdate
     done: Future = field(default_factory=Future)
 
+    @property
+    def dropped(self) -> bool:
+        return self.done.cancelled()  # its caller left before it ran
+
 
 @dataclass
 class Round:
@@ -167,6 +171,7 @@ class Scheduler:
     def submit_update(self, update: weights.WeightUpdate) -> Future:
         """Queue a checked update; the future ends once it is applied or has failed."""
         job = UpdateJob(update)
+        job.done.add_done_callback(lambda _: self.wake())  # a cancel frees its place at once
         with self._changed:
             self._queue.append(job)
             self._changed.notify()
@@ -218,7 +223,7 @@ class Scheduler:
         planned = Round(drop=[key for key, job in self.running.items() if job.dropped])
         for key in planned.drop:
             del self.running[key]
-        self._queue = deque(job for job in self._queue if not (isinstance(job, RolloutJob) and job.dropped))
+        self._queue = deque(job for job in self._queue if not job.dropped)
         samples = sum(job.samples for job in self.running.values())
         while self._queue and isinstance(head := self._queue[0], RolloutJob):
             if self.running and samples + head.samples > self.max_running_samples:

@@ -1,6 +1,7 @@
 """RolloutPool over real replica processes: the same trajectories as one server, prompt groups kept
-whole, failover with identical noise after a SIGKILL, weight updates fanned out, and a replica that
-missed one kept out of routing until the pool replays it."""
+whole, failover with identical noise after a SIGKILL or a SIGSTOP, weight updates fanned out, a
+replica that missed one kept out of routing until the pool replays it, and a stopped replica that
+blocks neither updates nor the health watcher."""
 
 import re
 import signal
@@ -26,6 +27,9 @@ FIELDS = {
     "width": 64,
 }
 REQUEST = make_request(FIELDS)
+# The pools' stall_seconds here: well above a tiny-flux replica's longest silence on a loaded machine
+# (a step at 256 x 256 takes about 30 ms on one core), so only a stopped replica is declared hung.
+STALL_SECONDS = 5.0
 
 
 @pytest.fixture
@@ -53,7 +57,7 @@ def wait_until(condition, seconds: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def assert_same_trajectories(pooled, alone) -> None:
+def assert_same_trajectories(pooled, alone, atol: float = TOLERANCE) -> None:
     assert len(pooled) == len(alone)
     for a, b in zip(pooled, alone, strict=True):
         assert (a.request_id, a.sample_index, a.prompt_index, a.prompt, a.seed) == (
@@ -64,8 +68,8 @@ def assert_same_trajectories(pooled, alone) -> None:
             b.seed,
         )
         assert torch.equal(a.latents[0], b.latents[0])  # x_0: the noise is the seed's
-        torch.testing.assert_close(a.latents, b.latents, atol=TOLERANCE, rtol=0)
-        torch.testing.assert_close(a.log_probs, b.log_probs, atol=TOLERANCE, rtol=0, equal_nan=True)
+        torch.testing.assert_close(a.latents, b.latents, atol=atol, rtol=0)
+        torch.testing.assert_close(a.log_probs, b.log_probs, atol=atol, rtol=0, equal_nan=True)
         assert a.image_png is not None
 
 
@@ -115,6 +119,100 @@ def test_a_replica_killed_mid_rollout_is_replaced_with_identical_noise(replicas,
         replicas[victim] = restart(replicas[victim], cache_dir, tmp_path)
         wait_until(lambda: pool.replicas[victim].healthy)  # re-admitted by its health checks
     finally:
+        pool.close()
+
+
+def test_a_replica_stopped_mid_rollout_is_replaced_with_bitwise_the_same_numbers(replicas, client):
+    """Without a timeout nothing but the stall rule ends a call to a stopped replica: the pool declares
+    it hung, re-runs its group on the other replica (alone there, as the solo run was: bitwise the
+    same), and routes to it again after SIGCONT once a probe rollout has completed on it."""
+    slow = make_request(FIELDS, prompts=["a red fox"], num_steps=40, height=256, width=256)
+    alone = client.rollout(slow)
+    pool = RolloutPool(
+        [server.address for server in replicas], health_interval=0.2, stall_seconds=STALL_SECONDS
+    )
+    victim = None
+    try:
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(trajectories=pool.rollout(slow)))
+        worker.start()
+        wait_until(lambda: any(replica.outstanding for replica in pool.replicas))
+        victim = next(k for k, replica in enumerate(pool.replicas) if replica.outstanding)
+        time.sleep(0.5)  # into the rollout (about 2 s on one core)
+        replicas[victim].process.send_signal(signal.SIGSTOP)
+        worker.join(timeout=30)  # stall_seconds, then the re-run: a few seconds
+        assert "trajectories" in result, "the pool still waits on the stopped replica"
+        assert_same_trajectories(result["trajectories"], alone, atol=0)
+        assert pool.retries == 1 and pool.replicas[victim].failures == 1
+        assert pool.replicas[victim].hangs == 1 and not pool.replicas[victim].healthy
+
+        replicas[victim].process.send_signal(signal.SIGCONT)
+        wait_until(lambda: pool.replicas[victim].healthy)
+        outcomes = re.findall(r"rollout id=(pool-\w+) .* status=(\w+)", replicas[victim].log())
+        # Stopped before it finished, cancelled; then the probe it passed to route again.
+        assert outcomes == [("pool-test", "CANCELLED"), ("pool-probe", "OK")]
+    finally:
+        if victim is not None:
+            replicas[victim].process.send_signal(signal.SIGCONT)
+        pool.close()
+
+
+def updates_queued(server, version: int) -> int:
+    """How many updates to ``version`` the server has queued behind its running rollouts."""
+    return server.log().count(f"weight update to version {version} queued")
+
+
+def test_a_stopped_replica_blocks_neither_updates_nor_the_watcher_and_is_caught_up_after(
+    replicas, tiny_transformer
+):
+    """Replica 0 stops twice with an update in flight to it: once under a fan-out, once under the
+    watcher's replay of what it missed. Each time the pool goes on without it (an update returns,
+    another replica's death is noticed) and, after SIGCONT, it is caught up and routes again."""
+    stopped = replicas[0]
+    adapted, config = with_lora(tiny_transformer, trained=True)
+    adapter = get_peft_model_state_dict(adapted)
+    pool = RolloutPool(
+        [server.address for server in replicas], timeout=60, health_interval=0.2, stall_seconds=STALL_SECONDS
+    )
+    direct = RolloutClient(stopped.address)
+    try:
+        # A rollout the pool did not send holds replica 0's update barrier: its stream is not read,
+        # so the server parks it (ending it only after its own --stall-seconds, 60).
+        held = direct.stub.Rollout(
+            make_request(FIELDS, request_id="held", prompts=["a kite"], num_steps=100, height=512, width=512)
+        )
+        next(held)  # it runs
+
+        # Replica 0 stops while the fan-out of version 1 waits on it.
+        outcome = {}
+        update = threading.Thread(
+            target=lambda: outcome.update(response=pool.update_weights(adapter, 1, lora_config=config))
+        )
+        update.start()
+        wait_until(lambda: updates_queued(stopped, 1) == 1)
+        stopped.process.send_signal(signal.SIGSTOP)
+        update.join(timeout=30)  # stall_seconds, then the other replica's answer
+        assert "response" in outcome, "update_weights still waits on the stopped replica"
+        assert outcome["response"].policy_version == pool.version == 1
+        assert not pool.replicas[0].healthy and pool.replicas[0].hangs == 1
+
+        # It resumes; the watcher replays version 1 to it, behind the held rollout; it stops again.
+        stopped.process.send_signal(signal.SIGCONT)
+        wait_until(lambda: updates_queued(stopped, 1) == 2)
+        stopped.process.send_signal(signal.SIGSTOP)
+        assert pool.update_weights(adapter, 2, lora_config=config).policy_version == 2
+        replicas[1].stop(signal.SIGKILL)
+        wait_until(lambda: not pool.replicas[1].healthy, seconds=15)  # a health check: 4 s at most
+
+        stopped.process.send_signal(signal.SIGCONT)
+        held.cancel()
+        wait_until(lambda: pool.replicas[0].healthy)
+        assert direct.server_info().policy_version == 2  # both updates replayed
+        assert "rollout id=pool-probe samples=1 steps=1" in stopped.log()
+        assert {t.policy_version for t in pool.rollout(REQUEST)} == {2}
+    finally:
+        stopped.process.send_signal(signal.SIGCONT)
+        direct.close()
         pool.close()
 
 

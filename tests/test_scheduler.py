@@ -90,6 +90,20 @@ def test_an_update_is_a_barrier(loop):
     assert scheduler.next_round(TIMEOUT).join == [b]
 
 
+def test_a_cancelled_update_frees_its_place_at_once(loop):
+    """Two updates wait behind rollout a; the first one's caller leaves (its future is cancelled, as
+    a gRPC cancel does). Once a has finished, the second one comes next, not an idle round."""
+    scheduler = Scheduler(max_queued=8, max_running_samples=64)
+    a = job(loop, 1)
+    scheduler.submit(a)
+    assert scheduler.next_round(TIMEOUT).join == [a]
+    left, waiting = scheduler.submit_update(object()), scheduler.submit_update(object())
+    assert left.cancel()
+    scheduler.finished(a.key)
+    planned = scheduler.next_round(TIMEOUT)
+    assert planned.update is not None and planned.update.done is waiting
+
+
 def test_a_slow_reader_parks_its_rollout_only(loop):
     """A rollout whose outbox holds ``limit`` unsent messages sits out the rounds (counted) while the
     others step; it steps again once its client takes a message."""

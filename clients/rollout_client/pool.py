@@ -10,18 +10,26 @@
   and returns once they have applied it. A replica whose update fails is taken out of routing. The
   pool keeps a snapshot of every update since the last self-contained one (a full update) and replays
   the ones a replica missed, with their versions, before it routes to that replica again.
-* **Failover.** A prompt group whose replica fails (it dies, drains, or reports an internal failure)
-  is re-run with the same seeds on another replica, at most ``max_retries`` times per group;
-  ``retries`` counts them. A watcher thread checks every replica's gRPC health each
-  ``health_interval`` seconds, takes failing ones out of routing, and re-admits them once they are
-  serving and at the pool's policy version.
+* **Failover.** A prompt group whose replica fails (it dies, drains, hangs, or reports an internal
+  failure) is re-run with the same seeds on another replica, at most ``max_retries`` times per
+  group; ``retries`` counts them.
+* **Hung replicas.** A replica on which the pool has waited ``stall_seconds`` without receiving
+  anything (no message of a rollout, no answer to a call) is hung: a monitor thread cancels all its
+  calls (it replaces the replica's channel), so its groups re-run elsewhere and its updates count as
+  missed, and it comes back only after a probe rollout completes on it.
+* **Health.** A watcher thread per replica checks its gRPC health each ``health_interval`` seconds,
+  takes it out of routing when it fails, and re-admits it once it is serving and at the pool's
+  policy version. A watcher never waits on a replica's work: replays and probes run in threads of
+  their own, one per replica at a time, each call under the stall rule.
 
 Routing only sends work to replicas at the pool's policy version. When none is available, it falls
 back to a healthy replica whose version still satisfies the request's ``min_policy_version`` (when
 it sets one).
 """
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import secrets
 import threading
@@ -38,8 +46,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollout.v1 import rollout_pb2
 from rollout_client.client import RolloutClient
 from rollout_client.credentials import TLS
-from rollout_client.events import Event
-from rollout_client.trajectory import Trajectory
+from rollout_client.events import Event, decode_stream
+from rollout_client.trajectory import Trajectory, collect
 from rollout_core.noise import derive_seeds
 
 log = logging.getLogger("rollout_client.pool")
@@ -56,6 +64,13 @@ REPLICA_FAILURES = {
 
 
 HEALTH_TIMEOUT = 2.0  # seconds for a health check or server info of the watcher
+# The default stall_seconds: a healthy replica answers within a step, a prompt encoding or a decode.
+STALL_SECONDS = 60.0
+# What a replica that hung must complete before it routes again: one step of one sample at the
+# server's defaults, without images (it shows the worker runs, not only the network thread).
+PROBE = rollout_pb2.RolloutRequest(
+    request_id="pool-probe", prompts=["a probe"], samples_per_prompt=1, num_steps=1, images=False
+)
 CHANNEL_OPTIONS = [
     # A replica that comes back is seen within a second, not after gRPC's reconnect backoff (which
     # grows to minutes); its own subchannels, so other channels to the address do not share that state.
@@ -69,6 +84,23 @@ class NoReplica(RuntimeError):
     """No replica can take the work within the pool's wait."""
 
 
+class ReplicaHung(grpc.RpcError):
+    """A call ended because its replica was declared hung (the pool waited ``stall_seconds`` on it
+    without receiving anything). Its code is UNAVAILABLE, as for a replica that went away."""
+
+    def __init__(self, address: str, seconds: float):
+        super().__init__(f"replica {address} sent nothing for {seconds:g} s")
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
+
+    def trailing_metadata(self) -> None:
+        return None  # no server status came (grpc_status.rpc_status.from_call reads this)
+
+
 @dataclasses.dataclass
 class Replica:
     address: str
@@ -78,6 +110,11 @@ class Replica:
     outstanding: int = 0  # samples routed to it and not finished
     failures: int = 0  # prompt groups that failed on it and were re-run elsewhere
     stuck: str = ""  # why it cannot catch up with the pool's version, if it cannot
+    hangs: int = 0  # times it was declared hung
+    needs_probe: bool = False  # it hung: a probe rollout must complete before it routes again
+    waiting: int = 0  # calls the pool is blocked on, waiting for the replica's next word
+    heard_at: float = 0.0  # its last word (monotonic), or when the pool began to wait on it
+    recovering: bool = False  # a replay or a probe of it is running
 
 
 @dataclasses.dataclass
@@ -99,6 +136,12 @@ class RolloutPool:
 
     >>> with RolloutPool(["10.0.3.7:50051", "10.0.3.8:50051"]) as pool:
     ...     trajectories = pool.rollout(prompts=["a red fox", "a kite"], samples_per_prompt=8, base_seed=7)
+
+    ``stall_seconds``: how long the pool waits on a replica without receiving anything before it
+    declares it hung. It must exceed the longest silence of a healthy replica: its longest step,
+    prompt encoding, decode or weight update, and the queueing behind work the pool did not send.
+    Default: 60 s, or half the ``timeout`` when that is shorter (so a hang is seen before the
+    call's deadline turns it into the request's error).
     """
 
     def __init__(
@@ -110,18 +153,24 @@ class RolloutPool:
         max_retries: int = 2,
         health_interval: float = 1.0,
         wait_seconds: float = 60.0,
+        stall_seconds: float | None = None,
     ):
         if not addresses:
             raise ValueError("a pool needs at least one replica address")
-        self.replicas = [
-            Replica(a, RolloutClient(a, timeout, tls, token, channel_options=CHANNEL_OPTIONS))
-            for a in addresses
-        ]
-        self.max_retries, self.wait_seconds = max_retries, wait_seconds
+        if stall_seconds is None:
+            stall_seconds = STALL_SECONDS if timeout is None else min(STALL_SECONDS, timeout / 2)
+        if not stall_seconds > 0:
+            raise ValueError(f"stall_seconds must be > 0, got {stall_seconds}")
+        self._connect = functools.partial(
+            RolloutClient, timeout=timeout, tls=tls, token=token, channel_options=CHANNEL_OPTIONS
+        )
+        self.replicas = [Replica(a, self._connect(a)) for a in addresses]
+        self.max_retries, self.wait_seconds, self.stall_seconds = max_retries, wait_seconds, stall_seconds
         self.retries = 0  # prompt groups re-run on another replica
         self._lock = threading.Condition()  # guards the replicas' routing state
-        self._update_lock = threading.Lock()  # one update (or replay) at a time
-        versions = [_serving_version(replica.client) for replica in self.replicas]
+        self._update_lock = threading.Lock()  # one fan-out update at a time
+        with ThreadPoolExecutor(len(self.replicas)) as executor:  # a stopped replica delays no other
+            versions = list(executor.map(_serving_version, [replica.client for replica in self.replicas]))
         self.version = max((v for v in versions if v is not None), default=0)
         for replica, version in zip(self.replicas, versions, strict=True):
             replica.version, replica.healthy = version or 0, version == self.version
@@ -132,8 +181,16 @@ class RolloutPool:
         self._info: rollout_pb2.GetServerInfoResponse | None = None
         self._stop = threading.Event()
         self._health_interval = health_interval
-        self._watcher = threading.Thread(target=self._watch, name="rollout-pool-health", daemon=True)
-        self._watcher.start()
+        self._recoveries = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="rollout-pool-recover")
+        self._watchers = [
+            threading.Thread(target=self._watch, args=(replica,), name=f"rollout-pool-watch-{k}", daemon=True)
+            for k, replica in enumerate(self.replicas)
+        ]
+        self._watchers.append(
+            threading.Thread(target=self._watch_stalls, name="rollout-pool-stalls", daemon=True)
+        )
+        for watcher in self._watchers:
+            watcher.start()
 
     # Routing ----------------------------------------------------------------------------------------
 
@@ -173,6 +230,84 @@ class RolloutPool:
                 log.warning("replica %s out of routing: %s", replica.address, reason)
             replica.healthy = False
 
+    # Calls on a replica, under the stall rule -------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _on(self, replica: Replica) -> Iterator[RolloutClient]:
+        """The replica's client for one call. A call that fails because the replica was declared
+        hung meanwhile (its channel closed under the call, or before it began) raises ReplicaHung."""
+        with self._lock:
+            client, hangs = replica.client, replica.hangs
+        try:
+            yield client
+        except (grpc.RpcError, ValueError) as error:  # ValueError: an RPC on a closed channel
+            if replica.hangs == hangs:
+                raise
+            raise ReplicaHung(replica.address, self.stall_seconds) from error
+
+    @contextlib.contextmanager
+    def _waiting(self, replica: Replica) -> Iterator[None]:
+        """The pool waits on ``replica`` for the body; the wait's end (an answer, or an error) is a
+        word from it."""
+        with self._lock:
+            if not replica.waiting:
+                replica.heard_at = time.monotonic()
+            replica.waiting += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                replica.waiting -= 1
+                replica.heard_at = time.monotonic()
+
+    def _call(self, replica: Replica, send):
+        """``send(client)``, one unary or client-streaming call on ``replica``, under the stall rule."""
+        with self._on(replica) as client, self._waiting(replica):
+            return send(client)
+
+    def _events(self, replica: Replica, request: rollout_pb2.RolloutRequest) -> Iterator[Event]:
+        """The typed events of ``request`` on ``replica``, the pool waiting on the replica while it
+        waits for each message (not while its caller holds an event); closing it cancels the call."""
+        with self._on(replica) as client:
+            call = client.stub.Rollout(request, timeout=client.timeout, metadata=client.metadata)
+            try:
+                yield from decode_stream(self._messages(replica, call))
+            finally:
+                call.cancel()
+
+    def _messages(self, replica: Replica, call) -> Iterator[rollout_pb2.RolloutResponse]:
+        """The call's messages, each waited for under the stall rule."""
+        while True:
+            with self._waiting(replica):
+                message = next(call, None)
+            if message is None:
+                return
+            yield message
+
+    def _watch_stalls(self) -> None:
+        """Declare hung each replica the pool has waited on for ``stall_seconds`` without a word: it
+        leaves routing and its channel is replaced, which cancels all its calls (its groups re-run
+        elsewhere, its updates count as missed), and it needs a probe to route again."""
+        while not self._stop.wait(min(1.0, self.stall_seconds / 4)):
+            closing = []
+            with self._lock:
+                now = time.monotonic()
+                for replica in self.replicas:
+                    if not replica.waiting or now - replica.heard_at <= self.stall_seconds:
+                        continue
+                    log.warning(
+                        "replica %s hung: the pool waited %.1f s on it without a word; its calls are "
+                        "cancelled, and it routes again after a probe rollout",
+                        replica.address,
+                        now - replica.heard_at,
+                    )
+                    closing.append(replica.client)
+                    replica.client = self._connect(replica.address)
+                    replica.hangs += 1
+                    replica.healthy, replica.needs_probe, replica.heard_at = False, True, now
+            for client in closing:
+                client.close()
+
     # Rollouts ---------------------------------------------------------------------------------------
 
     def rollout(self, request: rollout_pb2.RolloutRequest | None = None, **fields) -> list[Trajectory]:
@@ -197,7 +332,7 @@ class RolloutPool:
             replica = self._acquire(samples, request.min_policy_version, avoid)
             started = False
             try:
-                for event in replica.client.stream(request):
+                for event in self._events(replica, request):
                     started = True
                     yield event
                 return
@@ -265,7 +400,7 @@ class RolloutPool:
         for attempt in range(self.max_retries + 1):
             replica = self._acquire(samples, request.min_policy_version, avoid)
             try:
-                trajectories = replica.client.rollout(request)
+                trajectories = collect(self._events(replica, request))
                 break
             except grpc.RpcError as error:
                 if error.code() not in REPLICA_FAILURES or attempt == self.max_retries:
@@ -304,8 +439,8 @@ class RolloutPool:
     ) -> rollout_pb2.UpdateWeightsResponse:
         """``RolloutClient.update_weights`` on every routable replica at once (a progress bar per
         replica for a large update, when asked); returns once all of them applied it (the first
-        replica's response). A replica whose update fails leaves routing until it is brought to this
-        version; if none applied it, the first error is raised."""
+        replica's response). A replica whose update fails, or that hangs on it, leaves routing until
+        it is brought to this version; if none applied it, the first error is raised."""
         snapshot = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}
         fields = {
             "kind": kind,
@@ -325,13 +460,15 @@ class RolloutPool:
         return self._fan_out(Update(version, None, fields), full=kind == "full")
 
     def _fan_out(self, update: Update, full: bool):
+        if full:
+            self._static_info()  # read now, not under the lock in _keep: it calls a replica
         with self._update_lock:
             with self._lock:
                 targets = [r for r in self.replicas if r.healthy and r.version == self.version]
             if not targets:
                 raise NoReplica(f"no replica at policy version {self.version} to update")
             with ThreadPoolExecutor(len(targets), thread_name_prefix="rollout-pool-update") as executor:
-                outcomes = list(executor.map(lambda r: _attempt(update.send, r.client), targets))
+                outcomes = list(executor.map(lambda r: _attempt(self._call, r, update.send), targets))
             applied = [
                 (r, result) for r, (result, error) in zip(targets, outcomes, strict=True) if error is None
             ]
@@ -367,51 +504,86 @@ class RolloutPool:
         if len(self._static_info().transformers) <= 1:
             self.updates_base = None
 
-    def _catch_up(self, replica: Replica, version: int) -> None:
-        """Replay, in order and with their versions, the kept updates a replica at ``version`` has
-        not applied (a restarted replica starts from the model folder: the pool's first version)."""
-        with self._update_lock:
-            if self.updates_base is not None and version < self.updates_base:
-                raise RuntimeError(
-                    f"it is at version {version}; the kept updates build on {self.updates_base}"
-                )
-            for update in self.updates:
-                if update.version > version:
-                    update.send(replica.client)
-                    log.info("replica %s replayed policy version %d", replica.address, update.version)
+    def _missed(self, version: int) -> list[Update]:
+        """The kept updates a replica at ``version`` has not applied, in order (a restarted replica
+        starts from the model folder: the pool's first version). Call with the lock held."""
+        if version >= self.version:
+            return []
+        if self.updates_base is not None and version < self.updates_base:
+            raise RuntimeError(f"it is at version {version}; the kept updates build on {self.updates_base}")
+        return [update for update in self.updates if update.version > version]
 
     # Health -----------------------------------------------------------------------------------------
 
-    def _watch(self) -> None:
-        """Each health_interval: take replicas that stopped serving out of routing; bring serving ones
-        below the pool's version up to it; re-admit those at it."""
+    def _watch(self, replica: Replica) -> None:
+        """Each health_interval (a check takes at most two HEALTH_TIMEOUTs): take the replica out of
+        routing if it stopped serving, re-admit it if it serves at the pool's version, or start
+        bringing it back (``_recover``, off this thread: a watcher never waits on a replica's work)."""
         while not self._stop.wait(self._health_interval):
-            for replica in self.replicas:
-                try:
-                    version = _serving_version(replica.client)
-                except grpc.RpcError as error:
-                    self._suspend(replica, f"{error.code().name}: {error.details()}")
-                    continue
-                if version is None:
-                    self._suspend(replica, "not serving")
-                    continue
-                if version < self.version:
-                    self._suspend(replica, f"at policy version {version}, below the pool's {self.version}")
-                    try:
-                        self._catch_up(replica, version)
-                    except (grpc.RpcError, RuntimeError) as error:
-                        if replica.stuck != str(error):  # once, not every health round
-                            log.warning("replica %s cannot catch up: %s", replica.address, error)
-                        replica.stuck = str(error)
-                        continue
-                    replica.stuck = ""
-                    version = _serving_version(replica.client)
+            with self._lock:
+                client, known = replica.client, replica.version
+            try:
+                version = _serving_version(client)
+            except grpc.RpcError as error:
+                self._suspend(replica, f"{error.code().name}: {error.details()}")
+                continue
+            if version is None:
+                self._suspend(replica, "not serving")
+            else:
+                self._serving(replica, version, known)
+
+    def _serving(self, replica: Replica, version: int, known: int) -> None:
+        """The replica serves at ``version`` (the pool knew it at ``known`` before the check)."""
+        with self._lock:
+            if replica.recovering or replica.version != known:
+                return  # an update or a replay changed it during the check: the reading may be stale
+            if version < self.version:
+                self._suspend(replica, f"at policy version {version}, below the pool's {self.version}")
+            elif not replica.needs_probe:
+                self._admit(replica, version)
+                return
+            replica.recovering = True
+        self._recoveries.submit(self._recover, replica, version)
+
+    def _admit(self, replica: Replica, version: int) -> None:
+        """Record a serving replica's version, and route to it when that is the pool's. Call with the
+        lock held."""
+        replica.version = version
+        if not replica.healthy and not replica.needs_probe and version == self.version:
+            replica.healthy = True
+            log.info("replica %s in routing at policy version %d", replica.address, version)
+            self._lock.notify_all()
+
+    def _recover(self, replica: Replica, version: int) -> None:
+        """Bring a serving replica at ``version`` back: replay, in order and with their versions, the
+        updates it missed (and those kept meanwhile), run the probe rollout if it hung, then admit
+        it. Every call falls under the stall rule, so a replica that hangs again ends it."""
+        try:
+            with self._lock:
+                hangs = replica.hangs
+                missed = self._missed(version)
+            while missed:
+                for update in missed:
+                    self._call(replica, update.send)
+                    version = update.version
+                    log.info("replica %s replayed policy version %d", replica.address, version)
                 with self._lock:
-                    replica.version = version if version is not None else replica.version
-                    if not replica.healthy and version == self.version:
-                        replica.healthy = True
-                        log.info("replica %s in routing at policy version %d", replica.address, version)
-                        self._lock.notify_all()
+                    missed = self._missed(version)
+            if replica.needs_probe:
+                collect(self._events(replica, PROBE))
+                log.info("replica %s completed a probe rollout", replica.address)
+            with self._lock:
+                if replica.hangs == hangs:
+                    replica.needs_probe = False
+                self._admit(replica, version)
+            replica.stuck = ""
+        except (grpc.RpcError, RuntimeError, ValueError) as error:
+            if replica.stuck != str(error):  # once, not every health round
+                log.warning("replica %s cannot come back yet: %s", replica.address, error)
+            replica.stuck = str(error)
+        finally:
+            with self._lock:
+                replica.recovering = False
 
     # The rest of the client surface ----------------------------------------------------------------
 
@@ -422,7 +594,7 @@ class RolloutPool:
         errors = []
         for replica in candidates:
             try:
-                return replica.client.server_info()
+                return self._call(replica, RolloutClient.server_info)
             except grpc.RpcError as error:
                 errors.append(error)
         raise errors[0]
@@ -432,16 +604,18 @@ class RolloutPool:
         infos: dict[str, Any] = {}
         for replica in self.replicas:
             try:
-                infos[replica.address] = replica.client.server_info()
+                infos[replica.address] = self._call(replica, RolloutClient.server_info)
             except grpc.RpcError as error:
                 infos[replica.address] = error
         return infos
 
     def close(self) -> None:
         self._stop.set()
-        self._watcher.join()
+        for watcher in self._watchers:
+            watcher.join()
         for replica in self.replicas:
-            replica.client.close()
+            replica.client.close()  # ends the calls of replays and probes still running
+        self._recoveries.shutdown()
 
     def __enter__(self) -> "RolloutPool":
         return self
@@ -461,8 +635,9 @@ def _is_full(kind: str | None, lora_config: Any) -> bool:
 
 
 def _serving_version(client: RolloutClient) -> int | None:
-    """The server's policy version if its gRPC health says SERVING, else None. Refused credentials
-    are raised: waiting would not help."""
+    """The server's policy version if its gRPC health says SERVING, else None (also when its channel
+    was just closed: the replica was declared hung). Refused credentials are raised: waiting would
+    not help."""
     try:
         health = health_pb2_grpc.HealthStub(client.channel).Check(
             health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT, metadata=client.metadata
@@ -477,14 +652,17 @@ def _serving_version(client: RolloutClient) -> int | None:
         if error.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             raise
         return None
+    except ValueError:  # an RPC on a closed channel
+        return None
 
 
 def _replica_failure(error: grpc.RpcError) -> bool:
     return error.code() in REPLICA_FAILURES or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-def _attempt(send, client: RolloutClient):
+def _attempt(function, *args):
+    """``function(*args)`` and None, or None and the gRPC error it raised."""
     try:
-        return send(client), None
+        return function(*args), None
     except grpc.RpcError as error:
         return None, error
