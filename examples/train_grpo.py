@@ -29,6 +29,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,18 +84,53 @@ COLUMNS = [
 ]
 
 
+def int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{why}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its "invalid int value" message
+    return parse
+
+
+def float_above_zero(why: str = "") -> Callable[[str], float]:
+    """An argparse type: a float above 0 (NaN is not)."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0{why}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", help="address of a running server (default: start one on --model)")
     parser.add_argument("--model", default="tiny-flux", help="preset or folder for the server we start")
     parser.add_argument("--model-path", type=Path, help="the model folder (default: the server's)")
     parser.add_argument("--token-file", type=Path, help="admin token of a server started with tokens")
-    parser.add_argument("--iterations", type=int, default=70)
+    parser.add_argument("--iterations", type=int_at_least(1), default=70)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration (P)")
-    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
+    parser.add_argument(
+        "--group-size",
+        type=int_at_least(2, " (advantages are standardised within a prompt's group: one sample has none)"),
+        default=8,
+        help="samples per prompt (G)",
+    )
     parser.add_argument("--steps", type=int, default=6, help="denoising steps")
     parser.add_argument("--size", type=int, default=128, help="image height and width")
-    parser.add_argument("--noise-level", type=float, default=1.0)
+    parser.add_argument(
+        "--noise-level",
+        type=float_above_zero(" (at 0 the sampler is deterministic: no log-probs to train on)"),
+        default=1.0,
+    )
     parser.add_argument(
         "--window", type=int, default=0, help="Flow-GRPO-Fast: this many consecutive SDE steps (0: all)"
     )
@@ -110,7 +146,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--lora-alpha", type=float, default=32.0, help="the LoRA's output scale is alpha / rank"
     )
     parser.add_argument("--lora-targets", default=",".join(FLUX_TARGETS), help="comma-separated modules")
-    parser.add_argument("--micro-batch", type=int, default=32, help="rows per forward and backward")
+    parser.add_argument(
+        "--micro-batch", type=int_at_least(1), default=32, help="rows per forward and backward"
+    )
     parser.add_argument("--reward", default="rollout_client.rewards:jpeg_compressibility")
     parser.add_argument("--async", dest="async_", action="store_true", help="one version stale rollouts")
     parser.add_argument(

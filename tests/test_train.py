@@ -5,6 +5,7 @@ adapter)."""
 
 import copy
 import csv
+import importlib.util
 import subprocess
 import sys
 
@@ -31,6 +32,7 @@ COLUMNS = [
     "update_seconds",
 ]
 TINY = ["--iterations", "3", "--prompts", "2", "--group-size", "3", "--steps", "3", "--size", "64"]
+TRAINER = ROOT / "examples" / "train_grpo.py"
 PROBE = make_request(
     {"prompts": ["a red fox"], "samples_per_prompt": 2, "base_seed": 11, "num_steps": 3},
     {"height": 64, "width": 64},
@@ -38,7 +40,7 @@ PROBE = make_request(
 
 
 def run_trainer(address: str, out, *flags: str) -> list[dict]:
-    command = [sys.executable, ROOT / "examples" / "train_grpo.py", "--server", address, *TINY, *flags]
+    command = [sys.executable, TRAINER, "--server", address, *TINY, *flags]
     result = subprocess.run([*command, "--out", out], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     with open(out / "metrics.csv") as file:
@@ -56,6 +58,15 @@ def fresh_client(tmp_path, cache_dir, tiny_flux_folder):
             yield client
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    """examples/train_grpo.py as a module (its argument parser)."""
+    spec = importlib.util.spec_from_file_location("train_grpo", TRAINER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
@@ -129,3 +140,19 @@ def test_steps_scored_while_streaming_train_as_after_the_stream(fresh_client, tm
     for name, tensor in adapters[0].items():
         torch.testing.assert_close(tensor, adapters[1][name], atol=1e-6, rtol=0)
     assert any(tensor.abs().max() > 0 for name, tensor in adapters[0].items() if "lora_B" in name)
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--noise-level", "0", "must be above 0 (at 0 the sampler is deterministic"),
+        ("--noise-level", "nan", "must be above 0"),
+        ("--iterations", "0", "must be at least 1, got 0"),
+        ("--group-size", "1", "must be at least 2 (advantages are standardised within a prompt's group"),
+    ],
+)
+def test_arguments_that_cannot_train_are_refused(trainer, capsys, flag, value, message):
+    with pytest.raises(SystemExit) as refused:
+        trainer.parse_args([flag, value])
+    assert refused.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
