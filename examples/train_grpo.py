@@ -360,11 +360,12 @@ def plot_rewards(rows: list[dict], reward: str, path: Path) -> None:
     plt.close(figure)
 
 
-def push(
-    client: RolloutClient, transformer, lora_config: LoraConfig, version: int, trained: list[str]
-) -> int:
-    """Send the LoRA as policy ``version``; check that the server bound it to the trained modules."""
+def push(client: RolloutClient, transformer, lora_config: LoraConfig, trained: list[str]) -> int:
+    """Send the LoRA as the server's next policy version (whatever the server held before: another
+    run's policy, say) and return that version; check that the server bound it to the trained
+    modules."""
     weights = {name: t.detach().cpu() for name, t in get_peft_model_state_dict(transformer).items()}
+    version = client.server_info().policy_version + 1
     pushed = client.update_weights(weights, version, lora_config=lora_config, progress=False)
     bound = list(client.server_info().lora_adapter.modules)
     if bound != trained:
@@ -380,7 +381,6 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
     optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=args.lr)
     # A cosine from lr down to lr / 10 over the run: the late steps refine instead of overshooting.
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.iterations, eta_min=args.lr / 10)
-    version = client.server_info().policy_version  # the policy the trainer holds; a fresh server: 0
     staleness = 1 if args.async_ else 0
     rows: list[dict] = []
     # async: the next rollout streams in the pool's thread while this one trains
@@ -392,16 +392,22 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
             start = time.perf_counter()
             bar = tqdm(total=args.steps + 2, desc=f"iter {iteration:>4}", dynamic_ncols=True)
             update = PolicyUpdate(transformer, args)
+            if upcoming is not None:
+                rollout = upcoming.result()  # async: it streamed while the last iteration trained
+            # The trainer's policy first, so a run's first rollouts are on it whatever the server held.
+            update_start = time.perf_counter()
+            version = push(client, transformer, lora_config, trained)
+            update_seconds = time.perf_counter() - update_start
+            bar.update(1)
             if upcoming is None:
                 on_step = functools.partial(
                     step_arrived, bar=bar, update=update if args.score_while_streaming else None
                 )
                 rollout = stream(client, rollout_request(args, iteration, version), on_step)
-            else:
-                rollout = upcoming.result()
-            bar.update(args.steps - bar.n)
+            bar.update(args.steps + 1 - bar.n)
+            upcoming = None
             if args.async_ and iteration + 1 < args.iterations:
-                # Streams while this iteration trains, on the policy the server has now: one behind.
+                # Streams while this iteration trains, on the policy just pushed: one behind the next.
                 upcoming = pool.submit(stream, client, rollout_request(args, iteration + 1, version))
             if not 0 <= version - rollout.policy_version <= staleness:
                 raise RuntimeError(
@@ -417,10 +423,6 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
             optimizer.step()
             schedule.step()
             bar.update(1)
-
-            update_start = time.perf_counter()
-            version = push(client, transformer, lora_config, version + 1, trained)
-            bar.update(1)
             row = {
                 "iteration": iteration,
                 "policy_version": rollout.policy_version,
@@ -432,8 +434,8 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
                 "kl": update.kl if args.kl_beta > 0 else math.nan,
                 "scored_steps": " ".join(map(str, stochastic_steps(rollout.collector))),
                 "rollout_seconds": rollout.seconds,
-                "train_seconds": update_start - train_start,
-                "update_seconds": time.perf_counter() - update_start,
+                "train_seconds": time.perf_counter() - train_start,
+                "update_seconds": update_seconds,
                 "iteration_seconds": time.perf_counter() - start,
             }
             writer.writerow(row)
@@ -445,6 +447,7 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
                 save_images(trajectories, args.out / "samples" / f"iter-{iteration:04d}")
     save_adapter(transformer, lora_config, args.out / "lora")
     plot_rewards(rows, args.reward, args.out / "reward.png")
+    push(client, transformer, lora_config, trained)  # the server ends on the final policy
     return rows
 
 

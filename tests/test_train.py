@@ -1,7 +1,7 @@
 """``make train``: examples/train_grpo.py closes the loop on a real server. Its rollouts run on the
 policy it pushed, the server binds its LoRA to the modules it trained, and what the server samples
 afterwards is exactly the trainer's final policy (replayed through the base transformer with the saved
-adapter)."""
+adapter). A run starts on its own policy whatever the server held."""
 
 import copy
 import csv
@@ -11,8 +11,16 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, TOLERANCE, assert_replays, make_request, start_server
-from peft import LoraConfig, set_peft_model_state_dict
+from helpers import (
+    ROOT,
+    TOLERANCE,
+    assert_replays,
+    make_request,
+    next_version,
+    start_server,
+    with_lora,
+)
+from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from PIL import Image
 from safetensors.torch import load_file
@@ -49,10 +57,11 @@ def run_trainer(address: str, out, *flags: str) -> list[dict]:
     return rows
 
 
-@pytest.fixture
-def fresh_client(tmp_path, cache_dir, tiny_flux_folder):
-    """A server of its own (the trainer moves its policy), at policy version 0."""
-    server = start_server(cache_dir, tmp_path / "server.log")
+@pytest.fixture(scope="module")
+def train_client(cache_dir, tiny_flux_folder, tmp_path_factory):
+    """This module's server. Each trainer run pushes its own policy before its first rollout, so the
+    runs share it: a run sees nothing of the ones before it."""
+    server = start_server(cache_dir, tmp_path_factory.mktemp("train") / "server.log")
     try:
         with RolloutClient(server.address, timeout=120) as client:
             yield client
@@ -70,16 +79,24 @@ def trainer():
 
 
 def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
-    fresh_client, tmp_path, tiny_transformer
+    train_client, tmp_path, tiny_transformer
 ):
-    before = fresh_client.rollout(PROBE)
+    """Here the server holds another policy first (a random LoRA), as an earlier run leaves it: the
+    trainer's first rollouts still run on its own policy, pushed before them."""
+    foreign, foreign_config = with_lora(tiny_transformer, trained=True)
+    weights = get_peft_model_state_dict(foreign)
+    version = next_version(train_client)
+    train_client.update_weights(weights, version, lora_config=foreign_config, progress=False)
+    before = train_client.rollout(PROBE)
+    first = next_version(train_client)
     out = tmp_path / "train"
-    rows = run_trainer(fresh_client.address, out)
+    rows = run_trainer(train_client.address, out)
 
     assert [int(row["iteration"]) for row in rows] == [0, 1, 2]
-    assert [int(row["policy_version"]) for row in rows] == [0, 1, 2]  # each ran on the last push
-    assert [int(row["pushed_version"]) for row in rows] == [1, 2, 3]
-    assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)  # on policy, in fp32
+    assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)  # on policy from the first, in fp32
+    # Each iteration pushes the trainer's policy, then rolls out on it.
+    assert [int(row["pushed_version"]) for row in rows] == [first, first + 1, first + 2]
+    assert [int(row["policy_version"]) for row in rows] == [first, first + 1, first + 2]
     assert all(float(row[column]) > 0 for row in rows for column in COLUMNS[-3:])
     assert Image.open(out / "reward.png").format == "PNG"
     for iteration in ("iter-0000", "iter-0002"):
@@ -91,28 +108,29 @@ def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
     trained.add_adapter(config)
     set_peft_model_state_dict(trained, load_file(out / "lora" / "adapter_model.safetensors"))
     wrapped = sorted(name for name, module in trained.named_modules() if isinstance(module, BaseTunerLayer))
-    info = fresh_client.server_info()
-    assert info.policy_version == 3
+    info = train_client.server_info()
+    assert info.policy_version == first + 3  # and the final policy after the last iteration
     assert list(info.lora_adapter.modules) == wrapped
     assert {target for target in config.target_modules if any(m.endswith(target) for m in wrapped)} == set(
         config.target_modules
     )
 
     # Same request, same noise; after the pushes the rollout differs, and it is the trainer's policy.
-    after = fresh_client.rollout(PROBE)
-    assert after[0].policy_version == 3
+    after = train_client.rollout(PROBE)
+    assert after[0].policy_version == first + 3
     for old, new in zip(before, after, strict=True):
         assert torch.equal(old.latents[0], new.latents[0])
         assert (old.latents[-1] - new.latents[-1]).abs().max() > 1e-4
     assert_replays(trained, after)
 
 
-def test_async_rollouts_are_at_most_one_version_stale(fresh_client, tmp_path):
-    rows = run_trainer(fresh_client.address, tmp_path / "train", "--async", "--kl-beta", "0.04")
-    # Iteration 0 waits for its rollout; iteration i > 0 trains on rollouts of version i - 1, which
-    # streamed while iteration i - 1 trained.
-    assert [int(row["policy_version"]) for row in rows] == [0, 0, 1]
-    assert [int(row["pushed_version"]) for row in rows] == [1, 2, 3]
+def test_async_rollouts_are_at_most_one_version_stale(train_client, tmp_path):
+    first = next_version(train_client)
+    rows = run_trainer(train_client.address, tmp_path / "train", "--async", "--kl-beta", "0.04")
+    # Iteration 0 waits for its rollout; iteration i > 0 trains on rollouts of the policy before its
+    # own, which streamed while iteration i - 1 trained.
+    assert [int(row["pushed_version"]) for row in rows] == [first, first + 1, first + 2]
+    assert [int(row["policy_version"]) for row in rows] == [first, first, first + 1]
     deviations = [float(row["ratio_max_dev"]) for row in rows]
     assert deviations[0] <= TOLERANCE < deviations[1]  # the ratio sees the stale policy
     # The KL to the base model: none before the first step (the LoRA starts at zero), then some.
@@ -120,16 +138,12 @@ def test_async_rollouts_are_at_most_one_version_stale(fresh_client, tmp_path):
     assert kls[0] == 0 and kls[1] > 0 and kls[2] > 0
 
 
-def test_steps_scored_while_streaming_train_as_after_the_stream(fresh_client, tmp_path, cache_dir):
+def test_steps_scored_while_streaming_train_as_after_the_stream(train_client, tmp_path):
     """The same run with log-probs computed as steps arrive ends with the same adapter (here with a
     Flow-GRPO-Fast window of 2 stochastic steps and micro-batches smaller than a step's rows)."""
     flags = ("--window", "2", "--micro-batch", "4")
-    streamed = run_trainer(fresh_client.address, tmp_path / "streamed", *flags, "--score-while-streaming")
-    other = start_server(cache_dir, tmp_path / "other.log")
-    try:
-        plain = run_trainer(other.address, tmp_path / "plain", *flags)
-    finally:
-        other.stop()
+    streamed = run_trainer(train_client.address, tmp_path / "streamed", *flags, "--score-while-streaming")
+    plain = run_trainer(train_client.address, tmp_path / "plain", *flags)
     for a, b in zip(streamed, plain, strict=True):
         assert float(a["reward_mean"]) == pytest.approx(float(b["reward_mean"]), abs=1e-6)
         assert a["scored_steps"] in ("0 1", "1 2")  # a window of 2 consecutive steps out of 3
