@@ -1,13 +1,19 @@
 """``make train``: examples/train_grpo.py closes the loop on a real server. Its rollouts run on the
 policy it pushed, the server binds its LoRA to the modules it trained, and what the server samples
 afterwards is exactly the trainer's final policy (replayed through the base transformer with the saved
-adapter). A run starts on its own policy whatever the server held."""
+adapter). A run starts on its own policy whatever the server held, a killed run resumes to the
+uninterrupted result, and a hung or dead server is reported and retried, then stops the run with its
+finished iterations checkpointed."""
 
 import copy
 import csv
 import importlib.util
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,16 +51,60 @@ PROBE = make_request(
     {"prompts": ["a red fox"], "samples_per_prompt": 2, "base_seed": 11, "num_steps": 3},
     {"height": 64, "width": 64},
 )
+# A safety net against a trainer that hangs, not a timing assertion.
+WAIT_SECONDS = 180
 
 
-def run_trainer(address: str, out, *flags: str) -> list[dict]:
-    command = [sys.executable, TRAINER, "--server", address, *TINY, *flags]
-    result = subprocess.run([*command, "--out", out], capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
+def trainer_command(address: str, out, *flags: str) -> list:
+    return [sys.executable, TRAINER, "--server", address, *TINY, *flags, "--out", out]
+
+
+def same_for_any_run(row: dict) -> dict:
+    """A metrics row without what two runs with the same seeds may differ in: the server's policy
+    versions and the timings."""
+    return {name: value for name, value in row.items() if not name.endswith(("_version", "_seconds"))}
+
+
+def read_metrics(out) -> list[dict]:
     with open(out / "metrics.csv") as file:
         rows = list(csv.DictReader(file))
     assert set(COLUMNS) <= set(rows[0])
     return rows
+
+
+def run_trainer(address: str, out, *flags: str) -> list[dict]:
+    command = trainer_command(address, out, *flags)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_SECONDS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return read_metrics(out)
+
+
+def start_trainer(address: str, out: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
+    """A trainer process in the background; its output goes to the returned log file."""
+    log = out.with_name(out.name + ".log")
+    with log.open("w") as file:
+        command = trainer_command(address, out, *flags)
+        process = subprocess.Popen(command, stdout=file, stderr=subprocess.STDOUT)
+    return process, log
+
+
+def wait_until(process: subprocess.Popen, log: Path, condition: Callable[[], bool]) -> None:
+    """Until ``condition()`` holds; fails if the trainer exits first."""
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        exited = process.poll() is not None  # polled before the check: what it did before exiting counts
+        if condition():
+            return
+        assert not exited, f"the trainer exited with {process.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"still waiting after {WAIT_SECONDS} s:\n{log.read_text()}"
+        time.sleep(0.05)
+
+
+def metrics_rows(out: Path) -> int:
+    """The iterations a running trainer has finished: the whole rows of its metrics.csv, after the
+    header."""
+    path = out / "metrics.csv"
+    return max(path.read_text().count("\n") - 1, 0) if path.exists() else 0
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +206,74 @@ def test_steps_scored_while_streaming_train_as_after_the_stream(train_client, tm
     assert any(tensor.abs().max() > 0 for name, tensor in adapters[0].items() if "lora_B" in name)
 
 
+def test_a_killed_run_resumes_to_the_uninterrupted_run(train_client, tmp_path, trainer, capsys):
+    """SIGKILL after the first checkpoint, then --resume: the metrics and the final adapter are those of
+    a run that was never interrupted, bit for bit (same seeds, same server, one thread each side)."""
+    flags = ("--iterations", "5", "--checkpoint-every", "2")
+    killed = tmp_path / "killed"
+    process, log = start_trainer(train_client.address, killed, *flags)
+    try:
+        wait_until(process, log, lambda: "checkpoint: iterations 0-1 " in log.read_text())
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == -signal.SIGKILL, log.read_text()  # it was killed with work left
+    assert torch.load(killed / "checkpoint.pt", weights_only=True)["iterations_done"] in (2, 4)
+
+    resumed = run_trainer(train_client.address, killed, *flags, "--resume")
+    whole = run_trainer(train_client.address, tmp_path / "whole", *flags)
+    assert [int(row["iteration"]) for row in resumed] == list(range(5))
+    for row in resumed + whole:
+        assert row["policy_version"] == row["pushed_version"]  # sync: every iteration on its own policy
+        assert float(row["ratio_max_dev"]) <= TOLERANCE
+    assert [same_for_any_run(row) for row in resumed] == [same_for_any_run(row) for row in whole]
+    adapters = [load_file(out / "lora" / "adapter_model.safetensors") for out in (killed, tmp_path / "whole")]
+    assert adapters[0].keys() == adapters[1].keys()
+    assert all(torch.equal(tensor, adapters[1][name]) for name, tensor in adapters[0].items())
+
+    # A checkpoint continues the run it was written by, not another one.
+    with pytest.raises(SystemExit) as refused:
+        trainer.parse_args([*TINY, *flags, "--lr", "0.02", "--out", str(killed), "--resume"])
+    assert refused.value.code == 2
+    assert "--lr 0.02 (the checkpoint's run has 0.01)" in capsys.readouterr().err
+
+
+def test_a_hung_then_dead_server_is_reported_retried_and_the_run_stops_checkpointed(cache_dir, tmp_path):
+    """The trainer's server is stopped (SIGSTOP) mid-run: the trainer says it is waiting, gives up on
+    the call after --stall-timeout and retries, going on once the server resumes. Then the server is
+    killed: after its retries the trainer stops with one line, its finished iterations checkpointed
+    (none was due by --checkpoint-every)."""
+    flags = ("--iterations", "8", "--checkpoint-every", "100", "--stall-timeout", "3", "--retries", "2")
+    server = start_server(cache_dir, tmp_path / "server.log")
+    out = tmp_path / "train"
+    process, log = start_trainer(server.address, out, *flags)
+    try:
+        wait_until(process, log, lambda: metrics_rows(out) >= 1)
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(process, log, lambda: "retry 1 of 2 in 1 s" in log.read_text())
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        rows = metrics_rows(out)
+        wait_until(process, log, lambda: metrics_rows(out) > rows)  # the retry went through
+        server.stop(signal.SIGKILL)
+        assert process.wait(timeout=WAIT_SECONDS) == 1
+    finally:
+        process.kill()
+        server.stop(signal.SIGKILL)
+    output = log.read_text()
+    assert "waiting for the server" in output  # said while the server was stopped
+    # The stopped server held up a rollout (the watchdog ends it) or a push (its deadline does).
+    assert "giving up on the call" in output or "DEADLINE_EXCEEDED" in output
+    assert "UNAVAILABLE" in output and "retry 2 of 2 in 2 s" in output
+    assert "Traceback" not in output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("train_grpo.py: stopped: iteration ") and "failed 3 times" in last, last
+    done = metrics_rows(out)
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["iterations_done"] == done
+    assert last.endswith(f"iterations 0-{done - 1} are in {out / 'checkpoint.pt'}: run again with --resume")
+
+
 @pytest.mark.parametrize(
     "flag, value, message",
     [
@@ -170,3 +288,10 @@ def test_arguments_that_cannot_train_are_refused(trainer, capsys, flag, value, m
         trainer.parse_args([flag, value])
     assert refused.value.code == 2
     assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_resume_needs_a_checkpoint(trainer, capsys, tmp_path):
+    with pytest.raises(SystemExit) as refused:
+        trainer.parse_args(["--out", str(tmp_path), "--resume"])
+    assert refused.value.code == 2
+    assert f"--resume: no checkpoint.pt in {tmp_path}" in capsys.readouterr().err
