@@ -5,9 +5,8 @@ Each mode runs ``examples/train_grpo.py`` for --iterations on a server of its ow
 trainer, one torch thread; the trainer has one more). Printed per mode: the median seconds per
 iteration after the first (the first has no rollout to overlap with in async mode, and pays one-off
 costs in every mode), its ratio to sync, and the medians of the rollout, train and update phases as
-the trainer measured them. In async mode the update waits for the rollout streaming behind it (a
-weight update is a barrier for the rollouts admitted before it), so its update seconds include that
-wait, and its rollout seconds are those of a rollout that streamed while the trainer trained.
+the trainer measured them. In async mode an iteration first takes the rollout that streamed while the
+previous one trained, then pushes; its rollout seconds are those of that rollout.
 
     python bench/train_modes.py
     python bench/train_modes.py --iterations 12 --group-size 16

@@ -16,31 +16,44 @@ i + 1's rollouts are requested when iteration i starts training, with ``min_poli
 run on version i while the trainer holds i + 1, one version stale at most, and the clipped ratio
 corrects for it.
 
+Every iteration starts by pushing the trainer's policy, so the first rollouts of a run (fresh or
+resumed) are on-policy whatever the server held before. A checkpoint (adapter, optimizer, schedule,
+RNG, metrics) is written every --checkpoint-every iterations; --resume goes on from it. A server that
+fails (down, restarting, overloaded, or silent for --stall-timeout seconds) is retried --retries
+times with a growing pause; then the run stops, its finished iterations checkpointed.
+
 Writes to --out: metrics.csv (one row per iteration), reward.png (reward mean +/- std per iteration),
-the first and last iteration's images in samples/iter-NNNN/ and the final LoRA in lora/ (a PEFT
-adapter folder).
+the first and last iteration's images in samples/iter-NNNN/, the final LoRA in lora/ (a PEFT
+adapter folder) and checkpoint.pt.
 """
 
 import argparse
 import csv
 import functools
 import importlib
+import itertools
 import math
 import os
 import re
+import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
+import grpc
 import torch
-from peft import LoraConfig, get_peft_model_state_dict
+from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Collector, RolloutClient, Step, Trajectory, read_token
+from rollout_client.events import decode_stream
 from rollout_client.grpo import (
     clipped_policy_loss,
     group_advantages,
@@ -81,6 +94,61 @@ COLUMNS = [
     "update_seconds",
     "iteration_seconds",
 ]
+CHECKPOINT = "checkpoint.pt"
+# Flags that do not change what a run computes: a resumed run may set them anew.
+OPERATIONAL_FLAGS = {
+    "server",
+    "model_path",
+    "token_file",
+    "device",
+    "threads",
+    "out",
+    "resume",
+    "checkpoint_every",
+    "stall_timeout",
+    "retries",
+}
+# Statuses of a server that is down, restarting, overloaded or stuck rather than of a bad request.
+SERVER_FAILURES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+}
+MAX_RETRY_PAUSE = 30.0  # seconds; the pauses double from 1 s up to this
+REPORT_SECONDS = 10.0  # while a call waits on the server, a line at least this often
+# A server that is down is tried about once a second, not after gRPC's reconnect backoff (up to 2 min).
+CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000)]
+T = TypeVar("T")
+
+
+def int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{why}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its "invalid int value" message
+    return parse
+
+
+def float_above_zero(why: str = "") -> Callable[[str], float]:
+    """An argparse type: a float above 0 (NaN is not)."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0{why}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,12 +157,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="tiny-flux", help="preset or folder for the server we start")
     parser.add_argument("--model-path", type=Path, help="the model folder (default: the server's)")
     parser.add_argument("--token-file", type=Path, help="admin token of a server started with tokens")
-    parser.add_argument("--iterations", type=int, default=70)
+    parser.add_argument("--iterations", type=int_at_least(1), default=70)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration (P)")
-    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
+    parser.add_argument(
+        "--group-size",
+        type=int_at_least(2, " (advantages are standardised within a prompt's group: one sample has none)"),
+        default=8,
+        help="samples per prompt (G)",
+    )
     parser.add_argument("--steps", type=int, default=6, help="denoising steps")
     parser.add_argument("--size", type=int, default=128, help="image height and width")
-    parser.add_argument("--noise-level", type=float, default=1.0)
+    parser.add_argument(
+        "--noise-level",
+        type=float_above_zero(" (at 0 the sampler is deterministic: no log-probs to train on)"),
+        default=1.0,
+    )
     parser.add_argument(
         "--window", type=int, default=0, help="Flow-GRPO-Fast: this many consecutive SDE steps (0: all)"
     )
@@ -110,7 +187,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--lora-alpha", type=float, default=32.0, help="the LoRA's output scale is alpha / rank"
     )
     parser.add_argument("--lora-targets", default=",".join(FLUX_TARGETS), help="comma-separated modules")
-    parser.add_argument("--micro-batch", type=int, default=32, help="rows per forward and backward")
+    parser.add_argument(
+        "--micro-batch", type=int_at_least(1), default=32, help="rows per forward and backward"
+    )
     parser.add_argument("--reward", default="rollout_client.rewards:jpeg_compressibility")
     parser.add_argument("--async", dest="async_", action="store_true", help="one version stale rollouts")
     parser.add_argument(
@@ -122,6 +201,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
     parser.add_argument("--out", type=Path, default=Path("train-output"))
+    parser.add_argument(
+        "--checkpoint-every", type=int_at_least(1), default=10, help="iterations between checkpoints"
+    )
+    parser.add_argument("--resume", action="store_true", help=f"go on from --out's {CHECKPOINT}")
+    parser.add_argument(
+        "--stall-timeout",
+        type=float_above_zero(),
+        default=120.0,
+        help="seconds the server may send nothing: between a rollout's events, or for a whole push or "
+        "info call (above the slowest step of a rollout, queueing included)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int_at_least(0),
+        default=8,
+        help="times a failed server phase is tried again, after pauses of 1, 2, 4 ... 30 s",
+    )
     args = parser.parse_args(argv)
     if args.clip_range is None:
         args.clip_range = 1e-2 if args.async_ else 1e-4
@@ -131,7 +227,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--prompts must be in [1, {len(PROMPTS)}]")
     if not 0 <= args.window <= args.steps:
         parser.error("--window must be in [0, --steps]")
+    args.checkpoint = None
+    if args.resume:
+        path = args.out / CHECKPOINT
+        if not path.is_file():
+            parser.error(f"--resume: no {CHECKPOINT} in {args.out}")
+        args.checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        changed = [
+            f"--{name.rstrip('_').replace('_', '-')} {value} (the checkpoint's run has {recorded})"
+            for name, value in run_settings(args).items()
+            if (recorded := args.checkpoint["settings"].get(name)) != value
+        ]
+        if changed:
+            parser.error(f"--resume: this command sets {', '.join(changed)}")
     return args
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The flags that decide what a run computes, as its checkpoints record them."""
+    ignored = OPERATIONAL_FLAGS | {"checkpoint"}
+    return {name: value for name, value in vars(args).items() if name not in ignored}
 
 
 def load_reward(spec: str) -> Reward:
@@ -194,17 +309,123 @@ def rollout_request(args: argparse.Namespace, iteration: int, min_version: int) 
     )
 
 
-def stream(client: RolloutClient, request, on_step=None) -> Rollout:
-    """Run one rollout, storing each event as it arrives; ``on_step(collector)`` after every step."""
+def say(message: str) -> None:
+    tqdm.write(f"train_grpo: {message}", file=sys.stderr)
+
+
+class ServerStalled(Exception):
+    """A call the watchdog gave up on: the server sent nothing for ``--stall-timeout`` seconds."""
+
+
+class ServerFailure(Exception):
+    """The server failed for good (after the retries) or refused a call: the run stops."""
+
+
+class Watchdog:
+    """Watches a server call from a thread of its own. While the trainer waits on the server it says
+    so every ``REPORT_SECONDS`` (a quarter of ``stall_seconds`` when that is shorter); once it has
+    waited ``stall_seconds`` without progress it calls ``cancel``, if given (a unary call ends on
+    its own deadline instead). Time the trainer spends on its own work between events is not waiting."""
+
+    def __init__(self, what: str, stall_seconds: float, cancel: Callable[[], None] | None = None):
+        self.what, self.stall_seconds, self.cancel = what, stall_seconds, cancel
+        self.stalled = False
+        self.waiting_since: float | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"watchdog {what}", daemon=True)
+
+    def __enter__(self) -> "Watchdog":
+        self.waiting_since = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def watched(self, items: Iterator[T]) -> Iterator[T]:
+        """``items``, timing the wait for each."""
+        while True:
+            self.waiting_since = time.monotonic()
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            finally:
+                self.waiting_since = None
+            yield item
+
+    def _watch(self) -> None:
+        interval = min(REPORT_SECONDS, self.stall_seconds / 4)
+        while not self._done.wait(interval):
+            since = self.waiting_since
+            waited = 0.0 if since is None else time.monotonic() - since
+            if waited >= self.stall_seconds and self.cancel is not None:
+                say(f"{self.what}: nothing from the server for {waited:.0f} s, giving up on the call")
+                self.stalled = True
+                self.cancel()
+                return
+            if waited >= interval:
+                say(f"{self.what}: waiting for the server, {waited:.1f} s of {self.stall_seconds:g}")
+
+
+def stream(client: RolloutClient, request, stall_seconds: float, on_step=None) -> Rollout:
+    """Run one rollout, storing each event as it arrives; ``on_step(collector)`` after every step.
+    The call has no deadline, since its length depends on the server's load; a server that sends
+    nothing for ``stall_seconds`` ends it with ServerStalled."""
     rollout, start = Rollout(), time.perf_counter()
-    for event in client.stream(request):
-        rollout.collector.add(event)
-        if on_step is not None and isinstance(event, Step):
-            on_step(rollout.collector)
+    call = client.stub.Rollout(request, metadata=client.metadata)
+    with Watchdog(f"rollout {request.request_id}", stall_seconds, call.cancel) as watchdog:
+        try:
+            for event in watchdog.watched(decode_stream(call)):
+                rollout.collector.add(event)
+                if on_step is not None and isinstance(event, Step):
+                    on_step(rollout.collector)
+        except grpc.RpcError as error:
+            if watchdog.stalled:
+                raise ServerStalled(f"no event from the server for {stall_seconds:g} s") from error
+            raise
+        finally:
+            call.cancel()
     if rollout.collector.finished is None:
         raise RuntimeError(f"rollout {request.request_id} ended without its finished event")
     rollout.seconds = time.perf_counter() - start
     return rollout
+
+
+def describe(error: Exception) -> str:
+    """A failure on one line: the gRPC status and its message, or the exception's text."""
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        text = f"{error.code().name}: {error.details()}"
+    else:
+        text = str(error)
+    return " ".join(text.split())
+
+
+def retrying(what: str, attempt: Callable[[], T], retries: int, address: str) -> T:
+    """``attempt()``; after a server failure (SERVER_FAILURES, or a stall) it is tried again up to
+    ``retries`` times, after pauses of 1, 2, 4 ... MAX_RETRY_PAUSE seconds. Any other gRPC error, or
+    the last failure, raises ServerFailure."""
+    for retry in itertools.count():
+        try:
+            return attempt()
+        except (grpc.RpcError, ServerStalled) as error:
+            reason = describe(error)
+            transient = isinstance(error, ServerStalled) or (
+                hasattr(error, "code") and error.code() in SERVER_FAILURES
+            )
+            if not transient:
+                raise ServerFailure(f"{what}: the server at {address} refused it: {reason}") from error
+            if retry == retries:
+                raise ServerFailure(
+                    f"{what}: the server at {address} failed {retry + 1} times, last with {reason}"
+                ) from error
+            pause = min(2.0**retry, MAX_RETRY_PAUSE)
+            say(
+                f"{what}: the server at {address} failed ({reason}); "
+                f"retry {retry + 1} of {retries} in {pause:g} s"
+            )
+            time.sleep(pause)
 
 
 class PolicyUpdate:
@@ -323,15 +544,53 @@ def plot_rewards(rows: list[dict], reward: str, path: Path) -> None:
 
 
 def push(
-    client: RolloutClient, transformer, lora_config: LoraConfig, version: int, trained: list[str]
+    client: RolloutClient, transformer, lora_config: LoraConfig, trained: list[str], stall_seconds: float
 ) -> int:
-    """Send the LoRA as policy ``version``; check that the server bound it to the trained modules."""
+    """Send the LoRA as the server's next policy version (whatever the server held before: another
+    run's policy, or none after a restart) and return that version; check that the server bound it to
+    the trained modules. Each call's deadline is the client's, ``stall_seconds``."""
     weights = {name: t.detach().cpu() for name, t in get_peft_model_state_dict(transformer).items()}
-    pushed = client.update_weights(weights, version, lora_config=lora_config, progress=False)
-    bound = list(client.server_info().lora_adapter.modules)
+    with Watchdog("policy push", stall_seconds):
+        version = client.server_info().policy_version + 1
+        pushed = client.update_weights(weights, version, lora_config=lora_config, progress=False)
+        bound = list(client.server_info().lora_adapter.modules)
     if bound != trained:
         raise RuntimeError(f"the server's LoRA binds {bound}, not the trained {trained}")
     return pushed.policy_version
+
+
+def save_checkpoint(path: Path, args, transformer, optimizer, schedule, rows: list[dict]) -> None:
+    """What the run needs to go on after ``len(rows)`` iterations, written to a temporary file and
+    renamed over ``path``: a kill at any moment leaves the previous checkpoint or this one, whole."""
+    state = {
+        "settings": run_settings(args),
+        "iterations_done": len(rows),
+        "adapter": {name: t.detach().cpu() for name, t in get_peft_model_state_dict(transformer).items()},
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "rng": {"cpu": torch.get_rng_state()}
+        | ({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}),
+        "rows": rows,
+    }
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, path)
+
+
+def restore_checkpoint(checkpoint: dict, transformer, optimizer, schedule) -> list[dict]:
+    """Load a checkpoint's adapter, optimizer, schedule and RNG state; returns its metrics rows."""
+    loaded = set_peft_model_state_dict(transformer, checkpoint["adapter"])
+    if loaded.unexpected_keys:
+        raise RuntimeError(f"the checkpoint's adapter has tensors this LoRA lacks: {loaded.unexpected_keys}")
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    schedule.load_state_dict(checkpoint["schedule"])
+    torch.set_rng_state(checkpoint["rng"]["cpu"])
+    if "cuda" in checkpoint["rng"]:
+        torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+    return checkpoint["rows"]
 
 
 def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> list[dict]:
@@ -342,29 +601,67 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
     optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=args.lr)
     # A cosine from lr down to lr / 10 over the run: the late steps refine instead of overshooting.
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.iterations, eta_min=args.lr / 10)
-    version = client.server_info().policy_version  # the policy the trainer holds; a fresh server: 0
-    staleness = 1 if args.async_ else 0
+    checkpoint = args.out / CHECKPOINT
     rows: list[dict] = []
-    # async: the next rollout streams in the pool's thread while this one trains
+    if args.checkpoint is not None:
+        rows = restore_checkpoint(args.checkpoint, transformer, optimizer, schedule)
+        say(f"resuming after iteration {len(rows) - 1} from {checkpoint}")
+    elif checkpoint.exists():
+        say(f"a new run: removing the previous run's {checkpoint} (--resume goes on with it)")
+        checkpoint.unlink()
+    saved = len(rows)  # iterations in the checkpoint on disk
+    staleness = 1 if args.async_ else 0
+    upcoming = None  # async: the next rollout, streaming in the pool's thread while this one trains
+
+    def roll_out(iteration: int, bar: tqdm) -> tuple[Rollout, PolicyUpdate, int, float]:
+        """The server's part of an iteration: push the trainer's policy, and roll out (async: take
+        the rollout that streamed during the last iteration, then push). Safe to try again."""
+        nonlocal upcoming
+        bar.reset()
+        update = PolicyUpdate(transformer, args)
+        pending, upcoming = upcoming, None
+        if pending is not None:
+            rollout = pending.result()
+        push_start = time.perf_counter()
+        version = push(client, transformer, lora_config, trained, args.stall_timeout)
+        push_seconds = time.perf_counter() - push_start
+        bar.update(1)
+        if pending is None:
+            on_step = functools.partial(
+                step_arrived, bar=bar, update=update if args.score_while_streaming else None
+            )
+            request = rollout_request(args, iteration, version)
+            rollout = stream(client, request, args.stall_timeout, on_step)
+        return rollout, update, version, push_seconds
+
     with open(args.out / "metrics.csv", "w", newline="") as metrics, ThreadPoolExecutor(1) as pool:
-        upcoming = None
         writer = csv.DictWriter(metrics, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
-        for iteration in range(args.iterations):
+        writer.writerows(rows)
+        for iteration in range(len(rows), args.iterations):
             start = time.perf_counter()
             bar = tqdm(total=args.steps + 2, desc=f"iter {iteration:>4}", dynamic_ncols=True)
-            update = PolicyUpdate(transformer, args)
-            if upcoming is None:
-                on_step = functools.partial(
-                    step_arrived, bar=bar, update=update if args.score_while_streaming else None
+            try:
+                rollout, update, version, push_seconds = retrying(
+                    f"iteration {iteration}",
+                    functools.partial(roll_out, iteration, bar),
+                    args.retries,
+                    client.address,
                 )
-                rollout = stream(client, rollout_request(args, iteration, version), on_step)
-            else:
-                rollout = upcoming.result()
-            bar.update(args.steps - bar.n)
+            except ServerFailure as failure:
+                bar.close()
+                if not rows:
+                    raise ServerFailure(f"{failure}; no iteration had finished") from failure
+                if saved < len(rows):
+                    save_checkpoint(checkpoint, args, transformer, optimizer, schedule, rows)
+                raise ServerFailure(
+                    f"{failure}; iterations 0-{len(rows) - 1} are in {checkpoint}: run again with --resume"
+                ) from failure
+            bar.update(args.steps + 1 - bar.n)
             if args.async_ and iteration + 1 < args.iterations:
-                # Streams while this iteration trains, on the policy the server has now: one behind.
-                upcoming = pool.submit(stream, client, rollout_request(args, iteration + 1, version))
+                # Streams while this iteration trains, on the policy just pushed: one behind the next.
+                request = rollout_request(args, iteration + 1, version)
+                upcoming = pool.submit(stream, client, request, args.stall_timeout)
             if not 0 <= version - rollout.policy_version <= staleness:
                 raise RuntimeError(
                     f"iteration {iteration} ran on policy {rollout.policy_version}, not {version}"
@@ -379,10 +676,6 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
             optimizer.step()
             schedule.step()
             bar.update(1)
-
-            update_start = time.perf_counter()
-            version = push(client, transformer, lora_config, version + 1, trained)
-            bar.update(1)
             row = {
                 "iteration": iteration,
                 "policy_version": rollout.policy_version,
@@ -394,8 +687,8 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
                 "kl": update.kl if args.kl_beta > 0 else math.nan,
                 "scored_steps": " ".join(map(str, stochastic_steps(rollout.collector))),
                 "rollout_seconds": rollout.seconds,
-                "train_seconds": update_start - train_start,
-                "update_seconds": time.perf_counter() - update_start,
+                "train_seconds": time.perf_counter() - train_start,
+                "update_seconds": push_seconds,
                 "iteration_seconds": time.perf_counter() - start,
             }
             writer.writerow(row)
@@ -405,8 +698,20 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
             bar.close()
             if iteration in (0, args.iterations - 1):
                 save_images(trajectories, args.out / "samples" / f"iter-{iteration:04d}")
+            if len(rows) % args.checkpoint_every == 0 or len(rows) == args.iterations:
+                save_checkpoint(checkpoint, args, transformer, optimizer, schedule, rows)
+                saved = len(rows)
+                say(f"checkpoint: iterations 0-{iteration} in {checkpoint}")
     save_adapter(transformer, lora_config, args.out / "lora")
     plot_rewards(rows, args.reward, args.out / "reward.png")
+    # The server ends on the final policy, for whoever samples from it next.
+    final_push = functools.partial(push, client, transformer, lora_config, trained, args.stall_timeout)
+    try:
+        retrying("the final push", final_push, args.retries, client.address)
+    except ServerFailure as failure:
+        raise ServerFailure(
+            f"{failure}; the run is complete, its adapter in {args.out / 'lora'}"
+        ) from failure
     return rows
 
 
@@ -418,12 +723,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.server is None:
         server = LocalServer.start(args.out / "server.log", "--model", args.model, "--threads", "1")
     token = read_token(args.token_file) if args.token_file else None
+    address = args.server or server.address
     try:
-        with RolloutClient(args.server or server.address, timeout=600, token=token) as client:
-            model_path = args.model_path or Path(client.server_info().model_path)
+        with RolloutClient(
+            address, timeout=args.stall_timeout, token=token, channel_options=CHANNEL_OPTIONS
+        ) as client:
+            info = retrying("reading the server's info", client.server_info, args.retries, address)
+            model_path = args.model_path or Path(info.model_path)
             started = time.perf_counter()
             rows = train(args, client, model_path)
             seconds = time.perf_counter() - started
+    except ServerFailure as failure:
+        raise SystemExit(f"train_grpo.py: stopped: {failure}") from None
     finally:
         if server is not None:
             server.stop()

@@ -1,17 +1,32 @@
 """``make train``: examples/train_grpo.py closes the loop on a real server. Its rollouts run on the
 policy it pushed, the server binds its LoRA to the modules it trained, and what the server samples
 afterwards is exactly the trainer's final policy (replayed through the base transformer with the saved
-adapter)."""
+adapter). A run starts on its own policy whatever the server held, a killed run resumes to the
+uninterrupted result, and a hung or dead server is reported and retried, then stops the run with its
+finished iterations checkpointed."""
 
 import copy
 import csv
+import importlib.util
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TOLERANCE, assert_replays, make_request, start_server
-from peft import LoraConfig, set_peft_model_state_dict
+from helpers import (
+    ROOT,
+    TOLERANCE,
+    assert_replays,
+    make_request,
+    next_version,
+    start_server,
+    with_lora,
+)
+from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from PIL import Image
 from safetensors.torch import load_file
@@ -31,26 +46,72 @@ COLUMNS = [
     "update_seconds",
 ]
 TINY = ["--iterations", "3", "--prompts", "2", "--group-size", "3", "--steps", "3", "--size", "64"]
+TRAINER = ROOT / "examples" / "train_grpo.py"
 PROBE = make_request(
     {"prompts": ["a red fox"], "samples_per_prompt": 2, "base_seed": 11, "num_steps": 3},
     {"height": 64, "width": 64},
 )
+# A safety net against a trainer that hangs, not a timing assertion.
+WAIT_SECONDS = 180
 
 
-def run_trainer(address: str, out, *flags: str) -> list[dict]:
-    command = [sys.executable, ROOT / "examples" / "train_grpo.py", "--server", address, *TINY, *flags]
-    result = subprocess.run([*command, "--out", out], capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
+def trainer_command(address: str, out, *flags: str) -> list:
+    return [sys.executable, TRAINER, "--server", address, *TINY, *flags, "--out", out]
+
+
+def same_for_any_run(row: dict) -> dict:
+    """A metrics row without what two runs with the same seeds may differ in: the server's policy
+    versions and the timings."""
+    return {name: value for name, value in row.items() if not name.endswith(("_version", "_seconds"))}
+
+
+def read_metrics(out) -> list[dict]:
     with open(out / "metrics.csv") as file:
         rows = list(csv.DictReader(file))
     assert set(COLUMNS) <= set(rows[0])
     return rows
 
 
-@pytest.fixture
-def fresh_client(tmp_path, cache_dir, tiny_flux_folder):
-    """A server of its own (the trainer moves its policy), at policy version 0."""
-    server = start_server(cache_dir, tmp_path / "server.log")
+def run_trainer(address: str, out, *flags: str) -> list[dict]:
+    command = trainer_command(address, out, *flags)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_SECONDS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return read_metrics(out)
+
+
+def start_trainer(address: str, out: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
+    """A trainer process in the background; its output goes to the returned log file."""
+    log = out.with_name(out.name + ".log")
+    with log.open("w") as file:
+        command = trainer_command(address, out, *flags)
+        process = subprocess.Popen(command, stdout=file, stderr=subprocess.STDOUT)
+    return process, log
+
+
+def wait_until(process: subprocess.Popen, log: Path, condition: Callable[[], bool]) -> None:
+    """Until ``condition()`` holds; fails if the trainer exits first."""
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        exited = process.poll() is not None  # polled before the check: what it did before exiting counts
+        if condition():
+            return
+        assert not exited, f"the trainer exited with {process.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"still waiting after {WAIT_SECONDS} s:\n{log.read_text()}"
+        time.sleep(0.05)
+
+
+def metrics_rows(out: Path) -> int:
+    """The iterations a running trainer has finished: the whole rows of its metrics.csv, after the
+    header."""
+    path = out / "metrics.csv"
+    return max(path.read_text().count("\n") - 1, 0) if path.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def train_client(cache_dir, tiny_flux_folder, tmp_path_factory):
+    """This module's server. Each trainer run pushes its own policy before its first rollout, so the
+    runs share it: a run sees nothing of the ones before it."""
+    server = start_server(cache_dir, tmp_path_factory.mktemp("train") / "server.log")
     try:
         with RolloutClient(server.address, timeout=120) as client:
             yield client
@@ -58,17 +119,34 @@ def fresh_client(tmp_path, cache_dir, tiny_flux_folder):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def trainer():
+    """examples/train_grpo.py as a module (its argument parser)."""
+    spec = importlib.util.spec_from_file_location("train_grpo", TRAINER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
-    fresh_client, tmp_path, tiny_transformer
+    train_client, tmp_path, tiny_transformer
 ):
-    before = fresh_client.rollout(PROBE)
+    """Here the server holds another policy first (a random LoRA), as an earlier run leaves it: the
+    trainer's first rollouts still run on its own policy, pushed before them."""
+    foreign, foreign_config = with_lora(tiny_transformer, trained=True)
+    weights = get_peft_model_state_dict(foreign)
+    version = next_version(train_client)
+    train_client.update_weights(weights, version, lora_config=foreign_config, progress=False)
+    before = train_client.rollout(PROBE)
+    first = next_version(train_client)
     out = tmp_path / "train"
-    rows = run_trainer(fresh_client.address, out)
+    rows = run_trainer(train_client.address, out)
 
     assert [int(row["iteration"]) for row in rows] == [0, 1, 2]
-    assert [int(row["policy_version"]) for row in rows] == [0, 1, 2]  # each ran on the last push
-    assert [int(row["pushed_version"]) for row in rows] == [1, 2, 3]
-    assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)  # on policy, in fp32
+    assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)  # on policy from the first, in fp32
+    # Each iteration pushes the trainer's policy, then rolls out on it.
+    assert [int(row["pushed_version"]) for row in rows] == [first, first + 1, first + 2]
+    assert [int(row["policy_version"]) for row in rows] == [first, first + 1, first + 2]
     assert all(float(row[column]) > 0 for row in rows for column in COLUMNS[-3:])
     assert Image.open(out / "reward.png").format == "PNG"
     for iteration in ("iter-0000", "iter-0002"):
@@ -80,28 +158,29 @@ def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
     trained.add_adapter(config)
     set_peft_model_state_dict(trained, load_file(out / "lora" / "adapter_model.safetensors"))
     wrapped = sorted(name for name, module in trained.named_modules() if isinstance(module, BaseTunerLayer))
-    info = fresh_client.server_info()
-    assert info.policy_version == 3
+    info = train_client.server_info()
+    assert info.policy_version == first + 3  # and the final policy after the last iteration
     assert list(info.lora_adapter.modules) == wrapped
     assert {target for target in config.target_modules if any(m.endswith(target) for m in wrapped)} == set(
         config.target_modules
     )
 
     # Same request, same noise; after the pushes the rollout differs, and it is the trainer's policy.
-    after = fresh_client.rollout(PROBE)
-    assert after[0].policy_version == 3
+    after = train_client.rollout(PROBE)
+    assert after[0].policy_version == first + 3
     for old, new in zip(before, after, strict=True):
         assert torch.equal(old.latents[0], new.latents[0])
         assert (old.latents[-1] - new.latents[-1]).abs().max() > 1e-4
     assert_replays(trained, after)
 
 
-def test_async_rollouts_are_at_most_one_version_stale(fresh_client, tmp_path):
-    rows = run_trainer(fresh_client.address, tmp_path / "train", "--async", "--kl-beta", "0.04")
-    # Iteration 0 waits for its rollout; iteration i > 0 trains on rollouts of version i - 1, which
-    # streamed while iteration i - 1 trained.
-    assert [int(row["policy_version"]) for row in rows] == [0, 0, 1]
-    assert [int(row["pushed_version"]) for row in rows] == [1, 2, 3]
+def test_async_rollouts_are_at_most_one_version_stale(train_client, tmp_path):
+    first = next_version(train_client)
+    rows = run_trainer(train_client.address, tmp_path / "train", "--async", "--kl-beta", "0.04")
+    # Iteration 0 waits for its rollout; iteration i > 0 trains on rollouts of the policy before its
+    # own, which streamed while iteration i - 1 trained.
+    assert [int(row["pushed_version"]) for row in rows] == [first, first + 1, first + 2]
+    assert [int(row["policy_version"]) for row in rows] == [first, first, first + 1]
     deviations = [float(row["ratio_max_dev"]) for row in rows]
     assert deviations[0] <= TOLERANCE < deviations[1]  # the ratio sees the stale policy
     # The KL to the base model: none before the first step (the LoRA starts at zero), then some.
@@ -109,16 +188,12 @@ def test_async_rollouts_are_at_most_one_version_stale(fresh_client, tmp_path):
     assert kls[0] == 0 and kls[1] > 0 and kls[2] > 0
 
 
-def test_steps_scored_while_streaming_train_as_after_the_stream(fresh_client, tmp_path, cache_dir):
+def test_steps_scored_while_streaming_train_as_after_the_stream(train_client, tmp_path):
     """The same run with log-probs computed as steps arrive ends with the same adapter (here with a
     Flow-GRPO-Fast window of 2 stochastic steps and micro-batches smaller than a step's rows)."""
     flags = ("--window", "2", "--micro-batch", "4")
-    streamed = run_trainer(fresh_client.address, tmp_path / "streamed", *flags, "--score-while-streaming")
-    other = start_server(cache_dir, tmp_path / "other.log")
-    try:
-        plain = run_trainer(other.address, tmp_path / "plain", *flags)
-    finally:
-        other.stop()
+    streamed = run_trainer(train_client.address, tmp_path / "streamed", *flags, "--score-while-streaming")
+    plain = run_trainer(train_client.address, tmp_path / "plain", *flags)
     for a, b in zip(streamed, plain, strict=True):
         assert float(a["reward_mean"]) == pytest.approx(float(b["reward_mean"]), abs=1e-6)
         assert a["scored_steps"] in ("0 1", "1 2")  # a window of 2 consecutive steps out of 3
@@ -129,3 +204,94 @@ def test_steps_scored_while_streaming_train_as_after_the_stream(fresh_client, tm
     for name, tensor in adapters[0].items():
         torch.testing.assert_close(tensor, adapters[1][name], atol=1e-6, rtol=0)
     assert any(tensor.abs().max() > 0 for name, tensor in adapters[0].items() if "lora_B" in name)
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_run(train_client, tmp_path, trainer, capsys):
+    """SIGKILL after the first checkpoint, then --resume: the metrics and the final adapter are those of
+    a run that was never interrupted, bit for bit (same seeds, same server, one thread each side)."""
+    flags = ("--iterations", "5", "--checkpoint-every", "2")
+    killed = tmp_path / "killed"
+    process, log = start_trainer(train_client.address, killed, *flags)
+    try:
+        wait_until(process, log, lambda: "checkpoint: iterations 0-1 " in log.read_text())
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == -signal.SIGKILL, log.read_text()  # it was killed with work left
+    assert torch.load(killed / "checkpoint.pt", weights_only=True)["iterations_done"] in (2, 4)
+
+    resumed = run_trainer(train_client.address, killed, *flags, "--resume")
+    whole = run_trainer(train_client.address, tmp_path / "whole", *flags)
+    assert [int(row["iteration"]) for row in resumed] == list(range(5))
+    for row in resumed + whole:
+        assert row["policy_version"] == row["pushed_version"]  # sync: every iteration on its own policy
+        assert float(row["ratio_max_dev"]) <= TOLERANCE
+    assert [same_for_any_run(row) for row in resumed] == [same_for_any_run(row) for row in whole]
+    adapters = [load_file(out / "lora" / "adapter_model.safetensors") for out in (killed, tmp_path / "whole")]
+    assert adapters[0].keys() == adapters[1].keys()
+    assert all(torch.equal(tensor, adapters[1][name]) for name, tensor in adapters[0].items())
+
+    # A checkpoint continues the run it was written by, not another one.
+    with pytest.raises(SystemExit) as refused:
+        trainer.parse_args([*TINY, *flags, "--lr", "0.02", "--out", str(killed), "--resume"])
+    assert refused.value.code == 2
+    assert "--lr 0.02 (the checkpoint's run has 0.01)" in capsys.readouterr().err
+
+
+def test_a_hung_then_dead_server_is_reported_retried_and_the_run_stops_checkpointed(cache_dir, tmp_path):
+    """The trainer's server is stopped (SIGSTOP) mid-run: the trainer says it is waiting, gives up on
+    the call after --stall-timeout and retries, going on once the server resumes. Then the server is
+    killed: after its retries the trainer stops with one line, its finished iterations checkpointed
+    (none was due by --checkpoint-every)."""
+    flags = ("--iterations", "8", "--checkpoint-every", "100", "--stall-timeout", "3", "--retries", "2")
+    server = start_server(cache_dir, tmp_path / "server.log")
+    out = tmp_path / "train"
+    process, log = start_trainer(server.address, out, *flags)
+    try:
+        wait_until(process, log, lambda: metrics_rows(out) >= 1)
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(process, log, lambda: "retry 1 of 2 in 1 s" in log.read_text())
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        rows = metrics_rows(out)
+        wait_until(process, log, lambda: metrics_rows(out) > rows)  # the retry went through
+        server.stop(signal.SIGKILL)
+        assert process.wait(timeout=WAIT_SECONDS) == 1
+    finally:
+        process.kill()
+        server.stop(signal.SIGKILL)
+    output = log.read_text()
+    assert "waiting for the server" in output  # said while the server was stopped
+    # The stopped server held up a rollout (the watchdog ends it) or a push (its deadline does).
+    assert "giving up on the call" in output or "DEADLINE_EXCEEDED" in output
+    assert "UNAVAILABLE" in output and "retry 2 of 2 in 2 s" in output
+    assert "Traceback" not in output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("train_grpo.py: stopped: iteration ") and "failed 3 times" in last, last
+    done = metrics_rows(out)
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["iterations_done"] == done
+    assert last.endswith(f"iterations 0-{done - 1} are in {out / 'checkpoint.pt'}: run again with --resume")
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--noise-level", "0", "must be above 0 (at 0 the sampler is deterministic"),
+        ("--noise-level", "nan", "must be above 0"),
+        ("--iterations", "0", "must be at least 1, got 0"),
+        ("--group-size", "1", "must be at least 2 (advantages are standardised within a prompt's group"),
+    ],
+)
+def test_arguments_that_cannot_train_are_refused(trainer, capsys, flag, value, message):
+    with pytest.raises(SystemExit) as refused:
+        trainer.parse_args([flag, value])
+    assert refused.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_resume_needs_a_checkpoint(trainer, capsys, tmp_path):
+    with pytest.raises(SystemExit) as refused:
+        trainer.parse_args(["--out", str(tmp_path), "--resume"])
+    assert refused.value.code == 2
+    assert f"--resume: no checkpoint.pt in {tmp_path}" in capsys.readouterr().err
