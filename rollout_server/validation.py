@@ -5,13 +5,12 @@ violation, so a trainer sees at once everything that is wrong with its request.
 """
 
 import math
-import secrets
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollout.v1 import rollout_pb2
-from rollout_core import dtypes, noise, steps
+from rollout_core import dtypes, steps
+from rollout_core.layout import DEFAULT_GROUP_SIZE, sample_layout
 from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape
 from rollout_server.limits import MAX_POLICY_VERSION, Limits
 
@@ -96,7 +95,7 @@ def defaults_proto(context: ServingContext) -> rollout_pb2.RolloutRequest:
     """The defaults applied to unset request fields, as GetServerInfo reports them."""
     d = context.defaults
     return rollout_pb2.RolloutRequest(
-        samples_per_prompt=1,
+        samples_per_prompt=DEFAULT_GROUP_SIZE,
         height=d.height,
         width=d.width,
         num_frames=d.frames,
@@ -126,13 +125,11 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     # MergeFrom appends repeated fields: take the request's own.
     del resolved.seeds[:], resolved.stochastic_steps[:], resolved.debug_tensors[:]
 
-    request_id = request.request_id or uuid.uuid4().hex[:16]
+    layout, layout_problems = sample_layout(request, limits.max_samples)
+    request_id = layout.request_id if layout else request.request_id
     if len(request_id) > limits.max_request_id_chars or not request_id.isprintable():
         bad.append(("request_id", f"must be printable and at most {limits.max_request_id_chars} characters"))
-    resolved.request_id = request_id
 
-    group = resolved.samples_per_prompt
-    total = group * len(request.prompts)
     if not request.prompts:
         bad.append(("prompts", "at least one prompt is required"))
     elif len(request.prompts) > limits.max_samples:
@@ -146,29 +143,13 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
                 bad.append(
                     (f"prompts[{i}]", f"longer than {limits.max_prompt_chars} characters ({len(prompt)})")
                 )
-        if group < 1:
-            bad.append(("samples_per_prompt", "must be at least 1"))
-        elif total > limits.max_samples:
-            bad.append(
-                ("samples_per_prompt", f"prompts x samples_per_prompt = {total} exceeds {limits.max_samples}")
-            )
-
-    if request.seeds:
-        if len(request.seeds) != total:
-            bad.append(("seeds", f"expected {total} seeds (one per sample), got {len(request.seeds)}"))
-        elif len(set(request.seeds)) != len(request.seeds):
-            bad.append(("seeds", "seeds must be distinct: equal seeds draw identical noise"))
-        # Both are accepted only when they agree, so a started event's resolved request can be resent.
-        elif request.HasField("base_seed") and list(request.seeds) != noise.derive_seeds(
-            request.base_seed, len(request.seeds)
-        ):
-            bad.append(("base_seed", "seeds are not the ones base_seed derives; give one or the other"))
-        resolved.seeds.extend(request.seeds)
-    else:
-        if not request.HasField("base_seed"):
-            resolved.base_seed = secrets.randbits(64)
-        if 0 < total <= limits.max_samples:
-            resolved.seeds.extend(noise.derive_seeds(resolved.base_seed, total))
+    bad.extend(layout_problems)
+    if layout is not None:
+        resolved.request_id = layout.request_id
+        resolved.samples_per_prompt = layout.group_size
+        resolved.seeds.extend(layout.seeds)
+        if layout.base_seed is not None:
+            resolved.base_seed = layout.base_seed
 
     for field in ("height", "width"):
         side = getattr(resolved, field)

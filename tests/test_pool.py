@@ -3,6 +3,7 @@ whole, failover with identical noise after a SIGKILL or a SIGSTOP, weight update
 replica that missed one kept out of routing until the pool replays it, and a stopped replica that
 blocks neither updates nor the health watcher."""
 
+import random
 import re
 import signal
 import threading
@@ -12,10 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from helpers import TOLERANCE, make_request, start_server, with_lora
+from helpers import TOLERANCE, field_violations, make_request, start_server, with_lora
 from peft import get_peft_model_state_dict
 
-from rollout_client import RolloutClient, RolloutPool
+from rollout.v1 import rollout_pb2
+from rollout_client import RolloutClient, RolloutPool, Started
 
 FIELDS = {
     "request_id": "pool-test",
@@ -96,6 +98,54 @@ def test_pool_returns_what_one_server_returns_with_groups_kept_whole(replicas, c
     served = [re.findall(r"rollout id=pool-test samples=(\d+)", server.log()) for server in replicas]
     assert sorted(len(lines) for lines in served) == [1, 2]
     assert all(samples == "2" for lines in served for samples in lines)
+
+
+def random_layout_request(rng: random.Random) -> rollout_pb2.RolloutRequest:
+    """A cheap request with a random sample layout: 1-3 prompts, samples_per_prompt set or not, seeds
+    given (sometimes the wrong number, or repeated), a base seed or neither, an id or none."""
+    prompts = ["a red fox", "a kite", "two cats"][: rng.randint(1, 3)]
+    fields = {"prompts": prompts, "num_steps": 1, "height": 64, "width": 64, "images": False}
+    fields["latents"] = rollout_pb2.LATENT_SELECTION_NONE
+    if rng.random() < 0.7:
+        fields["samples_per_prompt"] = rng.randint(1, 3)
+    count = len(prompts) * fields.get("samples_per_prompt", 1)
+    seeding = rng.choice(["seeds", "wrong-count", "repeated", "base_seed", "none"])
+    if seeding == "seeds":
+        fields["seeds"] = [rng.randrange(2**64) for _ in range(count)]
+    elif seeding == "wrong-count":
+        fields["seeds"] = [rng.randrange(2**64) for _ in range(count + 1)]
+    elif seeding == "repeated":
+        fields["seeds"] = [5] * count if count > 1 else [5, 5]
+    elif seeding == "base_seed":
+        fields["base_seed"] = rng.randrange(2**64)
+    if rng.random() < 0.5:
+        fields["request_id"] = f"layout-{rng.randrange(1000)}"
+    return make_request(fields)
+
+
+def test_the_pool_lays_requests_out_as_a_server_does(server, client):
+    """For random requests, a pool (one replica) and the server alone give the same group sizes,
+    seeds, prompt indices and request id, or refuse the same field; a request whose random choices
+    (base seed, id) were left to the server is compared as the server resolved it."""
+    rng = random.Random(2026)
+    with RolloutPool([server.address], timeout=120) as pool:
+        for _ in range(16):
+            request = random_layout_request(rng)
+            try:
+                started = next(e for e in client.stream(request) if isinstance(e, Started)).message
+            except grpc.RpcError as refused:
+                with pytest.raises(grpc.RpcError) as pooled:
+                    pool.rollout(request)
+                assert pooled.value.code() == refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert field_violations(pooled.value) == field_violations(refused), request
+                continue
+            request.request_id = started.resolved.request_id
+            if started.resolved.HasField("base_seed"):
+                request.base_seed = started.resolved.base_seed
+            trajectories = pool.rollout(request)
+            assert [t.seed for t in trajectories] == list(started.seeds), request
+            assert [t.prompt_index for t in trajectories] == list(started.prompt_indices)
+            assert {t.request_id for t in trajectories} == {started.resolved.request_id}
 
 
 def test_a_replica_killed_mid_rollout_is_replaced_with_identical_noise(replicas, client, cache_dir, tmp_path):

@@ -31,10 +31,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import secrets
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -48,7 +46,7 @@ from rollout_client.client import RolloutClient
 from rollout_client.credentials import TLS
 from rollout_client.events import Event, decode_stream
 from rollout_client.trajectory import Trajectory, collect
-from rollout_core.noise import derive_seeds
+from rollout_core.layout import sample_layout
 
 log = logging.getLogger("rollout_client.pool")
 
@@ -346,47 +344,26 @@ class RolloutPool:
     def _split(
         self, request: rollout_pb2.RolloutRequest
     ) -> list[tuple[rollout_pb2.RolloutRequest, int | None]]:
-        """(request, prompt index) per prompt group, with its seeds fixed, so a re-run draws the same
-        noise. A request the pool cannot split the way a server would read it goes whole to one
-        replica (prompt index None), which answers it as a server does (INVALID_ARGUMENT where it
-        is malformed)."""
-        prompts = list(request.prompts)
-        group_size = self._group_size(request) if prompts else None
-        count = len(prompts) * (group_size or 0)
-        if group_size is None or count > self._static_info().limits.max_samples:
+        """(request, prompt index) per prompt group, laid out by the rule a server resolves requests
+        by (``rollout_core.layout``), with its seeds fixed, so a re-run draws the same noise. A
+        request that rule refuses goes whole to one replica (prompt index None), which answers it
+        as a server does (INVALID_ARGUMENT naming the field)."""
+        layout, _ = sample_layout(request, self._static_info().limits.max_samples)
+        if layout is None:
             return [(request, None)]
-        if request.seeds:
-            seeds = list(request.seeds)
-        else:
-            base_seed = request.base_seed if request.HasField("base_seed") else secrets.randbits(64)
-            seeds = derive_seeds(base_seed, count)
-        request_id = request.request_id or uuid.uuid4().hex[:16]
         groups = []
-        for p, prompt in enumerate(prompts):
+        for p, prompt in enumerate(request.prompts):
             group = rollout_pb2.RolloutRequest()
             group.CopyFrom(request)
-            group.request_id = request_id
+            group.request_id = layout.request_id
             group.ClearField("base_seed")
             del group.prompts[:]
             group.prompts.append(prompt)
             del group.seeds[:]
-            group.seeds.extend(seeds[p * group_size : (p + 1) * group_size])
-            group.samples_per_prompt = group_size
+            group.seeds.extend(layout.group_seeds(p))
+            group.samples_per_prompt = layout.group_size
             groups.append((group, p))
         return groups
-
-    def _group_size(self, request: rollout_pb2.RolloutRequest) -> int | None:
-        prompts = len(request.prompts)
-        if request.seeds:
-            if len(request.seeds) % prompts or request.HasField("base_seed"):
-                return None
-            size = len(request.seeds) // prompts
-            if request.HasField("samples_per_prompt") and request.samples_per_prompt != size:
-                return None
-            return size
-        if request.HasField("samples_per_prompt"):
-            return request.samples_per_prompt or None
-        return self._static_info().defaults.samples_per_prompt or None
 
     def _static_info(self) -> rollout_pb2.GetServerInfoResponse:
         """A replica's server info, for its defaults and limits (the same on every replica)."""
