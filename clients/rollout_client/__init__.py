@@ -9,6 +9,7 @@ from rollout_client.credentials import TLS, read_token
 from rollout_client.events import Finished, Image, Started, Step
 from rollout_client.pool import RolloutPool
 from rollout_client.replay import replay_log_probs
+from rollout_client.source import RolloutSource
 from rollout_client.trajectory import Collector, Trajectory, collect
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "Image",
     "RolloutClient",
     "RolloutPool",
+    "RolloutSource",
     "Started",
     "Step",
     "TLS",

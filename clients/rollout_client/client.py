@@ -11,6 +11,7 @@ from tqdm import tqdm
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client.credentials import TLS, bearer_metadata
 from rollout_client.events import Event, decode_stream
+from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
 from rollout_core import codec
 
@@ -105,10 +106,7 @@ class RolloutClient:
 
     def stream(self, request: rollout_pb2.RolloutRequest | None = None, **fields) -> Iterator[Event]:
         """Typed events of one rollout as they arrive; closing the iterator cancels the rollout."""
-        if request is not None and fields:
-            raise TypeError("pass either a RolloutRequest or its fields, not both")
-        request = request or rollout_pb2.RolloutRequest(**fields)
-        call = self.stub.Rollout(request, timeout=self.timeout, metadata=self.metadata)
+        call = self.stub.Rollout(as_request(request, fields), timeout=self.timeout, metadata=self.metadata)
         try:
             yield from decode_stream(call)
         finally:

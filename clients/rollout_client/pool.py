@@ -45,6 +45,7 @@ from rollout.v1 import rollout_pb2
 from rollout_client.client import RolloutClient
 from rollout_client.credentials import TLS
 from rollout_client.events import Event, decode_stream
+from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
 from rollout_core.layout import sample_layout
 
@@ -311,7 +312,7 @@ class RolloutPool:
     def rollout(self, request: rollout_pb2.RolloutRequest | None = None, **fields) -> list[Trajectory]:
         """Run a rollout, each prompt group on one replica, and return one Trajectory per sample as
         one server would (prompt-major order)."""
-        request = _request(request, fields)
+        request = as_request(request, fields)
         groups = self._split(request)
         if len(groups) == 1:
             return self._run_group(*groups[0])
@@ -323,7 +324,7 @@ class RolloutPool:
         """Typed events of one rollout, the whole request on one replica (its events are that
         replica's, unchanged). A replica that fails before the first event is replaced; after it,
         the error reaches the caller, since events already yielded cannot be taken back."""
-        request = _request(request, fields)
+        request = as_request(request, fields)
         samples = max(len(request.seeds), len(request.prompts))
         avoid: set[str] = set()
         for attempt in range(self.max_retries + 1):
@@ -599,12 +600,6 @@ class RolloutPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _request(request: rollout_pb2.RolloutRequest | None, fields: dict) -> rollout_pb2.RolloutRequest:
-    if request is not None and fields:
-        raise TypeError("pass either a RolloutRequest or its fields, not both")
-    return request or rollout_pb2.RolloutRequest(**fields)
 
 
 def _is_full(kind: str | None, lora_config: Any) -> bool:
