@@ -34,7 +34,7 @@ from rollout_client.client import UPDATE_CHUNK_BYTES
 from rollout_core import codec
 from rollout_server.local import LocalServer
 from rollout_server.presets import resolve_model
-from rollout_server.weights import check_finite
+from rollout_server.weights.spec import check_finite
 
 SINK_METHOD = "/bench.Sink/Push"
 # FlowGRPO's LoRA targets: every attention projection of the transformer blocks.

@@ -149,6 +149,14 @@ class SequenceParallel:
         self._collective(f"{command!r} payload", lambda: dist.broadcast(data, 0, group=self.cpu_group))
         return command, payload if self.is_leader else data.numpy().tobytes()
 
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        """Rank 0's contiguous CPU ``tensor`` into the same-shaped ``tensor`` of the other ranks, in
+        place, as its bytes (any dtype) on the CPU group."""
+        if not self.enabled or not tensor.numel():
+            return
+        data = tensor.view(-1).view(torch.uint8)
+        self._collective("tensor broadcast", lambda: dist.broadcast(data, 0, group=self.cpu_group))
+
     def all_succeeded(self, ok: bool) -> bool:
         """Whether every rank reports success (an all-reduce of the flags)."""
         if not self.enabled:

@@ -15,8 +15,10 @@ from collections.abc import Callable
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_server import weights
-from rollout_server.parallel import UPDATE, RankFailure, SequenceParallel
+from rollout_server.parallel import RankFailure, SequenceParallel
+from rollout_server.weights import ranks, spec
+from rollout_server.weights.apply import apply_update
+from rollout_server.weights.update import WeightUpdate
 
 log = logging.getLogger("rollout_server.policy")
 
@@ -31,11 +33,11 @@ class Policy:
         self.version = 0
         self.lora_adapters: dict[str, rollout_pb2.LoraAdapter] = {}
         self.specs = {
-            name: weights.TransformerSpec.of(module, parallel.enabled) for name, module in experts.items()
+            name: spec.TransformerSpec.of(module, parallel.enabled) for name, module in experts.items()
         }
 
     @property
-    def spec(self) -> weights.TransformerSpec:
+    def spec(self) -> spec.TransformerSpec:
         """The (first) transformer's: its size bounds an update's."""
         return self.specs["transformer"]
 
@@ -43,43 +45,43 @@ class Policy:
     def lora_adapter(self) -> rollout_pb2.LoraAdapter | None:
         return self.lora_adapters.get("transformer")
 
-    def check(self, update: weights.WeightUpdate) -> None:
+    def check(self, update: WeightUpdate) -> None:
         """StaleUpdate or InvalidRequest unless ``update`` applies to the current weights. It changes
         nothing and reads no live tensor, so any thread may call it while rollouts run."""
-        weights.check_target(update.target, self.experts)
-        weights.check_version(update.policy_version, self.version)
-        weights.check(self.specs[update.target], update)
+        spec.check_target(update.target, self.experts)
+        spec.check_version(update.policy_version, self.version)
+        spec.check(self.specs[update.target], update)
 
-    def apply(self, update: weights.WeightUpdate) -> None:
+    def apply(self, update: WeightUpdate) -> None:
         """Rank 0: check ``update`` again (another update may have gone first), send it to the other
         ranks, and apply it on every rank."""
         self.check(update)
         if self.parallel.enabled:
-            self.parallel.broadcast_command(UPDATE, weights.to_payload(update))
+            ranks.send(self.parallel, update)
         self._apply_on_every_rank(lambda: update)
 
     def follow(self, payload: bytes) -> None:
-        """A non-leader rank: apply the update rank 0 broadcast."""
+        """A non-leader rank: receive the update whose header rank 0 broadcast, and apply it."""
+        update = ranks.receive(self.parallel, payload)
 
-        def decoded() -> weights.WeightUpdate:
-            update = weights.from_payload(payload)
+        def checked() -> WeightUpdate:
             self.check(update)
             return update
 
-        self._apply_on_every_rank(decoded)
+        self._apply_on_every_rank(checked)
 
-    def _apply_here(self, update: weights.WeightUpdate) -> None:
+    def _apply_here(self, update: WeightUpdate) -> None:
         started_at = time.perf_counter()
-        # If this fails, the previous weights are back in place (weights.apply restores them).
+        # If this fails, the previous weights are back in place (apply_update restores them).
         target = update.target
-        adapter = weights.apply(self.experts[target], update, self.lora_adapters.get(target))
+        adapter = apply_update(self.experts[target], update, self.lora_adapters.get(target))
         self.lora_adapters.pop(target, None)
         if adapter is not None:
             self.lora_adapters[target] = adapter
         self.version = update.policy_version
         log.info("applied %s in %.3f s", update.describe(), time.perf_counter() - started_at)
 
-    def _apply_on_every_rank(self, get_update: Callable[[], weights.WeightUpdate]) -> None:
+    def _apply_on_every_rank(self, get_update: Callable[[], WeightUpdate]) -> None:
         """Apply the update here, then learn whether every rank did (see the module docstring)."""
         if not self.parallel.enabled:
             self._apply_here(get_update())

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from rollout.v1 import rollout_pb2
-from rollout_server import weights
+from rollout_server.weights.update import WeightUpdate
 
 # Messages a stream may hold unsent before its rollout is parked.
 STREAM_BUFFER = 8
@@ -113,7 +113,7 @@ class RolloutJob:
 
 @dataclass(eq=False)
 class UpdateJob:
-    update: weights.WeightUpdate
+    update: WeightUpdate
     done: Future = field(default_factory=Future)
 
     @property
@@ -168,7 +168,7 @@ class Scheduler:
             self._queue.append(job)
             self._changed.notify()
 
-    def submit_update(self, update: weights.WeightUpdate) -> Future:
+    def submit_update(self, update: WeightUpdate) -> Future:
         """Queue a checked update; the future ends once it is applied or has failed."""
         job = UpdateJob(update)
         job.done.add_done_callback(lambda _: self.wake())  # a cancel frees its place at once

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 import rollout_server
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, steps
-from rollout_server import families, presets, upload
+from rollout_server import families, presets
 from rollout_server.auth import (
     HANDLER_KINDS,
     ServerTLS,
@@ -30,6 +30,7 @@ from rollout_server.parallel import SequenceParallel
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
 from rollout_server.service import RolloutService
 from rollout_server.validation import ServingContext, defaults_proto
+from rollout_server.weights import upload
 
 log = logging.getLogger("rollout_server")
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]

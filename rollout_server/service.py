@@ -13,12 +13,13 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rollout_server import weights
 from rollout_server.engine import Engine, ShuttingDown
 from rollout_server.parallel import RankFailure
 from rollout_server.sampler import NonFiniteStep
 from rollout_server.scheduler import Outbox, Overloaded, RolloutJob, StreamEnd
 from rollout_server.validation import InvalidRequest, ServingContext, quoted, resolve
+from rollout_server.weights import files, upload
+from rollout_server.weights.update import StaleUpdate, UploadIdle, WeightUpdate
 
 log = logging.getLogger("rollout_server.service")
 # What a handler receives in place of a request whose bytes do not parse (see server.py).
@@ -45,8 +46,8 @@ FAILURES = (
     (NonFiniteStep, grpc.StatusCode.INTERNAL),
     (RankFailure, grpc.StatusCode.UNAVAILABLE),
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
-    (weights.StaleUpdate, grpc.StatusCode.FAILED_PRECONDITION),
-    (weights.UploadIdle, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (StaleUpdate, grpc.StatusCode.FAILED_PRECONDITION),
+    (UploadIdle, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
 )
@@ -130,7 +131,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         max_bytes = self.server_info.limits.max_update_bytes
         async with self._update_slot(context):
-            received = weights.receive(
+            received = upload.receive(
                 _parsed(request_iterator),
                 lambda: self.engine.policy.version,
                 max_bytes,
@@ -154,7 +155,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             )
         async with self._update_slot(context):
             read = asyncio.to_thread(
-                weights.read_update,
+                files.read_update,
                 self.weights_root,
                 request,
                 self.engine.policy.version,
@@ -180,7 +181,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         finally:
             self._update_in_progress = False
 
-    async def _apply(self, update: weights.WeightUpdate) -> None:
+    async def _apply(self, update: WeightUpdate) -> None:
         """Check ``update`` (off the event loop: a LoRA check builds an empty model), then queue it
         behind the rollouts already queued and wait until it is applied."""
         await asyncio.to_thread(self.engine.policy.check, update)
@@ -233,7 +234,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         finally:
             self._waiting -= 1
 
-    def _applied(self, update: weights.WeightUpdate, started_at: float) -> dict:
+    def _applied(self, update: WeightUpdate, started_at: float) -> dict:
         """The fields UpdateWeightsResponse and LoadWeightsResponse share."""
         seconds = time.perf_counter() - started_at
         self.engine.metrics.weight_update(update.nbytes, seconds)

@@ -41,7 +41,7 @@ from rollout_client import RolloutClient
 from rollout_client.client import update_frame
 from rollout_client.events import decode_stream
 from rollout_core import codec
-from rollout_server.upload import TensorAssembler, assemble, parse_update_message
+from rollout_server.weights.upload import TensorAssembler, parse_update_message
 
 EPS = rollout_pb2.DEBUG_TENSOR_EPS
 REQUEST = {
@@ -122,9 +122,12 @@ def test_update_pieces_form_the_safetensors_buffer(piece_bytes):
     assembler = TensorAssembler(total_bytes, max_header_bytes=total_bytes, on_tensor=lambda name, t: None)
     for piece in pieces:
         assembler.feed(piece)
-    # safetensors' own layout (as rank 0 broadcasts it) orders the data differently from its header.
+    # safetensors' own layout (a trainer may send a saved file's bytes) orders the data differently
+    # from its header.
     saved = save({name: t.contiguous().clone() for name, t in tensors.items()})
-    for decoded in (load(buffer), assembler.result(), assemble(saved, len(saved), lambda name, t: None)):
+    from_saved = TensorAssembler(len(saved), max_header_bytes=len(saved), on_tensor=lambda name, t: None)
+    from_saved.feed(saved)
+    for decoded in (load(buffer), assembler.result(), from_saved.result()):
         assert decoded.keys() == tensors.keys()
         for name, tensor in tensors.items():
             assert decoded[name].dtype == tensor.dtype and torch.equal(decoded[name], tensor), name

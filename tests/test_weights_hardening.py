@@ -35,7 +35,8 @@ from safetensors.torch import save_file
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
 from rollout_client.client import lora_config_json
-from rollout_server import weights
+from rollout_server.weights.apply import apply_update
+from rollout_server.weights.update import FULL, LORA, WeightUpdate
 
 GRPC = grpc.StatusCode
 IDLE_SECONDS = 2
@@ -369,13 +370,13 @@ def test_idle_upload_is_cut_and_never_allocates_what_it_declares(hardened, pushe
 
 
 def test_failed_apply_restores_the_previous_weights_and_adapter(tiny_transformer):
-    """weights.apply on the real tiny transformer, with one tensor that cannot be copied (on the meta
+    """apply_update on the real tiny transformer, with one tensor that cannot be copied (on the meta
     device) after others were written: every weight, the adapter and the active adapter are as before."""
     transformer = copy.deepcopy(tiny_transformer)
     adapted, lora = with_lora(tiny_transformer, trained=True)
     lora_json = lora_config_json(lora)
     adapter = get_peft_model_state_dict(adapted)
-    loaded = weights.apply(transformer, weights.WeightUpdate(1, weights.LORA, adapter, 0, lora_json), None)
+    loaded = apply_update(transformer, WeightUpdate(1, LORA, adapter, 0, lora_json), None)
     before = {name: tensor.clone() for name, tensor in transformer.state_dict().items()}
 
     def assert_as_before() -> None:
@@ -389,11 +390,11 @@ def test_failed_apply_restores_the_previous_weights_and_adapter(tiny_transformer
     last = list(trained)[-1]
     trained[last] = torch.empty_like(trained[last], device="meta")
     with pytest.raises(NotImplementedError):
-        weights.apply(transformer, weights.WeightUpdate(2, weights.FULL, trained, 0), loaded)
+        apply_update(transformer, WeightUpdate(2, FULL, trained, 0), loaded)
     assert_as_before()
 
     broken = dict(adapter)
     broken[list(broken)[-1]] = torch.empty_like(broken[list(broken)[-1]], device="meta")
     with pytest.raises((NotImplementedError, RuntimeError)):
-        weights.apply(transformer, weights.WeightUpdate(3, weights.LORA, broken, 0, lora_json), loaded)
+        apply_update(transformer, WeightUpdate(3, LORA, broken, 0, lora_json), loaded)
     assert_as_before()

@@ -1,4 +1,4 @@
-"""An update's safetensors bytes turned into tensors as they arrive.
+"""UpdateWeights: an update's stream of messages turned into tensors as its bytes arrive.
 
 The JSON header at the front of the buffer is parsed and checked first (dtypes, shapes, offsets that
 tile the data exactly); each tensor then gets its own buffer, allocated uninitialised when its first
@@ -10,10 +10,11 @@ The UpdateWeights messages themselves are read by ``parse_update_message``, whic
 inside the received bytes instead of copying it out of a protobuf message.
 """
 
+import asyncio
 import json
 import math
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ from google.protobuf.message import DecodeError
 from rollout.v1 import rollout_pb2
 from rollout_core.dtypes import BY_SAFETENSORS
 from rollout_server.validation import quoted
+from rollout_server.weights.spec import HEADER_ALLOWANCE_BYTES, check_finite, check_version
+from rollout_server.weights.update import UploadIdle, WeightUpdate, from_header, reject
 
 MAX_DIMS = 8
 MAX_DIM = 2**40
@@ -220,10 +223,50 @@ class TensorAssembler:
         self.tensors[entry.name] = tensor
 
 
-def assemble(
-    data: bytes | memoryview, max_header_bytes: int, on_tensor: Callable[[str, torch.Tensor], None]
-) -> dict[str, torch.Tensor]:
-    """The tensors of a whole safetensors buffer, each in its own memory."""
-    assembler = TensorAssembler(len(data), max_header_bytes, on_tensor)
-    assembler.feed(data)
-    return assembler.result()
+async def receive(
+    requests: AsyncIterator[UpdateMessage],
+    current_version: Callable[[], int],
+    max_bytes: int,
+    idle_seconds: float,
+) -> WeightUpdate:
+    """Reassemble an UpdateWeights stream into one update, each tensor built and checked for finite
+    values as its bytes arrive. A stale version is refused before any data is read; a stream silent for
+    ``idle_seconds`` ends with UploadIdle."""
+    header, assembler = None, None
+    loop = asyncio.get_running_loop()
+    try:
+        # One deadline, moved on at every message (no timer task per message).
+        async with asyncio.timeout(idle_seconds) as idle:
+            async for message in requests:
+                idle.reschedule(loop.time() + idle_seconds)
+                if header is None:
+                    header = _first_header(message, current_version(), max_bytes)
+                    assembler = TensorAssembler(header.total_bytes, HEADER_ALLOWANCE_BYTES, check_finite)
+                elif message.header is not None:
+                    raise reject("header", "only the first message carries a header")
+                try:
+                    assembler.feed(message.data)
+                except MalformedBuffer as error:
+                    raise reject("data", str(error)) from error
+    except TimeoutError as error:
+        raise UploadIdle(f"no update message for {idle_seconds:g} s: the upload was dropped") from error
+    if header is None:
+        raise reject("header", "the stream was empty")
+    try:
+        tensors = assembler.result()
+    except MalformedBuffer as error:
+        raise reject("data", str(error)) from error
+    return from_header(header, tensors, header.total_bytes)
+
+
+def _first_header(
+    message: UpdateMessage, current_version: int, max_bytes: int
+) -> rollout_pb2.WeightsUpdateHeader:
+    """The checked header of an update stream's first message."""
+    if message.header is None:
+        raise reject("header", "the first message must carry the header")
+    header = message.header
+    check_version(header.policy_version, current_version, "header.policy_version")
+    if not 0 < header.total_bytes <= max_bytes:
+        raise reject("header.total_bytes", f"must be in [1, {max_bytes}], got {header.total_bytes}")
+    return header
