@@ -54,6 +54,13 @@ def start_server(cache_dir: Path, log_path: Path, *args: str) -> LocalServer:
     return LocalServer.start(log_path, "--cache-dir", str(cache_dir), "--threads", "1", *args)
 
 
+def vm_rss_bytes(pid: int) -> int:
+    """The resident memory of process ``pid``."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
 # Model families ------------------------------------------------------------------------------------
 
 
