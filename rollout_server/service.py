@@ -14,6 +14,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_client.channel import PREVIOUS_ATTEMPTS_HEADER, PREVIOUS_ATTEMPTS_TRAILER
 from rollout_server import weights
 from rollout_server.engine import Engine, ShuttingDown
 from rollout_server.parallel import RankFailure
@@ -67,6 +68,14 @@ def end_call(context, status: grpc.Status) -> None:
     context.set_code(status.code)
     context.set_details(status.details)
     context.set_trailing_metadata((*(context.trailing_metadata() or ()), *status.trailing_metadata))
+
+
+def report_previous_attempts(context) -> None:
+    """Return the count of a retried call's earlier attempts in its trailer, since gRPC tells the
+    client nothing of its own retries (a first attempt has no count; a malformed one is dropped)."""
+    value = dict(context.invocation_metadata() or ()).get(PREVIOUS_ATTEMPTS_HEADER, "")
+    if value.isascii() and value.isdigit() and len(value) <= 2:
+        context.set_trailing_metadata(((PREVIOUS_ATTEMPTS_TRAILER, value),))
 
 
 # How expected failures of a rollout or a weight update reach the caller. InvalidRequest becomes
@@ -290,6 +299,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await context.abort_with_status(status)
 
     async def Rollout(self, request, context):
+        report_previous_attempts(context)
         try:
             resolved, outbox = await self._admit(request)
         except Refused as refusal:

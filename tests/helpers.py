@@ -4,9 +4,11 @@ replay parity, weight-update helpers and grpcurl. The fixtures built from these 
 import copy
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ import torch
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
+from prometheus_client.parser import text_string_to_metric_families
 
 from rollout.v1 import rollout_pb2
 from rollout_client import (
@@ -59,6 +62,25 @@ def vm_rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         line = next(line for line in status if line.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
+
+
+METRICS_LINE = re.compile(r"metrics at (?P<url>http://\S+/metrics)")
+
+
+def metrics_url(server: LocalServer) -> str:
+    """The /metrics address of a server started with ``--metrics-port``, from its log."""
+    return METRICS_LINE.search(server.log())["url"]
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """Every sample of the endpoint: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 # Model families ------------------------------------------------------------------------------------

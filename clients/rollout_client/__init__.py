@@ -4,6 +4,7 @@ trainer's helpers (``rollout_client.grpo``, ``rollout_client.rewards``).
 Imports torch, safetensors and grpc, never diffusers: a trainer can use it with any model code.
 """
 
+from rollout_client.channel import RetryPolicy
 from rollout_client.client import RolloutClient
 from rollout_client.credentials import TLS, read_token
 from rollout_client.events import Finished, Image, Started, Step
@@ -15,6 +16,7 @@ __all__ = [
     "Collector",
     "Finished",
     "Image",
+    "RetryPolicy",
     "RolloutClient",
     "RolloutPool",
     "Started",
