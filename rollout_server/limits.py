@@ -4,7 +4,6 @@ from dataclasses import dataclass
 
 from rollout.v1 import rollout_pb2
 from rollout_client.channel import MAX_RECEIVE_BYTES
-from rollout_core import steps
 
 # Just below 4 MiB, so grpcurl and default gRPC clients (4 MiB receive limit) work unchanged.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024
@@ -66,6 +65,8 @@ class Limits:
                 raise ValueError(f"{option} must be positive, got {value}")
 
     def to_proto(self, side_multiple: int, max_frames: int, frame_step: int) -> rollout_pb2.Limits:
+        from rollout_core import steps  # loads torch, which the command line does without
+
         return rollout_pb2.Limits(
             max_samples=self.max_samples,
             max_batch_size=self.max_batch_size,

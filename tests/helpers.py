@@ -64,6 +64,15 @@ def vm_rss_bytes(pid: int) -> int:
     return int(line.split()[1]) * 1024
 
 
+def imported_modules(script: str, *args: str) -> tuple[int, set[str]]:
+    """Run the console script ``script`` with ``args`` under ``python -X importtime``: its exit status
+    and every module it imported."""
+    command = [sys.executable, "-X", "importtime", str(Path(sys.executable).with_name(script)), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    return result.returncode, {line.rsplit("|", 1)[1].strip() for line in lines[1:]}  # [0]: the header
+
+
 METRICS_LINE = re.compile(r"metrics at (?P<url>http://\S+/metrics)")
 
 

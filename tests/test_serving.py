@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from helpers import health_status, metrics_url, scrape, start_server
+from helpers import health_status, imported_modules, metrics_url, scrape, start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RetryPolicy, RolloutClient
@@ -373,6 +373,27 @@ def test_help_is_quiet_and_lists_every_preset():
         "tiny-wan",
         "tiny-wan2.2",
     }
+
+
+@pytest.mark.parametrize(
+    "args, status",
+    [(["--help"], 0), (["--port", "notanumber"], 2), (["--max-queued", "0"], 1)],
+    ids=["help", "argparse-error", "limit-error"],
+)
+def test_the_command_line_answers_without_loading_the_model_libraries(args, status):
+    """``serve --help`` and argument errors come back before torch and diffusers load (they take
+    seconds); serving imports them."""
+    returned, imported = imported_modules("rollout-server", "serve", *args)
+    assert returned == status
+    assert {"rollout_server.cli", "rollout_server.limits"} <= imported
+    assert not imported & {"torch", "diffusers", "transformers"}
+
+
+def test_the_dtype_choices_are_the_model_dtypes():
+    from rollout_core.dtypes import MODEL_DTYPE_NAMES
+    from rollout_server.cli import MODEL_DTYPES
+
+    assert MODEL_DTYPES == MODEL_DTYPE_NAMES
 
 
 def test_startup_shows_only_our_own_output(server):
