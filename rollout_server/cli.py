@@ -1,5 +1,9 @@
 """``rollout-server serve``: start the gRPC server on a model preset or a local diffusers folder.
-``rollout-server ray``: start replicas of it as Ray actors and print their addresses."""
+``rollout-server ray``: start replicas of it as Ray actors and print their addresses.
+
+The command line is parsed and checked before torch and diffusers load (they take seconds), so
+``--help`` and argument errors answer at once; the modules imported here stay light.
+"""
 
 import argparse
 import asyncio
@@ -7,16 +11,19 @@ import logging
 import sys
 from pathlib import Path
 
-import diffusers
-
-from rollout_core import dtypes
+from rollout.v1 import rollout_pb2
 from rollout_server.auth import ServerTLS, StartupError, TokenPolicy, load_token
-from rollout_server.families import UnsupportedModel
 from rollout_server.limits import Limits
-from rollout_server.parallel import ATTENTION_SPLITS, RankFailure, start
 from rollout_server.presets import PRESETS, resolve_model
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
-from rollout_server.server import ServerOptions, follow, serve
+
+# The model dtypes are those latents stream in (rollout_core.dtypes.MODEL_DTYPE_NAMES, which loads
+# torch): the TensorDtype names, lower case.
+MODEL_DTYPES = tuple(
+    name.removeprefix("TENSOR_DTYPE_").lower() for name, number in rollout_pb2.TensorDtype.items() if number
+)
+# How --sp ranks split attention (rollout_server.parallel).
+ATTENTION_SPLITS = ("ulysses", "ring", "ulysses+ring")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -29,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
     s.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    s.add_argument("--dtype", default="float32", choices=dtypes.MODEL_DTYPE_NAMES)
+    s.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
     s.add_argument("--cache-dir", type=Path, default=None, help="where presets are built (default: ~/.cache)")
     s.add_argument("--grace-seconds", type=float, default=10.0, help="time running rollouts get at shutdown")
     s.add_argument("--max-message-bytes", type=int, default=Limits.max_message_bytes)
@@ -159,11 +166,6 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "ray":
         return run_ray(args)
-    diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components" while the model loads
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     limits = Limits(
         max_samples=args.max_samples,
         max_batch_size=args.max_batch_size,
@@ -194,6 +196,18 @@ def main(argv=None) -> None:
         )
     except StartupError as error:
         sys.exit(f"rollout-server: {error}")
+
+    # The command line is good: load the model libraries.
+    import diffusers
+    import torch
+
+    from rollout_server.families import UnsupportedModel
+    from rollout_server.parallel import RankFailure, start
+    from rollout_server.server import ServerOptions, follow, serve
+
+    diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components" while the model loads
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         # Before torch.distributed starts: transformers' save_pretrained writes nothing on ranks > 0.
         model_path = resolve_model(args.model, args.cache_dir)

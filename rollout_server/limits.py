@@ -3,8 +3,7 @@
 from dataclasses import dataclass
 
 from rollout.v1 import rollout_pb2
-from rollout_client.client import MAX_RECEIVE_BYTES
-from rollout_core import steps
+from rollout_client.channel import MAX_RECEIVE_BYTES
 
 # Just below 4 MiB, so grpcurl and default gRPC clients (4 MiB receive limit) work unchanged.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024
@@ -26,7 +25,10 @@ class Limits:
     max_side: int = 2048
     max_prompt_chars: int = 4096
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_queued_requests: int = 16
+    # A trainer's iteration may send tens of small requests at once. A queued request holds only its
+    # request (received, parsed and resolved: at most about 4 MiB for the largest one these limits
+    # admit), so the queue holds at most about 1 GiB, and a few MiB for typical requests.
+    max_queued_requests: int = 256
     max_running_samples: int = 64
     max_waiting_requests: int = 64
     max_request_id_chars: int = 128
@@ -63,6 +65,8 @@ class Limits:
                 raise ValueError(f"{option} must be positive, got {value}")
 
     def to_proto(self, side_multiple: int, max_frames: int, frame_step: int) -> rollout_pb2.Limits:
+        from rollout_core import steps  # loads torch, which the command line does without
+
         return rollout_pb2.Limits(
             max_samples=self.max_samples,
             max_batch_size=self.max_batch_size,

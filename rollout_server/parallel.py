@@ -33,7 +33,6 @@ from rollout_server.validation import InvalidRequest
 
 log = logging.getLogger("rollout_server.parallel")
 
-ATTENTION_SPLITS = ("ulysses", "ring", "ulysses+ring")
 # Transformer inputs that carry the image tokens (the context-parallel output gathers them back).
 IMAGE_INPUTS = ("hidden_states", "img_ids")
 # Commands rank 0 broadcasts to the others.

@@ -12,9 +12,10 @@ Entries hold the adapter's tensors on its device; ``max_entries`` bounds them (0
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rollout_server.families.base import FamilyAdapter, MediaShape
+if TYPE_CHECKING:  # the families load diffusers; the command line reads the default below without it
+    from rollout_server.families.base import FamilyAdapter, MediaShape
 
 # Real text encoders give a few MB per text (T5-XXL: 512 x 4096 values), held on the model's device.
 DEFAULT_PROMPT_CACHE_ENTRIES = 256
@@ -43,7 +44,7 @@ class Encoded:
 
 
 class PromptCache:
-    def __init__(self, adapter: FamilyAdapter, max_entries: int):
+    def __init__(self, adapter: "FamilyAdapter", max_entries: int):
         self.adapter = adapter
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
@@ -52,7 +53,7 @@ class PromptCache:
         return len(self._entries)
 
     def encode(
-        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, shape: MediaShape
+        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, shape: "MediaShape"
     ) -> Encoded:
         """The conditioning of ``prompts`` (and of the negative branch, when ``negative_prompt`` is
         given), each distinct text encoded alone or taken from the cache."""

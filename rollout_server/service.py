@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -13,6 +14,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_client.channel import PREVIOUS_ATTEMPTS_HEADER, PREVIOUS_ATTEMPTS_TRAILER
 from rollout_server.engine import Engine, ShuttingDown
 from rollout_server.parallel import RankFailure
 from rollout_server.sampler import NonFiniteStep
@@ -37,6 +39,44 @@ class StreamStalled(Exception):
 
 class CallerLeft(Exception):
     """A message could not be written: the caller cancelled or disconnected."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CallStatus(grpc.Status):
+    """A call's final status without rich details."""
+
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple = ()
+
+
+class Refused(Exception):
+    """A rollout refused before it was queued; ``status`` ends its call."""
+
+    def __init__(self, status: grpc.Status):
+        super().__init__(status.details)
+        self.status = status
+
+
+def end_call(context, status: grpc.Status) -> None:
+    """Have the call end with ``status`` when its handler returns.
+
+    Rollout ends its calls this way, not with ``context.abort``: gRPC keeps the exception that abort
+    raises on the call, and its traceback holds the handler's frames with the request in their
+    locals. Such a cycle lives until Python's cyclic collector runs, which may take hundreds of calls
+    in a server that makes few Python objects, while one request can parse to tens of MB (a million
+    empty prompts)."""
+    context.set_code(status.code)
+    context.set_details(status.details)
+    context.set_trailing_metadata((*(context.trailing_metadata() or ()), *status.trailing_metadata))
+
+
+def report_previous_attempts(context) -> None:
+    """Return the count of a retried call's earlier attempts in its trailer, since gRPC tells the
+    client nothing of its own retries (a first attempt has no count; a malformed one is dropped)."""
+    value = dict(context.invocation_metadata() or ()).get(PREVIOUS_ATTEMPTS_HEADER, "")
+    if value.isascii() and value.isdigit() and len(value) <= 2:
+        context.set_trailing_metadata(((PREVIOUS_ATTEMPTS_TRAILER, value),))
 
 
 # How expected failures of a rollout or a weight update reach the caller. InvalidRequest becomes
@@ -205,18 +245,21 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         self.shutting_down = True
         self._policy_advanced()
 
-    async def _wait_for_policy(self, context, resolved: rollout_pb2.RolloutRequest) -> None:
+    async def _wait_for_policy(self, resolved: rollout_pb2.RolloutRequest) -> None:
         """Return once the engine runs ``resolved.min_policy_version`` or later. Waiting requests hold
-        no rollout slot: they have a bounded list of their own. The call's deadline bounds the wait."""
+        no rollout slot: they have a bounded list of their own (Refused when it is full, or at
+        shutdown). The call's deadline bounds the wait."""
         version = resolved.min_policy_version
         if self.engine.policy.version >= version:
             return
         limit = self.serving.limits.max_waiting_requests
         if self._waiting >= limit:
             self.engine.metrics.reject("overloaded")
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self._waiting} requests already wait for a policy version (limit {limit})",
+            raise Refused(
+                CallStatus(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self._waiting} requests already wait for a policy version (limit {limit})",
+                )
             )
         self._waiting += 1
         log.info("rollout id=%s waits for policy version %d", resolved.request_id, version)
@@ -226,7 +269,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 if self.engine.policy.version >= version:
                     return
                 if self.shutting_down:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+                    raise Refused(CallStatus(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
                 await changed.wait()
         except asyncio.CancelledError:  # the deadline passed, or the caller left
             log.info("rollout id=%s gave up waiting for policy version %d", resolved.request_id, version)
@@ -257,23 +300,12 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await context.abort_with_status(status)
 
     async def Rollout(self, request, context):
-        if self.shutting_down:
-            self.engine.metrics.reject("shutting_down")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        if request is None:
-            await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
+        report_previous_attempts(context)
         try:
-            resolved = resolve(request, self.serving)
-        except InvalidRequest as error:
-            await self._reject(context, quoted(request.request_id or "-"), error)
-        if resolved.HasField("min_policy_version"):
-            await self._wait_for_policy(context, resolved)
-        outbox = Outbox(asyncio.get_running_loop(), self.engine.scheduler.wake)
-        try:
-            self.engine.submit(RolloutJob(resolved, outbox, time.perf_counter()))
-        except Overloaded as error:
-            self.engine.metrics.reject("overloaded")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            resolved, outbox = await self._admit(request)
+        except Refused as refusal:
+            end_call(context, refusal.status)
+            return
 
         request_id = resolved.request_id
         submitted_at = time.perf_counter()
@@ -310,7 +342,30 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             except Exception:  # noqa: BLE001 - the caller left meanwhile: nobody to tell
                 return
         if failure is not None:
-            await context.abort_with_status(failure)
+            end_call(context, failure)
+
+    async def _admit(
+        self, request: rollout_pb2.RolloutRequest | None
+    ) -> tuple[rollout_pb2.RolloutRequest, Outbox]:
+        """Validate and queue a rollout: its resolved request and its outbox, or Refused."""
+        if self.shutting_down:
+            self.engine.metrics.reject("shutting_down")
+            raise Refused(CallStatus(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
+        if request is None:
+            raise Refused(self._rejection("-", InvalidRequest([("request", NOT_A_PROTOBUF)])))
+        try:
+            resolved = resolve(request, self.serving)
+        except InvalidRequest as error:
+            raise Refused(self._rejection(quoted(request.request_id or "-"), error)) from None
+        if resolved.HasField("min_policy_version"):
+            await self._wait_for_policy(resolved)
+        outbox = Outbox(asyncio.get_running_loop(), self.engine.scheduler.wake)
+        try:
+            self.engine.submit(RolloutJob(resolved, outbox, time.perf_counter()))
+        except Overloaded as error:
+            self.engine.metrics.reject("overloaded")
+            raise Refused(CallStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))) from None
+        return resolved, outbox
 
     async def _write(self, context, message: rollout_pb2.RolloutResponse) -> None:
         """Send one message: StreamStalled if the client takes nothing for the stall limit, CallerLeft
@@ -331,6 +386,10 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             raise CallerLeft(f"the call ended: {error}") from error
 
     async def _reject(self, context, request_id: str, error: InvalidRequest) -> None:
+        await context.abort_with_status(self._rejection(request_id, error))
+
+    def _rejection(self, request_id: str, error: InvalidRequest) -> grpc.Status:
+        """The INVALID_ARGUMENT status of a rejected request (logged and counted)."""
         log.info("rejected request id=%s: %s", request_id, error)
         self.engine.metrics.reject("invalid_argument")
-        await context.abort_with_status(rpc_status.to_status(bad_request_status(error)))
+        return rpc_status.to_status(bad_request_status(error))

@@ -4,9 +4,11 @@ replay parity, weight-update helpers and grpcurl. The fixtures built from these 
 import copy
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ import torch
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
+from prometheus_client.parser import text_string_to_metric_families
 
 from rollout.v1 import rollout_pb2
 from rollout_client import (
@@ -52,6 +55,41 @@ LATENT_DTYPES = {"float32": rollout_pb2.TENSOR_DTYPE_FLOAT32, "bfloat16": rollou
 def start_server(cache_dir: Path, log_path: Path, *args: str) -> LocalServer:
     """A real ``rollout-server serve`` on a free loopback port, sharing the session's preset cache."""
     return LocalServer.start(log_path, "--cache-dir", str(cache_dir), "--threads", "1", *args)
+
+
+def vm_rss_bytes(pid: int) -> int:
+    """The resident memory of process ``pid``."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def imported_modules(script: str, *args: str) -> tuple[int, set[str]]:
+    """Run the console script ``script`` with ``args`` under ``python -X importtime``: its exit status
+    and every module it imported."""
+    command = [sys.executable, "-X", "importtime", str(Path(sys.executable).with_name(script)), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    return result.returncode, {line.rsplit("|", 1)[1].strip() for line in lines[1:]}  # [0]: the header
+
+
+METRICS_LINE = re.compile(r"metrics at (?P<url>http://\S+/metrics)")
+
+
+def metrics_url(server: LocalServer) -> str:
+    """The /metrics address of a server started with ``--metrics-port``, from its log."""
+    return METRICS_LINE.search(server.log())["url"]
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """Every sample of the endpoint: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 # Model families ------------------------------------------------------------------------------------

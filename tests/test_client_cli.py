@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, imported_modules
 from PIL import Image
 
 from rollout_client import Trajectory
-from rollout_client.cli import build_request, main, parse_args
+from rollout_client.cli import LATENT_DTYPES, build_request, main, parse_args
 from rollout_client.images import contact_sheet
-from rollout_core import noise
+from rollout_core import dtypes, noise
 
 BIN = Path(sys.executable).parent
 PROMPTS = ["a red fox", "a blue bird"]
@@ -165,6 +165,22 @@ def test_client_imports_without_diffusers_or_the_server():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, status",
+    [(["--help"], 0), (["rollout", "a red fox", "--out", "unused", "--height", "tall"], 2)],
+    ids=["help", "usage-error"],
+)
+def test_the_command_line_answers_without_loading_torch(args, status):
+    """``rollout-client --help`` and usage errors come back before torch loads (it takes seconds)."""
+    returned, imported = imported_modules("rollout-client", *args)
+    assert returned == status
+    assert "rollout_client.cli" in imported and "torch" not in imported
+
+
+def test_the_latent_dtype_choices_are_the_model_dtypes():
+    assert LATENT_DTYPES == dtypes.MODEL_DTYPE_NAMES
 
 
 def test_contact_sheet_uses_the_largest_cell():

@@ -1,20 +1,16 @@
 """Prometheus metrics of a real server, scraped over HTTP around real calls."""
 
 import math
-import re
-import urllib.request
 
 import grpc
 import pytest
-from helpers import TO_Q, start_server
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import TO_Q, metrics_url, scrape, start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient
 from rollout_server.limits import Limits
 
 TOKEN = "metrics-test-token"
-METRICS_LINE = re.compile(r"metrics at (?P<url>http://\S+/metrics)")
 STEPS = 3
 REQUEST = rollout_pb2.RolloutRequest(
     prompts=["a red fox"], samples_per_prompt=2, height=64, width=64, num_steps=STEPS
@@ -34,21 +30,10 @@ def metered_server(tiny_flux_folder, cache_dir, tmp_path_factory):
     assert server.stop() == 0
 
 
-def scrape(url: str) -> dict[tuple, float]:
-    """Every sample of the endpoint: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(url, timeout=30) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
 def test_metrics_count_what_was_done(metered_server, tiny_transformer):
     """A rollout, an invalid request, a call without a token and a weight update move exactly the
     counters they should, and the gauges show the idle server at the pushed policy version."""
-    url = METRICS_LINE.search(metered_server.log())["url"]
+    url = metrics_url(metered_server)
     before = scrape(url)
 
     with RolloutClient(metered_server.address, timeout=120, token=TOKEN) as client:

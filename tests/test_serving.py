@@ -15,14 +15,17 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from helpers import health_status, start_server
+from helpers import health_status, imported_modules, metrics_url, scrape, start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_client import RetryPolicy, RolloutClient
+from rollout_client.client import RolloutStats
 from rollout_server.local import LocalServer
 from rollout_server.presets import PRESETS, resolve_model
 
@@ -212,6 +215,73 @@ def test_a_cancelled_call_frees_its_place_at_once(launch):
         assert_serves(stub)
 
 
+def test_a_burst_of_single_prompt_rollouts_runs_at_the_default_limits(client):
+    """A trainer's iteration sends tens of single-prompt requests at once: 64 concurrent rollouts on
+    a server at the default limits all run, and none is refused even once."""
+    retries = client.stats.retries
+
+    def rollout(k: int) -> int:
+        request = rollout_pb2.RolloutRequest(
+            prompts=[f"prompt {k % 4}"], base_seed=k, height=64, width=64, num_steps=2, images=False
+        )
+        return len(client.rollout(request))
+
+    with ThreadPoolExecutor(64) as executor:
+        assert list(executor.map(rollout, range(64))) == [1] * 64
+    assert client.stats.retries == retries
+
+
+def test_refusals_before_the_first_message_are_retried(launch):
+    """RolloutClient retries a rollout that a full server refused (RESOURCE_EXHAUSTED) until the
+    place frees, and counts the retries; a draining server (UNAVAILABLE) is tried the default 5
+    times; without a retry policy the refusal comes at once."""
+    server = launch("--max-queued", "1", "--metrics-port", "0", "--grace-seconds", "60")
+    url = metrics_url(server)
+    overloaded = ("rollout_server_rejected_requests_total", (("reason", "overloaded"),))
+    with holding_channel(server.address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        held = stub.Rollout(long_request(unique_id("hold")), timeout=WAIT_SECONDS)
+        assert next(held).WhichOneof("event") == "started"  # the one place, held
+
+        with RolloutClient(server.address, timeout=WAIT_SECONDS, retry=None) as impatient:
+            with pytest.raises(grpc.RpcError) as raised:
+                impatient.rollout(small_request())
+            assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert impatient.stats == RolloutStats(calls=1, retries=0)
+
+        # Backoffs of about 1, 2, 4 and 8 s: the place frees within them however slow this machine.
+        patient_retry = RetryPolicy(initial_backoff=1.0, max_backoff=8.0)
+        with (
+            RolloutClient(server.address, timeout=WAIT_SECONDS, retry=patient_retry) as patient,
+            ThreadPoolExecutor(1) as executor,
+        ):
+            refused = scrape(url)[overloaded]
+            trajectories = executor.submit(patient.rollout, small_request())
+            deadline = time.monotonic() + WAIT_SECONDS
+            while scrape(url)[overloaded] == refused:  # until its first attempt was refused
+                assert time.monotonic() < deadline, "the second rollout was never refused"
+                time.sleep(0.05)
+            held.cancel()
+            assert len(trajectories.result(timeout=WAIT_SECONDS)) == 1
+            assert patient.stats.calls == 1 and patient.stats.retries >= 1
+
+        held = stub.Rollout(long_request(unique_id("hold")), timeout=WAIT_SECONDS)
+        assert next(held).WhichOneof("event") == "started"  # keeps the server draining
+        server.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + WAIT_SECONDS
+        while health_status(channel) == SERVING:
+            assert time.monotonic() < deadline, "health still SERVING after SIGTERM"
+            time.sleep(0.05)
+        with RolloutClient(server.address, timeout=WAIT_SECONDS) as client:
+            with pytest.raises(grpc.RpcError) as raised:
+                client.rollout(small_request())
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in raised.value.details()
+            assert client.stats == RolloutStats(calls=1, retries=RetryPolicy().max_attempts - 1)
+        held.cancel()
+        assert server.process.wait(timeout=WAIT_SECONDS) == 0
+
+
 def test_graceful_shutdown_on_sigterm(launch):
     """SIGTERM while a rollout streams: health leaves SERVING, new rollouts get UNAVAILABLE, the
     running rollout gets the 2 s grace period and is then cancelled, its stream ends, and the process
@@ -359,6 +429,27 @@ def test_help_is_quiet_and_lists_every_preset():
         "tiny-wan",
         "tiny-wan2.2",
     }
+
+
+@pytest.mark.parametrize(
+    "args, status",
+    [(["--help"], 0), (["--port", "notanumber"], 2), (["--max-queued", "0"], 1)],
+    ids=["help", "argparse-error", "limit-error"],
+)
+def test_the_command_line_answers_without_loading_the_model_libraries(args, status):
+    """``serve --help`` and argument errors come back before torch and diffusers load (they take
+    seconds); serving imports them."""
+    returned, imported = imported_modules("rollout-server", "serve", *args)
+    assert returned == status
+    assert {"rollout_server.cli", "rollout_server.limits"} <= imported
+    assert not imported & {"torch", "diffusers", "transformers"}
+
+
+def test_the_dtype_choices_are_the_model_dtypes():
+    from rollout_core.dtypes import MODEL_DTYPE_NAMES
+    from rollout_server.cli import MODEL_DTYPES
+
+    assert MODEL_DTYPES == MODEL_DTYPE_NAMES
 
 
 def test_startup_shows_only_our_own_output(server):

@@ -27,6 +27,7 @@ from helpers import (
     perturbed,
     push_update,
     start_server,
+    vm_rss_bytes,
     with_lora,
 )
 from peft import get_peft_model_state_dict
@@ -342,12 +343,6 @@ def test_one_update_at_a_time(hardened, pusher, tiny_transformer, root):
             assert error.code() == GRPC.RESOURCE_EXHAUSTED and time.monotonic() < deadline
     assert pusher.server_info().policy_version == version
     assert_serving(hardened, pusher)
-
-
-def vm_rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
 
 
 def test_idle_upload_is_cut_and_never_allocates_what_it_declares(hardened, pusher):

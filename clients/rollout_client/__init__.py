@@ -1,29 +1,34 @@
 """Python client for rollout-server: typed streaming events, trajectories, log-prob replay, and the
 trainer's helpers (``rollout_client.grpo``, ``rollout_client.rewards``).
 
-Imports torch, safetensors and grpc, never diffusers: a trainer can use it with any model code.
+Imports torch, safetensors and grpc, never diffusers: a trainer can use it with any model code. The
+names below load on first use, so that the command line and the server's light modules (which
+import ``rollout_client.channel`` and ``rollout_client.credentials``) do not load torch.
 """
 
-from rollout_client.client import RolloutClient
-from rollout_client.credentials import TLS, read_token
-from rollout_client.events import Finished, Image, Started, Step
-from rollout_client.pool import RolloutPool
-from rollout_client.replay import replay_log_probs
-from rollout_client.source import RolloutSource
-from rollout_client.trajectory import Collector, Trajectory, collect
+import importlib
 
-__all__ = [
-    "Collector",
-    "Finished",
-    "Image",
-    "RolloutClient",
-    "RolloutPool",
-    "RolloutSource",
-    "Started",
-    "Step",
-    "TLS",
-    "Trajectory",
-    "collect",
-    "read_token",
-    "replay_log_probs",
-]
+# Each exported name and the module that defines it.
+_EXPORTS = {
+    "Collector": "trajectory",
+    "Finished": "events",
+    "Image": "events",
+    "RetryPolicy": "channel",
+    "RolloutClient": "client",
+    "RolloutPool": "pool",
+    "RolloutSource": "source",
+    "Started": "events",
+    "Step": "events",
+    "TLS": "credentials",
+    "Trajectory": "trajectory",
+    "collect": "trajectory",
+    "read_token": "credentials",
+    "replay_log_probs": "replay",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -6,29 +6,21 @@
 The rollout command writes, per sample k, sample-<k>.png and sample-<k>.safetensors (a Trajectory),
 plus contact-sheet.png (one row per prompt) and rollout.json (seeds, schedule, log-probs, timings).
 Options left out are left unset in the request, so the server's defaults apply.
+
+The command line is parsed before the client library loads (it imports torch, which takes seconds),
+so --help and usage errors answer at once.
 """
 
 import argparse
-import json
-import math
 import sys
 from pathlib import Path
-from typing import Any
 
 import grpc
-import torch
 from google.protobuf import json_format
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from tqdm import tqdm
 
 from rollout.v1 import rollout_pb2
-from rollout_client.client import RolloutClient
-from rollout_client.credentials import TLS, read_token
-from rollout_client.events import Event, Finished, Started, Step
-from rollout_client.images import contact_sheet
-from rollout_client.trajectory import Trajectory, collect
-from rollout_core import dtypes
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 # RolloutRequest fields set from the options of the same name, when given.
@@ -50,11 +42,13 @@ REQUEST_FIELDS = (
 )
 # Enum options: the choice "around-stochastic" of --latents is LATENT_SELECTION_AROUND_STOCHASTIC.
 ENUM_PREFIXES = {"sampler": "SAMPLER_TYPE_", "latents": "LATENT_SELECTION_", "latent_dtype": "TENSOR_DTYPE_"}
-FINISHED_FIELDS = rollout_pb2.RolloutFinished.DESCRIPTOR.fields
+# The latent dtypes (rollout_core.dtypes.MODEL_DTYPE_NAMES, which loads torch): the TensorDtype
+# names, lower case.
+LATENT_DTYPES = tuple(
+    name.removeprefix("TENSOR_DTYPE_").lower() for name, number in rollout_pb2.TensorDtype.items() if number
+)
 EXIT_RPC_ERROR = 2
 EXIT_USAGE = 1
-# Animated previews of video samples play at 16 frames per second, as Wan exports its videos.
-PREVIEW_FRAME_MS = 1000 // 16
 
 
 def _unsigned(bits: int):
@@ -127,7 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("all", "around-stochastic", "final-only", "none"),
         help="which latents to stream",
     )
-    r.add_argument("--latent-dtype", choices=dtypes.MODEL_DTYPE_NAMES, help="streamed latent dtype")
+    r.add_argument("--latent-dtype", choices=LATENT_DTYPES, help="streamed latent dtype")
     return parser.parse_args(argv)
 
 
@@ -138,93 +132,6 @@ def build_request(args: argparse.Namespace) -> rollout_pb2.RolloutRequest:
         if name in fields:
             fields[name] = prefix + fields[name].upper().replace("-", "_")
     return rollout_pb2.RolloutRequest(prompts=args.prompts, **fields)
-
-
-def stream_with_progress(client: RolloutClient, request: rollout_pb2.RolloutRequest) -> list[Event]:
-    """All events of the rollout, with a progress bar over the denoising steps on stderr."""
-    events: list[Event] = []
-    bar = None
-    try:
-        for event in client.stream(request):
-            events.append(event)
-            if isinstance(event, Started):
-                bar = tqdm(total=len(event.message.stochastic), desc="denoising", unit="step")
-            elif isinstance(event, Step):
-                if event.log_probs is not None:
-                    bar.set_postfix(log_prob=f"{event.log_probs.mean().item():.4f}", refresh=False)
-                bar.update()
-    finally:
-        if bar is not None:
-            bar.close()
-    return events
-
-
-def _finite_or_none(values: torch.Tensor) -> list[float | None]:
-    """JSON has no NaN: steps without a log-prob become null."""
-    return [None if math.isnan(v) else v for v in values.tolist()]
-
-
-def summary(started: Started, finished: Finished, trajectories: list[Trajectory]) -> dict[str, Any]:
-    """The rollout.json document."""
-    message = started.message
-    resolved = message.resolved
-    return {
-        "request_id": started.request_id,
-        "model": message.model,
-        "family": message.family,
-        "policy_version": message.policy_version,
-        "prompts": list(resolved.prompts),
-        "seeds": list(message.seeds),
-        "log_prob_constants": message.log_prob_constants,
-        "sigmas": list(message.sigmas),
-        "timesteps": list(message.timesteps),
-        "stochastic": list(message.stochastic),
-        "samples": [
-            {
-                "index": t.sample_index,
-                "prompt_index": t.prompt_index,
-                "seed": t.seed,
-                "log_probs": _finite_or_none(t.log_probs),
-                "latents_streamed": t.latent_mask.nonzero().flatten().tolist(),
-                "image": f"sample-{t.sample_index}.png" if t.image_png else None,
-                "frames": len(t.frames_png),
-                "preview": f"sample-{t.sample_index}.gif" if len(t.frames_png) > 1 else None,
-                "trajectory": f"sample-{t.sample_index}.safetensors",
-            }
-            for t in trajectories
-        ],
-        # Timings, peak memory and streamed tensor bytes.
-        "finished": {field.name: getattr(finished.message, field.name) for field in FINISHED_FIELDS},
-        # The resolved request in protobuf's JSON mapping (64-bit integers are strings there).
-        "request": json_format.MessageToDict(resolved, preserving_proto_field_name=True),
-    }
-
-
-def save_rollout(out: Path, events: list[Event]) -> list[Trajectory]:
-    """Write images (a video's first frame), animated previews of videos, trajectories, the contact
-    sheet and rollout.json into ``out``."""
-    trajectories = collect(events)
-    started = next(e for e in events if isinstance(e, Started))
-    finished = next(e for e in events if isinstance(e, Finished))
-    out.mkdir(parents=True, exist_ok=True)
-    images = []
-    for t in trajectories:
-        t.save(out / f"sample-{t.sample_index}.safetensors")
-        if t.image_png:
-            (out / f"sample-{t.sample_index}.png").write_bytes(t.image_png)
-            images.append(t.image())
-        if len(t.frames_png) > 1:
-            frames = t.frames()
-            preview = out / f"sample-{t.sample_index}.gif"
-            frames[0].save(
-                preview, save_all=True, append_images=frames[1:], duration=PREVIEW_FRAME_MS, loop=0
-            )
-    if images:
-        sheet = contact_sheet(images, columns=started.message.resolved.samples_per_prompt)
-        sheet.save(out / "contact-sheet.png")
-    document = summary(started, finished, trajectories)
-    (out / "rollout.json").write_text(json.dumps(document, indent=2) + "\n")
-    return trajectories
 
 
 def describe_error(error: grpc.RpcError) -> str:
@@ -239,17 +146,10 @@ def describe_error(error: grpc.RpcError) -> str:
     return f"{error.code().name}: {' '.join(text.split())}"
 
 
-def connect(args: argparse.Namespace) -> RolloutClient:
-    """The client the connection options describe; ValueError or OSError for an unusable file."""
-    tls = None
-    if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
-        tls = TLS(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
-    token = read_token(args.token_file) if args.token_file else None
-    return RolloutClient(args.address, timeout=args.timeout, tls=tls, token=token)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from rollout_client.commands import connect, save_rollout, stream_with_progress
+
     try:
         client = connect(args)
     except (ValueError, OSError) as error:

@@ -1,7 +1,9 @@
 """``RolloutClient``: call a rollout server, get typed events or whole trajectories, push weights."""
 
 import json
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -9,14 +11,13 @@ import torch
 from tqdm import tqdm
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_client.channel import DEFAULT_RETRY, RetryPolicy, base_options, previous_attempts
 from rollout_client.credentials import TLS, bearer_metadata
 from rollout_client.events import Event, decode_stream
 from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
 from rollout_core import codec
 
-# Large enough for any message a server sends (its limit is reported by GetServerInfo).
-MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 # Weight update pieces: well below the server's 4 MiB receive limit, and in the 1-4 MiB range where
 # Python gRPC moves bytes fastest.
 UPDATE_CHUNK_BYTES = 1024 * 1024
@@ -66,6 +67,15 @@ def update_frame(header: rollout_pb2.WeightsUpdateHeader, index: int, length: in
     return head + DATA_FIELD_TAG + varint(length)
 
 
+@dataclass
+class RolloutStats:
+    """A client's Rollout calls: how many it made, and ``retries``, the attempts gRPC made again
+    after a server refused one before its first message (as the servers reported them)."""
+
+    calls: int = 0
+    retries: int = 0
+
+
 class RolloutClient:
     """A connection to a rollout server.
 
@@ -74,7 +84,10 @@ class RolloutClient:
 
     ``tls``: connect over TLS (``TLS(ca=..., cert=..., key=...)``; None: plaintext). ``token``: sent
     as ``authorization: Bearer <token>`` on every call, for a server started with token files.
-    ``channel_options``: more gRPC channel arguments.
+    ``channel_options``: more gRPC channel arguments. ``retry``: how gRPC retries a rollout that a
+    full (RESOURCE_EXHAUSTED) or departing (UNAVAILABLE) server refused before its first message
+    (``rollout_client.channel.RetryPolicy``; None: the refusal is raised at once); ``stats`` counts
+    the retries.
     """
 
     def __init__(
@@ -84,11 +97,14 @@ class RolloutClient:
         tls: TLS | None = None,
         token: str | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        retry: RetryPolicy | None = DEFAULT_RETRY,
     ):
         self.address = address
         self.timeout = timeout
         self.metadata = bearer_metadata(token)
-        options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES), *channel_options]
+        self.stats = RolloutStats()
+        self._stats_lock = threading.Lock()  # streams may run on several threads
+        options = [*base_options(retry), *channel_options]
         if tls is None:
             self.channel = grpc.insecure_channel(address, options=options)
         else:
@@ -111,6 +127,10 @@ class RolloutClient:
             yield from decode_stream(call)
         finally:
             call.cancel()
+            retries = previous_attempts(call.trailing_metadata())
+            with self._stats_lock:
+                self.stats.calls += 1
+                self.stats.retries += retries
 
     def rollout(self, request: rollout_pb2.RolloutRequest | None = None, **fields) -> list[Trajectory]:
         """Run a rollout to the end and return one Trajectory per sample."""

@@ -160,8 +160,10 @@ class RolloutPool:
             stall_seconds = STALL_SECONDS if timeout is None else min(STALL_SECONDS, timeout / 2)
         if not stall_seconds > 0:
             raise ValueError(f"stall_seconds must be > 0, got {stall_seconds}")
+        # No gRPC retries on a replica's channel: a refused or failed group is re-run on another
+        # replica at once, rather than retried on the same one.
         self._connect = functools.partial(
-            RolloutClient, timeout=timeout, tls=tls, token=token, channel_options=CHANNEL_OPTIONS
+            RolloutClient, timeout=timeout, tls=tls, token=token, channel_options=CHANNEL_OPTIONS, retry=None
         )
         self.replicas = [Replica(a, self._connect(a)) for a in addresses]
         self.max_retries, self.wait_seconds, self.stall_seconds = max_retries, wait_seconds, stall_seconds
