@@ -72,6 +72,7 @@ def started_event(
             guidance_rule_scale=rollout.cfg_scale,
             branches=list(rollout.conditioning.envs),
             batched_env_keys=rollout.conditioning.batched_keys,
+            conditioning=adapter.conditioning.to_proto(),
         ),
         model=model_name,
         family=adapter.family,

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from rollout.v1 import rollout_pb2
 from rollout_client import Trajectory, replay_log_probs
 from rollout_core import wire
+from rollout_core.transformer_call import NO_CONDITIONING
 
 
 def replay_case(family: str, sampler: str, cfg: bool, dtype: str | None):
@@ -59,9 +60,10 @@ def test_streamed_log_probs_replay(
     assert [t.prompt_index for t in trajectories] == [0, 0, 1, 1]
     for trajectory in trajectories:
         call = trajectory.transformer_call
-        assert call["timestep_divisor"] == spec.timestep_divisor
+        assert call.timestep_divisor == spec.timestep_divisor
         rule = spec.cfg_rule if cfg else ("none", 1.0)
-        assert (call["guidance_rule"], call["guidance_rule_scale"]) == rule
+        assert (call.guidance_rule, call.guidance_rule_scale) == rule
+        assert call.conditioning == NO_CONDITIONING
         assert set(trajectory.env) == ({"positive", "negative"} if cfg else {"positive"})
         for env in trajectory.env.values():
             assert set(env) == spec.env_keys
@@ -176,6 +178,19 @@ def test_saved_trajectory_replays_after_loading(client, tiny_transformer, tmp_pa
     assert_replays(tiny_transformer, [loaded])
 
 
+# The transformer call's fields in the first trainers' files (a JSON object of them).
+FIRST_TRANSFORMER_CALL_FIELDS = (
+    "transformer_class",
+    "model_dtype",
+    "timestep_divisor",
+    "timestep_rule",
+    "branches",
+    "guidance_rule",
+    "guidance_rule_scale",
+    "batched_env_keys",
+)
+
+
 def save_in_the_first_layout(trajectory: Trajectory, path) -> None:
     """Write ``trajectory`` as the first trainers' files hold it: env tensors ``env/<branch>/<kwarg>``
     and the other env values per branch (``env_values``), one ``image_png``, no step experts, and the
@@ -189,6 +204,7 @@ def save_in_the_first_layout(trajectory: Trajectory, path) -> None:
         "log_probs": trajectory.log_probs,
         "image_png": torch.frombuffer(bytearray(trajectory.image_png), dtype=torch.uint8),
     }
+    call = trajectory.transformer_call
     values = {}
     for branch, env in trajectory.env.items():
         for key, value in env.items():
@@ -201,7 +217,7 @@ def save_in_the_first_layout(trajectory: Trajectory, path) -> None:
     metadata = {
         "trajectory": json.dumps({name: getattr(trajectory, name) for name in scalars}),
         "env_values": json.dumps(values),
-        "transformer_call": json.dumps(trajectory.transformer_call),
+        "transformer_call": json.dumps({name: getattr(call, name) for name in FIRST_TRANSFORMER_CALL_FIELDS}),
     }
     save_file(tensors, str(path), metadata=metadata)
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from rollout_client.events import Event, Finished, Image, Started, Step
 from rollout_core import wire
 from rollout_core.steps import SAMPLERS_BY_ENUM
+from rollout_core.transformer_call import TransformerCall
 
 # Saved-trajectory metadata: the env's non-tensor values, in the started event's env_json layout;
 # files written before the env's names held the prompt index have them per branch only.
@@ -46,7 +47,7 @@ class Trajectory:
     latent_mask: torch.Tensor  # bool [T + 1]
     log_probs: torch.Tensor  # float32 [T]
     env: dict[str, dict[str, Any]]  # branch -> kwargs (batched entries with leading dim 1)
-    transformer_call: dict[str, Any]  # model_dtype, timestep_divisor, guidance_rule, ...
+    transformer_call: TransformerCall  # how the server called the transformer and guided
     policy_version: int
     # [T]: the pipeline component whose transformer ran each step ("transformer", or "transformer_2"
     # on Wan 2.2's low-noise steps); replay step i with that expert.
@@ -100,7 +101,7 @@ class Trajectory:
         metadata = {
             "trajectory": json.dumps(scalars),
             _ENV_JSON: env_json,
-            "transformer_call": json.dumps(self.transformer_call),
+            "transformer_call": self.transformer_call.to_json(),
         }
         save_file(tensors, str(path), metadata=metadata)
 
@@ -127,7 +128,7 @@ class Trajectory:
             latent_mask=tensors[wire.LATENT_MASK].bool(),
             log_probs=tensors[wire.LOG_PROBS],
             env=env,
-            transformer_call=json.loads(metadata["transformer_call"]),
+            transformer_call=TransformerCall.from_json(metadata["transformer_call"]),
             **_frames([frame.numpy().tobytes() for frame in frames]),
         )
 
@@ -211,17 +212,7 @@ def collect(events: Iterable[Event]) -> list[Trajectory]:
 def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Trajectory]:
     message = started.message
     resolved = message.resolved
-    call = message.transformer_call
-    transformer_call = {
-        "transformer_class": call.transformer_class,
-        "model_dtype": call.model_dtype,
-        "timestep_divisor": call.timestep_divisor,
-        "timestep_rule": call.timestep_rule,
-        "branches": list(call.branches),
-        "guidance_rule": call.guidance_rule,
-        "guidance_rule_scale": call.guidance_rule_scale,
-        "batched_env_keys": list(call.batched_env_keys),
-    }
+    transformer_call = TransformerCall.from_proto(message.transformer_call)
     sigmas = torch.tensor(list(message.sigmas), dtype=torch.float32)
     timesteps = torch.tensor(list(message.timesteps), dtype=torch.float32)
     stochastic = torch.tensor(list(message.stochastic), dtype=torch.bool)
