@@ -81,16 +81,26 @@ def _env(tensors: dict[str, torch.Tensor], env_json: str) -> dict[str, list[dict
 
 
 def decode_stream(responses: Iterable[rollout_pb2.RolloutResponse]) -> Iterator[Event]:
-    """Turn raw RolloutResponse messages into typed events, reassembling split payloads."""
+    """Turn raw RolloutResponse messages into typed events, reassembling split payloads.
+
+    Forward compatible: an event of a later server (a oneof field this client does not know, so
+    ``WhichOneof`` finds none and its bytes stay unknown fields) is skipped, with the payload chunks
+    that follow it; protobuf ignores unknown fields inside known events. A chunk that follows no
+    payload, or a payload cut short, is a protocol error (ValueError).
+    """
     responses = iter(responses)
+    skipping = False  # inside the payload chunks of an event this client does not know
     for response in responses:
         kind = response.WhichOneof("event")
+        if kind is None or (skipping and kind == "chunk"):
+            skipping = True
+            continue
+        skipping = False
         rid = response.request_id
         if kind == "started":
             tensors = _tensors(response.started.tensors, responses)
-            yield Started(
-                rid, response.started, _env(tensors, response.started.env_json), tensors.get(wire.X_0)
-            )
+            env = _env(tensors, response.started.env_json)
+            yield Started(rid, response.started, env, tensors.get(wire.X_0))
         elif kind == "step":
             step = response.step
             tensors = _tensors(step.tensors, responses)
