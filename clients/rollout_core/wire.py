@@ -1,5 +1,5 @@
-"""The names of the wire, in one place: every tensor of a rollout stream and of a saved trajectory, and
-the env's layout.
+"""The names of the wire, in one place: every tensor of a rollout stream and of a saved trajectory, the
+env's layout, and the features a server lists in GetServerInfo.
 
 Stream tensors (one safetensors buffer per event):
 
@@ -50,6 +50,13 @@ LATENT_MASK = "latent_mask"
 LOG_PROBS = "log_probs"
 _FRAME_PREFIX = "frame_png/"
 LEGACY_IMAGE_PNG = "image_png"  # the one image of files written before frames
+
+# GetServerInfo.features: the optional capabilities of a server, which a client checks for before it
+# asks for one. Later servers add names; what a name means never changes.
+FEATURE_LORA = "lora"  # weight updates take PEFT LoRA adapters (WEIGHTS_KIND_LORA)
+FEATURE_LOAD_WEIGHTS = "load_weights"  # LoadWeights is served: the server has a --weights-root
+FEATURE_VIDEO = "video"  # requests take num_frames > 1 (limits.max_frames, limits.frame_step)
+FEATURE_EXPERTS = "experts"  # several transformers (Wan 2.2): steps name theirs, updates a target
 
 _ENV_PREFIX = "env/"
 # An env JSON entry that stands for a tensor of the buffer: {"tensor": "<name>"}.
