@@ -72,9 +72,9 @@ def env_name(branch: str, prompt: int, key: str) -> str:
 
 
 def split_env_name(name: str) -> tuple[str, int | None, str] | None:
-    """(branch, prompt index, kwarg) of an env tensor's name, with no prompt index in the names of
-    files written before it was part of them; None for a tensor that is not the env's. Kwargs are
-    Python identifiers: neither a '/' nor a leading digit makes the two layouts ambiguous."""
+    """(branch, prompt index, kwarg) of an env tensor's name, or None for a tensor that is not the
+    env's. Files saved before the prompt index was part of env names give None for it (a kwarg is a
+    Python identifier, with no '/': the two layouts cannot be mistaken)."""
     if not name.startswith(_ENV_PREFIX):
         return None
     parts = name[len(_ENV_PREFIX) :].split("/")
