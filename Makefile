@@ -7,6 +7,9 @@ PORT ?= 50051
 MODEL ?= tiny-flux
 STUBS := clients/rollout/v1/rollout_pb2.py
 STAMP := $(VENV)/.installed
+BUF := npx --yes @bufbuild/buf@1.75.0
+# The schema of the last release: `buf breaking` holds every later schema wire-compatible with it.
+RELEASED_SCHEMA := protos/released/rollout-v1.binpb
 
 .PHONY: serve test demo train proto lint bench clean
 
@@ -32,7 +35,8 @@ $(STUBS): protos/rollout/v1/rollout.proto $(STAMP)
 lint: $(STAMP) $(STUBS)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	npx --yes @bufbuild/buf@1.75.0 lint
+	$(BUF) lint
+	$(BUF) breaking --against $(RELEASED_SCHEMA)
 
 bench: $(STAMP) $(STUBS)
 	$(PY) bench/stream_overhead.py

@@ -211,7 +211,13 @@ def forward_bound(preset: str, args) -> dict[int, float]:
                     torch.cuda.synchronize()
                 began = time.perf_counter()
                 call_transformer(
-                    adapter.transformer, x, timesteps, batch_env, dtype, adapter.timestep_divisor
+                    adapter.transformer,
+                    x,
+                    timesteps,
+                    batch_env,
+                    dtype,
+                    adapter.timestep_divisor,
+                    adapter.conditioning,
                 )
                 if device.type == "cuda":
                     torch.cuda.synchronize()

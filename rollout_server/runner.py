@@ -228,7 +228,13 @@ class Runner:
         timesteps = torch.stack([r.timesteps[r.state.step] for r, _ in batch])
         self.metrics.forward(len(batch))
         return call_transformer(
-            adapter.experts[expert], x, timesteps, env, adapter.dtype, adapter.timestep_divisor
+            adapter.experts[expert],
+            x,
+            timesteps,
+            env,
+            adapter.dtype,
+            adapter.timestep_divisor,
+            adapter.conditioning,
         )
 
     @torch.inference_mode()

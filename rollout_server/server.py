@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 import rollout_server
 from rollout.v1 import rollout_pb2
-from rollout_core import dtypes, steps
+from rollout_core import dtypes, steps, wire
 from rollout_server import families, presets
 from rollout_server.auth import (
     HANDLER_KINDS,
@@ -84,6 +84,18 @@ def build_engine(options: ServerOptions) -> Engine:
     return Engine(load, options.model, options.limits, options.parallel, options.prompt_cache_entries)
 
 
+def features(adapter: families.FamilyAdapter, weights_root: Path | None) -> list[str]:
+    """GetServerInfo.features: the optional capabilities this server has (see rollout_core.wire)."""
+    names = [wire.FEATURE_LORA]  # every family's transformer takes PEFT adapters
+    if weights_root is not None:
+        names.append(wire.FEATURE_LOAD_WEIGHTS)
+    if adapter.max_frames > 1:
+        names.append(wire.FEATURE_VIDEO)
+    if len(adapter.experts) > 1:
+        names.append(wire.FEATURE_EXPERTS)
+    return names
+
+
 def build_service(options: ServerOptions) -> RolloutService:
     """Load the model and assemble the servicer (no network yet)."""
     engine = build_engine(options)
@@ -106,6 +118,7 @@ def build_service(options: ServerOptions) -> RolloutService:
         cfg_scale_field=adapter.cfg_scale_field,
         cfg_rule=adapter.cfg_rule,
         timestep_rule=adapter.timestep_rule,
+        features=features(adapter, options.weights_root),
     )
     info.limits.max_update_bytes = engine.policy.spec.max_update_bytes
     return RolloutService(engine, serving, info, options.weights_root, options.upload_idle_seconds)

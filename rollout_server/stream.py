@@ -8,28 +8,18 @@ server's message limit.
 """
 
 import io
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_core import codec, dtypes, noise
+from rollout_core import codec, dtypes, noise, wire
 from rollout_server.families.base import FamilyAdapter
 from rollout_server.parallel import SequenceParallel
 from rollout_server.runner import Rollout
 from rollout_server.sampler import StepRecord
 
-DEBUG_NAMES = {
-    rollout_pb2.DEBUG_TENSOR_EPS: "eps",
-    rollout_pb2.DEBUG_TENSOR_MEAN: "mean",
-    rollout_pb2.DEBUG_TENSOR_SD: "sd",
-    rollout_pb2.DEBUG_TENSOR_VELOCITY: "velocity",
-}
-# Env tensors up to this size are also compared by value, to be sent once (see env_payload).
-_COMPARED_BYTES = 64 * 1024
 # Room for a message's fields other than its payload bytes, and for protobuf framing.
 _FRAMING_BYTES = 1024
 
@@ -49,44 +39,14 @@ def latents_sent(selection: int, stochastic: list[bool]) -> list[bool]:
     return [False] * (num_steps + 1)
 
 
-def env_payload(envs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, torch.Tensor], str]:
-    """Split the per-prompt env into named tensors and a JSON document of the other values.
-
-    A tensor already named is sent once, the other entries naming it in the JSON as
-    ``{"tensor": "<name>"}``: the same tensor (equal texts share their encoding, the negative prompt's
-    embedding serves every prompt), or a small one of equal value (each text's own position ids).
-    """
-    tensors, values = {}, {}
-    named: dict[tuple, str] = {}  # tensor identity -> name
-    small: dict[tuple, list[tuple[torch.Tensor, str]]] = {}  # (dtype, shape) -> small tensors named
-    for branch, per_prompt in envs.items():
-        for p, env in enumerate(per_prompt):
-            for key, value in env.items():
-                name = f"env/{branch}/{p}/{key}"
-                if isinstance(value, torch.Tensor):
-                    identity = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
-                    earlier = named.get(identity)
-                    alike = None
-                    if value.nbytes <= _COMPARED_BYTES:
-                        alike = small.setdefault((value.dtype, tuple(value.shape)), [])
-                        if earlier is None:
-                            earlier = next((n for tensor, n in alike if torch.equal(tensor, value)), None)
-                    if earlier is None:
-                        named[identity], tensors[name] = name, value
-                        if alike is not None:
-                            alike.append((value, name))
-                        continue
-                    value = {"tensor": earlier}
-                values.setdefault(branch, {}).setdefault(str(p), {})[key] = value
-    return tensors, json.dumps(values, sort_keys=True)
-
-
 def started_event(
     rollout: Rollout, adapter: FamilyAdapter, model_name: str, policy_version: int, parallel: SequenceParallel
 ) -> tuple[rollout_pb2.RolloutStarted, dict[str, torch.Tensor]]:
     """The started event of ``rollout`` (without tensors), and the env tensors it carries."""
     request, plan = rollout.request, rollout.plan
-    env_tensors, env_json = env_payload(rollout.conditioning.envs)
+    env_tensors, env_json = wire.encode_env(
+        {branch: dict(enumerate(per_prompt)) for branch, per_prompt in rollout.conditioning.envs.items()}
+    )
     started = rollout_pb2.RolloutStarted(
         resolved=request,
         seeds=request.seeds,
@@ -112,6 +72,7 @@ def started_event(
             guidance_rule_scale=rollout.cfg_scale,
             branches=list(rollout.conditioning.envs),
             batched_env_keys=rollout.conditioning.batched_keys,
+            conditioning=adapter.conditioning.to_proto(),
         ),
         model=model_name,
         family=adapter.family,
@@ -172,7 +133,7 @@ class StreamEncoder:
         """The started event, with the env tensors and x_0 (when the latent selection sends it)."""
         tensors = dict(self.env_tensors)
         if self.sent[0]:
-            tensors["x_0"] = x0.to(self._latent_dtype)
+            tensors[wire.X_0] = x0.to(self._latent_dtype)
         response = rollout_pb2.RolloutResponse()
         response.started.CopyFrom(self.started)
         self._send_tensors(response, response.started.tensors, tensors)
@@ -191,16 +152,16 @@ class StreamEncoder:
             step.log_probs.extend(record.log_probs.tolist())
         tensors = {}
         if self.sent[record.index + 1]:
-            tensors["x_next"] = record.x_next.to(self._latent_dtype)
-        debug = {DEBUG_NAMES[d] for d in self.request.debug_tensors}
-        if "eps" in debug and record.eps is not None:
-            tensors["eps"] = record.eps
-        if "mean" in debug:
-            tensors["mean"] = record.mean
-        if "sd" in debug:
-            tensors["sd"] = record.sd.expand(batch).float()
-        if "velocity" in debug:
-            tensors["velocity"] = record.velocity
+            tensors[wire.X_NEXT] = record.x_next.to(self._latent_dtype)
+        debug = {wire.DEBUG_TENSORS[d] for d in self.request.debug_tensors}
+        if wire.EPS in debug and record.eps is not None:
+            tensors[wire.EPS] = record.eps
+        if wire.MEAN in debug:
+            tensors[wire.MEAN] = record.mean
+        if wire.SD in debug:
+            tensors[wire.SD] = record.sd.expand(batch).float()
+        if wire.VELOCITY in debug:
+            tensors[wire.VELOCITY] = record.velocity
         response = rollout_pb2.RolloutResponse(step=step)
         self._send_tensors(response, response.step.tensors, tensors)
 

@@ -54,7 +54,7 @@ def bare_log_probs(transformer, trajectory) -> dict[int, float]:
     replayed = {}
     for i in torch.nonzero(trajectory.stochastic).flatten().tolist():
         x = trajectory.latents[i].unsqueeze(0)
-        timestep = torch.full((1,), trajectory.timesteps[i].item()) / call["timestep_divisor"]
+        timestep = torch.full((1,), trajectory.timesteps[i].item()) / call.timestep_divisor
         # Wan 2.2: the expert the started event names for this step.
         model = transformer[trajectory.step_transformers[i]] if isinstance(transformer, dict) else transformer
         with torch.no_grad():
@@ -62,7 +62,7 @@ def bare_log_probs(transformer, trajectory) -> dict[int, float]:
                 branch: model(hidden_states=x, timestep=timestep, **env)[0].double().numpy()
                 for branch, env in trajectory.env.items()
             }
-        velocity = guidance(call["guidance_rule"], call["guidance_rule_scale"], v)
+        velocity = guidance(call.guidance_rule, call.guidance_rule_scale, v)
         sigmas = trajectory.sigmas.double().numpy()
         mean, sd = mean_and_sd(
             trajectory.sampler_type, x.double().numpy(), velocity, sigmas, i, trajectory.noise_level

@@ -1,6 +1,5 @@
 """Typed rollout events with decoded torch tensors, reassembled from the raw message stream."""
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -8,7 +7,7 @@ from typing import Any
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_core import codec
+from rollout_core import codec, wire
 
 
 @dataclass
@@ -76,36 +75,37 @@ def _tensors(message_tensors: rollout_pb2.Tensors, responses) -> dict[str, torch
 
 
 def _env(tensors: dict[str, torch.Tensor], env_json: str) -> dict[str, list[dict[str, Any]]]:
-    """Rebuild env[branch][prompt] from the env tensors and the JSON values (``{"tensor": name}``
-    entries refer to a tensor sent once for several entries)."""
-    nested: dict[str, dict[int, dict[str, Any]]] = {}
-    for name, tensor in tensors.items():
-        if name.startswith("env/"):
-            _, branch, p, key = name.split("/", 3)
-            nested.setdefault(branch, {}).setdefault(int(p), {})[key] = tensor
-    for branch, per_prompt in json.loads(env_json or "{}").items():
-        for p, values in per_prompt.items():
-            for key, value in values.items():
-                if isinstance(value, dict) and set(value) == {"tensor"}:
-                    value = tensors.get(value["tensor"])  # absent in manifest-only mode
-                nested.setdefault(branch, {}).setdefault(int(p), {})[key] = value
-    return {branch: [per_prompt[p] for p in sorted(per_prompt)] for branch, per_prompt in nested.items()}
+    """env[branch][prompt] from the started event's tensors and JSON values."""
+    envs = wire.decode_env(tensors, env_json)
+    return {branch: [per_prompt[p] for p in sorted(per_prompt)] for branch, per_prompt in envs.items()}
 
 
 def decode_stream(responses: Iterable[rollout_pb2.RolloutResponse]) -> Iterator[Event]:
-    """Turn raw RolloutResponse messages into typed events, reassembling split payloads."""
+    """Turn raw RolloutResponse messages into typed events, reassembling split payloads.
+
+    Forward compatible: an event of a later server (a oneof field this client does not know, so
+    ``WhichOneof`` finds none and its bytes stay unknown fields) is skipped, with the payload chunks
+    that follow it; protobuf ignores unknown fields inside known events. A chunk that follows no
+    payload, or a payload cut short, is a protocol error (ValueError).
+    """
     responses = iter(responses)
+    skipping = False  # inside the payload chunks of an event this client does not know
     for response in responses:
         kind = response.WhichOneof("event")
+        if kind is None or (skipping and kind == "chunk"):
+            skipping = True
+            continue
+        skipping = False
         rid = response.request_id
         if kind == "started":
             tensors = _tensors(response.started.tensors, responses)
-            yield Started(rid, response.started, _env(tensors, response.started.env_json), tensors.get("x_0"))
+            env = _env(tensors, response.started.env_json)
+            yield Started(rid, response.started, env, tensors.get(wire.X_0))
         elif kind == "step":
             step = response.step
             tensors = _tensors(step.tensors, responses)
             log_probs = torch.tensor(list(step.log_probs), dtype=torch.float32) if step.stochastic else None
-            x_next = tensors.pop("x_next", None)
+            x_next = tensors.pop(wire.X_NEXT, None)
             yield Step(rid, step, step.index, step.stochastic, log_probs, x_next, tensors)
         elif kind == "image":
             png = _read_payload(response.image.png, response.image.following_chunks, responses)

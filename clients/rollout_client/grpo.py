@@ -31,7 +31,6 @@ advantages, the clipped policy loss, the KL penalty and the Flow-GRPO-Fast step 
   only the window is trained on. Send it as the request's ``stochastic_steps``.
 """
 
-import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
@@ -55,8 +54,12 @@ def _call_key(trajectory: Trajectory) -> tuple:
         for key, value in env.items()
         if isinstance(value, torch.Tensor)
     )
-    call = json.dumps(trajectory.transformer_call, sort_keys=True)
-    return call, tuple(trajectory.step_transformers), tuple(trajectory.latents.shape[1:]), tuple(shapes)
+    return (
+        trajectory.transformer_call,
+        tuple(trajectory.step_transformers),
+        tuple(trajectory.latents.shape[1:]),
+        tuple(shapes),
+    )
 
 
 class Transition(NamedTuple):
@@ -104,15 +107,17 @@ def step_transitions(
             raise ValueError(
                 "the trajectories differ in transformer call, env shapes or expert: pass them apart"
             )
-    model_dtype = dtypes.BY_NAME[call["model_dtype"]]
+    model_dtype = dtypes.BY_NAME[call.model_dtype]
     x = torch.stack([t.latents[i] for t in trajectories]).to(device)
     timesteps = torch.stack([t.timesteps[i] for t in trajectories])
     velocities = {}
     for branch in first.env:
-        env = stack_envs([t.env[branch] for t in trajectories], call["batched_env_keys"])
+        env = stack_envs([t.env[branch] for t in trajectories], call.batched_env_keys)
         env = {key: _on(value, device) for key, value in env.items()}
-        velocities[branch] = call_transformer(model, x, timesteps, env, model_dtype, call["timestep_divisor"])
-    v = apply_guidance(call["guidance_rule"], call["guidance_rule_scale"], velocities)
+        velocities[branch] = call_transformer(
+            model, x, timesteps, env, model_dtype, call.timestep_divisor, call.conditioning
+        )
+    v = apply_guidance(call.guidance_rule, call.guidance_rule_scale, velocities)
     means, stds, log_probs = [], [], []
     for row, trajectory in enumerate(trajectories):
         kind, sigmas, level = trajectory.sampler_type, trajectory.sigmas, trajectory.noise_level

@@ -13,7 +13,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from rollout_client.events import Event, Finished, Image, Started, Step
+from rollout_core import wire
 from rollout_core.steps import SAMPLERS_BY_ENUM
+from rollout_core.transformer_call import TransformerCall
+
+# Saved-trajectory metadata: the env's non-tensor values, in the started event's env_json layout;
+# files written before the env's names held the prompt index have them per branch only.
+_ENV_JSON = "env_json"
+_LEGACY_ENV_VALUES = "env_values"
 
 
 @dataclass
@@ -40,7 +47,7 @@ class Trajectory:
     latent_mask: torch.Tensor  # bool [T + 1]
     log_probs: torch.Tensor  # float32 [T]
     env: dict[str, dict[str, Any]]  # branch -> kwargs (batched entries with leading dim 1)
-    transformer_call: dict[str, Any]  # model_dtype, timestep_divisor, guidance_rule, ...
+    transformer_call: TransformerCall  # how the server called the transformer and guided
     policy_version: int
     # [T]: the pipeline component whose transformer ran each step ("transformer", or "transformer_2"
     # on Wan 2.2's low-noise steps); replay step i with that expert.
@@ -60,25 +67,22 @@ class Trajectory:
         return [PILImage.open(io.BytesIO(png)) for png in self.frames_png]
 
     def save(self, path: str | Path) -> None:
-        """Write tensors, env, the PNG and metadata to one safetensors file."""
+        """Write tensors, env, frames and metadata to one safetensors file (names: ``rollout_core.wire``)."""
+        env_tensors, env_json = wire.encode_env(
+            {branch: {self.prompt_index: env} for branch, env in self.env.items()}
+        )
         tensors = {
-            "sigmas": self.sigmas,
-            "timesteps": self.timesteps,
-            "stochastic": self.stochastic.to(torch.uint8),
-            "latents": self.latents,
-            "latent_mask": self.latent_mask.to(torch.uint8),
-            "log_probs": self.log_probs,
+            wire.SIGMAS: self.sigmas,
+            wire.TIMESTEPS: self.timesteps,
+            wire.STOCHASTIC: self.stochastic.to(torch.uint8),
+            wire.LATENTS: self.latents,
+            wire.LATENT_MASK: self.latent_mask.to(torch.uint8),
+            wire.LOG_PROBS: self.log_probs,
+            # Copies: safetensors stores no tensor that shares memory with another.
+            **{name: tensor.contiguous().clone() for name, tensor in env_tensors.items()},
         }
-        values: dict[str, dict[str, Any]] = {}
-        for branch, env in self.env.items():
-            for key, value in env.items():
-                if isinstance(value, torch.Tensor):
-                    # A clone: branches may share a tensor, and safetensors stores no aliases.
-                    tensors[f"env/{branch}/{key}"] = value.contiguous().clone()
-                else:
-                    values.setdefault(branch, {})[key] = value
         for j, png in enumerate(self.frames_png):
-            tensors[f"frame_png/{j}"] = torch.frombuffer(bytearray(png), dtype=torch.uint8)
+            tensors[wire.frame_name(j)] = torch.frombuffer(bytearray(png), dtype=torch.uint8)
         scalars = {
             k: getattr(self, k)
             for k in (
@@ -96,31 +100,36 @@ class Trajectory:
         }
         metadata = {
             "trajectory": json.dumps(scalars),
-            "env_values": json.dumps(values),
-            "transformer_call": json.dumps(self.transformer_call),
+            _ENV_JSON: env_json,
+            "transformer_call": self.transformer_call.to_json(),
         }
         save_file(tensors, str(path), metadata=metadata)
 
     @classmethod
     def load(cls, path: str | Path) -> "Trajectory":
+        """A trajectory saved by ``save``, by this version or an earlier one."""
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata()
         tensors = load_file(str(path))
-        env: dict[str, dict[str, Any]] = json.loads(metadata["env_values"])
-        for name in [n for n in tensors if n.startswith("env/")]:
-            _, branch, key = name.split("/", 2)
-            env.setdefault(branch, {})[key] = tensors.pop(name)
+        # The file holds one prompt's env: the trajectory's.
+        envs = wire.decode_env(tensors, metadata.get(_ENV_JSON, ""))
+        env = {branch: per_prompt.popitem()[1] for branch, per_prompt in envs.items()}
+        for branch, values in json.loads(metadata.get(_LEGACY_ENV_VALUES, "{}")).items():
+            env.setdefault(branch, {}).update(values)
+        frames = [tensors[wire.frame_name(j)] for j in range(wire.frame_count(tensors))]
+        if not frames and wire.LEGACY_IMAGE_PNG in tensors:
+            frames = [tensors[wire.LEGACY_IMAGE_PNG]]
         return cls(
             **json.loads(metadata["trajectory"]),
-            sigmas=tensors["sigmas"],
-            timesteps=tensors["timesteps"],
-            stochastic=tensors["stochastic"].bool(),
-            latents=tensors["latents"],
-            latent_mask=tensors["latent_mask"].bool(),
-            log_probs=tensors["log_probs"],
+            sigmas=tensors[wire.SIGMAS],
+            timesteps=tensors[wire.TIMESTEPS],
+            stochastic=tensors[wire.STOCHASTIC].bool(),
+            latents=tensors[wire.LATENTS],
+            latent_mask=tensors[wire.LATENT_MASK].bool(),
+            log_probs=tensors[wire.LOG_PROBS],
             env=env,
-            transformer_call=json.loads(metadata["transformer_call"]),
-            **_frames(tensors),
+            transformer_call=TransformerCall.from_json(metadata["transformer_call"]),
+            **_frames([frame.numpy().tobytes() for frame in frames]),
         )
 
 
@@ -185,13 +194,8 @@ class Collector:
         return _trajectories(self.started, latents, self.mask, self.log_probs, self.images)
 
 
-def _frames(stored: dict) -> dict[str, Any]:
-    """``image_png`` and ``frames_png`` from ``frame_png/<j>`` entries (bytes or uint8 tensors)."""
-    count = sum(name.startswith("frame_png/") for name in stored)
-    frames = [stored[f"frame_png/{j}"] for j in range(count)]
-    if not frames and "image_png" in stored:  # a file written before frames were stored
-        frames = [stored["image_png"]]
-    frames = [f if isinstance(f, bytes) else f.numpy().tobytes() for f in frames]
+def _frames(frames: list[bytes]) -> dict[str, Any]:
+    """``image_png`` and ``frames_png`` of a sample's frames in order."""
     return {"image_png": frames[0] if frames else None, "frames_png": frames}
 
 
@@ -208,17 +212,7 @@ def collect(events: Iterable[Event]) -> list[Trajectory]:
 def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Trajectory]:
     message = started.message
     resolved = message.resolved
-    call = message.transformer_call
-    transformer_call = {
-        "transformer_class": call.transformer_class,
-        "model_dtype": call.model_dtype,
-        "timestep_divisor": call.timestep_divisor,
-        "timestep_rule": call.timestep_rule,
-        "branches": list(call.branches),
-        "guidance_rule": call.guidance_rule,
-        "guidance_rule_scale": call.guidance_rule_scale,
-        "batched_env_keys": list(call.batched_env_keys),
-    }
+    transformer_call = TransformerCall.from_proto(message.transformer_call)
     sigmas = torch.tensor(list(message.sigmas), dtype=torch.float32)
     timesteps = torch.tensor(list(message.timesteps), dtype=torch.float32)
     stochastic = torch.tensor(list(message.stochastic), dtype=torch.bool)
@@ -244,7 +238,7 @@ def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Tr
                 transformer_call=transformer_call,
                 policy_version=message.policy_version,
                 step_transformers=list(message.step_transformers),
-                **_frames({f"frame_png/{j}": png for j, png in images.get(k, {}).items()}),
+                **_frames([png for _, png in sorted(images.get(k, {}).items())]),
             )
         )
     return trajectories

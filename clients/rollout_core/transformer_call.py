@@ -3,13 +3,20 @@ runs and that a trainer replays.
 
 For each env branch (``positive``, and ``negative`` with true CFG)::
 
-    v_branch = transformer(hidden_states=x.to(model_dtype),
-                           timestep=(timesteps[B] / timestep_divisor).to(model_dtype),
-                           **env[branch])[0].float()
+    hidden_states = x.to(model_dtype)                                  (conditioning NONE)
+                  = cat([x, env[c.env_key]], dim=1).to(model_dtype)    (SEQUENCE, CHANNELS)
+    prediction = transformer(hidden_states=hidden_states,
+                             timestep=(timesteps[B] / timestep_divisor).to(model_dtype),
+                             **env[branch] without env[c.env_key])[0]
+    v_branch = prediction[:, :x.shape[1]].float()
 
 where ``timesteps`` holds each row's timestep as float32 (a trainer replaying one step passes that
 step's timestep for every row; a server batching rollouts at different steps passes one per row: the
-numbers each row is fed are the same either way).
+numbers each row is fed are the same either way), and ``c`` is the call's ``LatentConditioning``.
+Dim 1 is the token axis of [B, N, D] tokens (SEQUENCE: FLUX.1 Kontext and Qwen-Image-Edit append the
+image's tokens, predict them too, and keep the first N) and the channel axis of [B, C, F, H, W]
+latents (CHANNELS: Wan 2.1 image-to-video, whose transformer predicts the C generated channels only,
+so the slice keeps all of them).
 
 then the guidance rule combines the branches in float32:
 
@@ -20,11 +27,95 @@ then the guidance rule combines the branches in float32:
 """
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from google.protobuf import json_format
+
+from rollout.v1 import rollout_pb2
 
 GUIDANCE_RULES = ("none", "true_cfg", "true_cfg_norm_rescale")
+_CONCATENATED = (rollout_pb2.CONDITIONING_CONCAT_SEQUENCE, rollout_pb2.CONDITIONING_CONCAT_CHANNELS)
+
+
+@dataclass(frozen=True)
+class LatentConditioning:
+    """The conditioning latents of a transformer call (rollout.v1 LatentConditioning): how they enter
+    the hidden states (a ``ConditioningConcat``) and the env entry that holds them."""
+
+    concat: int = rollout_pb2.CONDITIONING_CONCAT_NONE
+    env_key: str = ""
+
+    @classmethod
+    def from_proto(cls, message: rollout_pb2.LatentConditioning) -> "LatentConditioning":
+        # Servers before the field state nothing: they fed x alone.
+        return cls(message.concat or rollout_pb2.CONDITIONING_CONCAT_NONE, message.env_key)
+
+    def to_proto(self) -> rollout_pb2.LatentConditioning:
+        return rollout_pb2.LatentConditioning(concat=self.concat, env_key=self.env_key)
+
+
+NO_CONDITIONING = LatentConditioning()
+
+
+@dataclass(frozen=True)
+class TransformerCall:
+    """How the server called the transformer and combined the branches (rollout.v1 TransformerCall):
+    what a trainer needs to replay a step. Saved as the message's JSON mapping, so a file holds what
+    the stream said, and a file of an earlier or later version loads (fields it lacks take their
+    defaults, fields this version does not know are ignored)."""
+
+    transformer_class: str  # diffusers class name, e.g. "FluxTransformer2DModel"
+    model_dtype: str  # "float32", "bfloat16" or "float16"
+    timestep_divisor: float  # the transformer is fed timesteps[i] / timestep_divisor
+    timestep_rule: str  # the same, in words
+    guidance_rule: str  # one of GUIDANCE_RULES
+    guidance_rule_scale: float
+    branches: tuple[str, ...]  # "positive", and "negative" with CFG
+    batched_env_keys: tuple[str, ...]  # env entries with a leading batch dimension of 1 (see stack_envs)
+    conditioning: LatentConditioning = NO_CONDITIONING
+
+    @classmethod
+    def from_proto(cls, message: rollout_pb2.TransformerCall) -> "TransformerCall":
+        return cls(
+            transformer_class=message.transformer_class,
+            model_dtype=message.model_dtype,
+            timestep_divisor=message.timestep_divisor,
+            timestep_rule=message.timestep_rule,
+            guidance_rule=message.guidance_rule,
+            guidance_rule_scale=message.guidance_rule_scale,
+            branches=tuple(message.branches),
+            batched_env_keys=tuple(message.batched_env_keys),
+            conditioning=LatentConditioning.from_proto(message.conditioning),
+        )
+
+    def to_proto(self) -> rollout_pb2.TransformerCall:
+        return rollout_pb2.TransformerCall(
+            transformer_class=self.transformer_class,
+            model_dtype=self.model_dtype,
+            timestep_divisor=self.timestep_divisor,
+            timestep_rule=self.timestep_rule,
+            guidance_rule=self.guidance_rule,
+            guidance_rule_scale=self.guidance_rule_scale,
+            branches=self.branches,
+            batched_env_keys=self.batched_env_keys,
+            conditioning=self.conditioning.to_proto(),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "TransformerCall":
+        message = json_format.Parse(text, rollout_pb2.TransformerCall(), ignore_unknown_fields=True)
+        return cls.from_proto(message)
+
+    def to_json(self) -> str:
+        return json_format.MessageToJson(
+            self.to_proto(),
+            preserving_proto_field_name=True,
+            always_print_fields_with_no_presence=True,
+            indent=None,
+            sort_keys=True,
+        )
 
 
 def call_transformer(
@@ -34,13 +125,23 @@ def call_transformer(
     env: Mapping[str, Any],
     model_dtype: torch.dtype,
     timestep_divisor: float,
+    conditioning: LatentConditioning = NO_CONDITIONING,
 ) -> torch.Tensor:
     """One branch's velocity, float32, for the batch ``x`` [B, ...]; ``timestep`` is one value for
-    every row, or float32 [B], one per row."""
+    every row, or float32 [B], one per row; ``env[conditioning.env_key]`` holds the conditioning
+    latents of the rows when ``conditioning`` concatenates them (see the module docstring)."""
     fed_timestep = torch.as_tensor(timestep, dtype=torch.float32, device=x.device).expand(x.shape[0])
     fed_timestep = (fed_timestep / timestep_divisor).to(model_dtype)
-    output = transformer(hidden_states=x.to(model_dtype), timestep=fed_timestep, **env)
-    return (output[0] if isinstance(output, tuple) else output.sample).float()
+    hidden_states = x.to(model_dtype)
+    if conditioning.concat in _CONCATENATED:
+        env = dict(env)
+        latents = env.pop(conditioning.env_key).to(model_dtype)
+        hidden_states = torch.cat([hidden_states, latents], dim=1)
+    elif conditioning.concat != rollout_pb2.CONDITIONING_CONCAT_NONE:
+        raise ValueError(f"unknown conditioning concat {conditioning.concat}: a rule newer than this client")
+    output = transformer(hidden_states=hidden_states, timestep=fed_timestep, **env)
+    prediction = output[0] if isinstance(output, tuple) else output.sample
+    return prediction[:, : x.shape[1]].float()
 
 
 def apply_guidance(rule: str, scale: float, velocities: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -17,6 +17,8 @@ from diffusers import DiffusionPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from PIL import Image
 
+from rollout_core.transformer_call import NO_CONDITIONING, LatentConditioning
+
 
 class UnsupportedModel(Exception):
     """The folder holds a pipeline no adapter supports."""
@@ -65,6 +67,9 @@ class FamilyAdapter(ABC):
     max_frames: ClassVar[int] = 1
     # The env entries concatenated along dim 0 to batch samples (the others are shared).
     batched_env_keys: ClassVar[tuple[str, ...]]
+    # How conditioning latents enter the transformer's hidden states, and the env entry holding them:
+    # none for text-to-image and text-to-video.
+    conditioning: ClassVar[LatentConditioning] = NO_CONDITIONING
 
     def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
         self.folder = folder
