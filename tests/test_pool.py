@@ -59,6 +59,18 @@ def wait_until(condition, seconds: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def rollout_in_the_background(pool, request) -> tuple[threading.Thread, dict, int]:
+    """Start ``pool.rollout(request)`` in a thread; return it, the dict its trajectories will be stored
+    in, and the index of the replica running it, once the rollout is under way there."""
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(trajectories=pool.rollout(request)))
+    worker.start()
+    wait_until(lambda: any(replica.outstanding for replica in pool.replicas))
+    victim = next(k for k, replica in enumerate(pool.replicas) if replica.outstanding)
+    time.sleep(0.5)  # into the rollout (about 2 s on one core)
+    return worker, result, victim
+
+
 def assert_same_trajectories(pooled, alone, atol: float = TOLERANCE) -> None:
     assert len(pooled) == len(alone)
     for a, b in zip(pooled, alone, strict=True):
@@ -153,12 +165,7 @@ def test_a_replica_killed_mid_rollout_is_replaced_with_identical_noise(replicas,
     alone = client.rollout(slow)
     pool = RolloutPool([server.address for server in replicas], timeout=60, health_interval=0.2)
     try:
-        result = {}
-        worker = threading.Thread(target=lambda: result.update(trajectories=pool.rollout(slow)))
-        worker.start()
-        wait_until(lambda: any(replica.outstanding for replica in pool.replicas))
-        victim = next(k for k, replica in enumerate(pool.replicas) if replica.outstanding)
-        time.sleep(0.5)  # into the rollout (about 2 s on one core)
+        worker, result, victim = rollout_in_the_background(pool, slow)
         replicas[victim].stop(signal.SIGKILL)
         worker.join(timeout=60)
         assert_same_trajectories(result["trajectories"], alone)
@@ -183,12 +190,7 @@ def test_a_replica_stopped_mid_rollout_is_replaced_with_bitwise_the_same_numbers
     )
     victim = None
     try:
-        result = {}
-        worker = threading.Thread(target=lambda: result.update(trajectories=pool.rollout(slow)))
-        worker.start()
-        wait_until(lambda: any(replica.outstanding for replica in pool.replicas))
-        victim = next(k for k, replica in enumerate(pool.replicas) if replica.outstanding)
-        time.sleep(0.5)  # into the rollout (about 2 s on one core)
+        worker, result, victim = rollout_in_the_background(pool, slow)
         replicas[victim].process.send_signal(signal.SIGSTOP)
         worker.join(timeout=30)  # stall_seconds, then the re-run: a few seconds
         assert "trajectories" in result, "the pool still waits on the stopped replica"
