@@ -7,6 +7,7 @@ the server never import a model class.
 
 import copy
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -121,8 +122,10 @@ class FamilyAdapter(ABC):
         ``timestep``, those named in ``batched_env_keys`` with a leading batch dimension of 1."""
 
     @abstractmethod
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
-        """Decode final latents [B, ...] into each sample's frames (an image is one frame)."""
+    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
+        """Decode one sample's final latents [1, ...] into its frames, in order, a piece at a time:
+        an image family yields its one image once; a video family yields consecutive chunks of
+        frames, as small as its VAE decodes them. The caller may stop between pieces."""
 
 
 class PackedLatentAdapter(FamilyAdapter):
@@ -165,3 +168,15 @@ def set_up_schedule(scheduler, num_steps: int, **kwargs) -> tuple[torch.Tensor, 
     retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
     timesteps = torch.cat([scheduler.timesteps.float().cpu(), torch.zeros(1)])
     return scheduler.sigmas.to(torch.float32).cpu(), timesteps
+
+
+def denormalized(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Latents [B, C, F, H, W] in the VAE's dtype, from the per-channel normalised space Wan's and
+    Qwen-Image's pipelines sample in (``latents_mean`` and ``latents_std`` of the VAE config)."""
+    latents = latents.to(vae.dtype)
+
+    def stats(values) -> torch.Tensor:
+        return torch.tensor(values).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+
+    # As the pipelines compute it: divided by the inverse of the std.
+    return latents / (1.0 / stats(vae.config.latents_std)) + stats(vae.config.latents_mean)

@@ -6,6 +6,8 @@ The transformer is called exactly as ``FluxPipeline.__call__`` does, with the ti
 ``return_dict``.
 """
 
+from collections.abc import Iterator
+
 import torch
 from diffusers import FluxPipeline
 from PIL import Image
@@ -52,11 +54,11 @@ class FluxAdapter(PackedLatentAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
+    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
         vae = self.pipe.vae
         spatial = self.pipe._unpack_latents(
             latents.to(vae.dtype), shape.height, shape.width, self.pipe.vae_scale_factor
         )
         spatial = spatial / vae.config.scaling_factor + vae.config.shift_factor
         images = vae.decode(spatial, return_dict=False)[0]
-        return [[image] for image in self.pipe.image_processor.postprocess(images, output_type="pil")]
+        yield self.pipe.image_processor.postprocess(images, output_type="pil")

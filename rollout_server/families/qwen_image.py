@@ -8,6 +8,8 @@ encoded on its own, so its env carries its own token length, unpadded; the mask 
 embeddings, so there is no ``txt_seq_lens`` to slice per sample.
 """
 
+from collections.abc import Iterator
+
 import torch
 from diffusers import QwenImagePipeline
 from PIL import Image
@@ -16,6 +18,7 @@ from rollout_server.families.base import (
     FamilyDefaults,
     MediaShape,
     PackedLatentAdapter,
+    denormalized,
 )
 
 MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
@@ -60,17 +63,8 @@ class QwenImageAdapter(PackedLatentAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
+    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
         vae = self.pipe.vae
         latents = self.pipe._unpack_latents(latents, shape.height, shape.width, self.pipe.vae_scale_factor)
-        latents = latents.to(vae.dtype)
-        stats_shape = (1, vae.config.z_dim, 1, 1, 1)
-        latents_mean = (
-            torch.tensor(vae.config.latents_mean).view(stats_shape).to(latents.device, latents.dtype)
-        )
-        latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(stats_shape).to(
-            latents.device, latents.dtype
-        )
-        latents = latents / latents_std + latents_mean
-        images = vae.decode(latents, return_dict=False)[0][:, :, 0]  # the video VAE's single frame
-        return [[image] for image in self.pipe.image_processor.postprocess(images, output_type="pil")]
+        images = vae.decode(denormalized(vae, latents), return_dict=False)[0][:, :, 0]  # its single frame
+        yield self.pipe.image_processor.postprocess(images, output_type="pil")

@@ -8,6 +8,8 @@ padded to the T5 width, followed by the T5 sequence), ``pooled_projections`` (bo
 v_neg + s * (v_pos - v_neg), with an empty negative prompt as the unconditional branch.
 """
 
+from collections.abc import Iterator
+
 import torch
 from diffusers import StableDiffusion3Pipeline
 from PIL import Image
@@ -83,8 +85,8 @@ class SD3Adapter(FamilyAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
+    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
         vae = self.pipe.vae
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         images = vae.decode(latents, return_dict=False)[0]
-        return [[image] for image in self.pipe.image_processor.postprocess(images, output_type="pil")]
+        yield self.pipe.image_processor.postprocess(images, output_type="pil")
