@@ -27,6 +27,7 @@ from concurrent.futures import Future
 import torch
 
 from rollout.v1 import rollout_pb2
+from rollout_server import memory
 from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.limits import Limits
 from rollout_server.metrics import ServerMetrics
@@ -34,7 +35,7 @@ from rollout_server.parallel import HEARTBEAT, ROUND, STOP, UPDATE, RankFailure,
 from rollout_server.policy import Policy
 from rollout_server.runner import Rollout, Runner
 from rollout_server.sampler import advance
-from rollout_server.scheduler import RolloutJob, Round, Scheduler, UpdateJob
+from rollout_server.scheduler import STREAM_BUFFER, RolloutJob, Round, Scheduler, UpdateJob
 from rollout_server.stream import StreamEncoder, latents_sent, started_event
 from rollout_server.validation import InvalidRequest
 
@@ -82,7 +83,6 @@ class Engine:
         self.model_name = model_name
         self.max_message_bytes = limits.max_message_bytes
         self.metrics = ServerMetrics()
-        self.scheduler = Scheduler(limits.max_queued_requests, limits.max_running_samples)
         # Called (from the worker thread) when the rank group broke: the server must go down.
         self.on_fatal: Callable[[Exception], None] = lambda error: None
         self._rollouts: dict[int, Rollout] = {}  # the running rollouts' model-side state, by key
@@ -97,6 +97,13 @@ class Engine:
             self.adapter: FamilyAdapter = loaded.result()
         else:
             self.adapter = load_adapter()
+        # Sized once the model is loaded: the default budget is a share of what the device has left.
+        self.memory_budget = memory.MemoryBudget(
+            limits.memory_budget or memory.default_budget(self.adapter.device, self.parallel.degree),
+            limits.max_batch_size,
+        )
+        self.scheduler = Scheduler(limits.max_queued_requests, limits.max_running_samples, self.memory_budget)
+        self._decode_profile = self.adapter.measure_decode() if self.parallel.is_leader else None
         self.policy = Policy(self.adapter.experts, self.parallel)
         self.runner = Runner(
             self.adapter,
@@ -108,6 +115,11 @@ class Engine:
         )
         self.metrics.watch(self)
         self._ready.set()
+
+    def estimate(self, request: rollout_pb2.RolloutRequest) -> memory.RolloutMemory:
+        """The memory a resolved request's rollout takes (see ``memory.estimate``)."""
+        backlog = STREAM_BUFFER * self.max_message_bytes
+        return memory.estimate(self.adapter, self._decode_profile, request, backlog)
 
     def submit(self, job: RolloutJob) -> None:
         """Queue a rollout (Overloaded when the queue is full); its outbox receives its stream."""

@@ -13,7 +13,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rollout_server import weights
+from rollout_server import memory, weights
 from rollout_server.engine import Engine, ShuttingDown
 from rollout_server.parallel import RankFailure
 from rollout_server.sampler import NonFiniteStep
@@ -265,11 +265,15 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             resolved = resolve(request, self.serving)
         except InvalidRequest as error:
             await self._reject(context, quoted(request.request_id or "-"), error)
+        estimate = self.engine.estimate(resolved)
+        video = self.serving.max_frames > 1
+        if too_large := memory.refusal(estimate, self.engine.memory_budget, resolved, video):
+            await self._reject(context, quoted(resolved.request_id), InvalidRequest(too_large))
         if resolved.HasField("min_policy_version"):
             await self._wait_for_policy(context, resolved)
         outbox = Outbox(asyncio.get_running_loop(), self.engine.scheduler.wake)
         try:
-            self.engine.submit(RolloutJob(resolved, outbox, time.perf_counter()))
+            self.engine.submit(RolloutJob(resolved, outbox, time.perf_counter(), estimate))
         except Overloaded as error:
             self.engine.metrics.reject("overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))

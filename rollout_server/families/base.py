@@ -6,6 +6,7 @@ the server never import a model class.
 """
 
 import copy
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,18 @@ class MediaShape:
 
 
 @dataclass(frozen=True)
+class DecodeProfile:
+    """How large a decode piece's tensors are, in elements per pixel of the frames the piece yields:
+    the widest activation, and the widest convolution workspace (the CPU's 3D convolution unfolds its
+    input into ``in_channels x kernel volume`` columns per output element; none elsewhere). And the
+    most frames one piece yields."""
+
+    width: float
+    workspace: float
+    frames_per_piece: int
+
+
+@dataclass(frozen=True)
 class FamilyDefaults:
     """Request defaults that follow the family's usual settings."""
 
@@ -66,6 +79,8 @@ class FamilyAdapter(ABC):
     max_frames: ClassVar[int] = 1
     # The env entries concatenated along dim 0 to batch samples (the others are shared).
     batched_env_keys: ClassVar[tuple[str, ...]]
+    # Whether a sample's decode keeps state between its pieces (a causal video VAE's cache).
+    decode_keeps_state: ClassVar[bool] = False
 
     def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
         self.folder = folder
@@ -120,6 +135,50 @@ class FamilyAdapter(ABC):
         """The frozen env of one text (a prompt, or the negative prompt: both take the same path),
         encoded as a batch of one: every ``forward()`` keyword argument besides ``hidden_states`` and
         ``timestep``, those named in ``batched_env_keys`` with a leading batch dimension of 1."""
+
+    @abstractmethod
+    def text_elements(self) -> int:
+        """Elements of one text's batched env tensors at their longest (the text states and pooled
+        projections): what the env of a prompt holds, and what each row adds to a forward."""
+
+    @abstractmethod
+    def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
+        """(tokens, width) of one transformer row's forward at ``shape``: the tokens its blocks run
+        over (image and text, for joint attention), and the widest per-token activation in elements
+        (the feed-forward's hidden width, or a fused projection's)."""
+
+    def measure_decode(self) -> DecodeProfile:
+        """The decoder's tensors per output pixel, measured on a small probe: its channel widths at
+        each resolution, which the tensors of a piece of any size follow."""
+        side = 2 * self.side_multiple
+        shape = MediaShape(1 + self.frame_step, side, side)
+        widest = workspace = 0
+
+        def record(module, inputs, output) -> None:
+            nonlocal widest, workspace
+            for tensor in output if isinstance(output, tuple) else (output,):
+                if isinstance(tensor, torch.Tensor):
+                    widest = max(widest, tensor.numel())
+            if isinstance(module, torch.nn.Conv3d) and self.device.type == "cpu":
+                columns = module.in_channels // module.groups * math.prod(module.kernel_size)
+                workspace = max(workspace, columns * output.numel() // module.out_channels)
+
+        handles = [module.register_forward_hook(record) for module in self.pipe.vae.modules()]
+        profile = DecodeProfile(0.0, 0.0, 0)
+        try:
+            latents = torch.zeros(1, *self.latent_shape(shape), device=self.device)
+            for frames in self.decode_frames(latents, shape):
+                pixels = len(frames) * side * side
+                profile = DecodeProfile(
+                    max(profile.width, widest / pixels),
+                    max(profile.workspace, workspace / pixels),
+                    max(profile.frames_per_piece, len(frames)),
+                )
+                widest = workspace = 0
+        finally:
+            for handle in handles:
+                handle.remove()
+        return profile
 
     @abstractmethod
     def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:

@@ -34,6 +34,17 @@ class FluxAdapter(PackedLatentAdapter):
     def latent_packing(self) -> str:
         return "flux 2x2 patches: [(H/16) * (W/16), 4 * vae_latent_channels], row-major over the grid"
 
+    def text_elements(self) -> int:
+        config = self.pipe.transformer.config
+        return MAX_SEQUENCE_LENGTH * config.joint_attention_dim + config.pooled_projection_dim
+
+    def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
+        # Joint attention over image and text tokens; a single-stream block concatenates its attention
+        # output with its 4x MLP hidden state.
+        rows, cols = self._latent_grid(shape)
+        config = self.pipe.transformer.config
+        return rows * cols + MAX_SEQUENCE_LENGTH, 5 * config.num_attention_heads * config.attention_head_dim
+
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
         rows, cols = self._latent_grid(shape)

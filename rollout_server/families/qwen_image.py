@@ -43,6 +43,15 @@ class QwenImageAdapter(PackedLatentAdapter):
     def latent_packing(self) -> str:
         return "qwen-image 2x2 patches: [(H/16) * (W/16), 4 * vae_z_dim], row-major over the grid"
 
+    def text_elements(self) -> int:
+        return MAX_SEQUENCE_LENGTH * self.pipe.transformer.config.joint_attention_dim
+
+    def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
+        # Joint attention over image and text tokens; the feed-forward is 4x wide.
+        rows, cols = self._latent_grid(shape)
+        config = self.pipe.transformer.config
+        return rows * cols + MAX_SEQUENCE_LENGTH, 4 * config.num_attention_heads * config.attention_head_dim
+
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
         # One text per encode_prompt call: a batch would pad every prompt to the longest.

@@ -24,6 +24,8 @@ from rollout_server.families.base import (
 
 # StableDiffusion3Pipeline.__call__'s default T5 length.
 MAX_SEQUENCE_LENGTH = 256
+# The text states: CLIP's 77 tokens, then T5's.
+TEXT_TOKENS = 77 + MAX_SEQUENCE_LENGTH
 
 
 class SD3Adapter(FamilyAdapter):
@@ -64,6 +66,17 @@ class SD3Adapter(FamilyAdapter):
 
     def latent_packing(self) -> str:
         return "unpacked: [vae_latent_channels, H/8, W/8] (the transformer patchifies 2x2 itself)"
+
+    def text_elements(self) -> int:
+        config = self.pipe.transformer.config
+        return TEXT_TOKENS * config.joint_attention_dim + config.pooled_projection_dim
+
+    def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
+        # Joint attention over image patches and text tokens; the feed-forward is 4x wide.
+        config = self.pipe.transformer.config
+        _, rows, cols = self.latent_shape(shape)
+        patches = (rows // config.patch_size) * (cols // config.patch_size)
+        return patches + TEXT_TOKENS, 4 * config.num_attention_heads * config.attention_head_dim
 
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:

@@ -43,6 +43,7 @@ class WanAdapter(FamilyAdapter):
     cfg_scale_field = "guidance_scale"
     cfg_rule = "true_cfg"
     batched_env_keys = ("encoder_hidden_states",)
+    decode_keeps_state = True  # the causal convolutions' cache, between latent frames
     max_frames = 161  # Wan 2.1 generates 81; twice that bounds the work of one request
 
     def __init__(self, folder, device, dtype):
@@ -99,6 +100,18 @@ class WanAdapter(FamilyAdapter):
 
     def latent_packing(self) -> str:
         return "video: [vae_z_dim, (F - 1)/4 + 1, H/8, W/8] (the transformer patchifies 1x2x2 itself)"
+
+    def text_elements(self) -> int:
+        return MAX_SEQUENCE_LENGTH * self.pipe.transformer.config.text_dim
+
+    def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
+        # Self-attention over the video tokens (1x2x2 patches; the text enters by cross-attention),
+        # with separate q, k and v projections, and the feed-forward's ffn_dim.
+        channels, frames, rows, cols = self.latent_shape(shape)
+        config = self.pipe.transformer.config
+        _, patch_rows, patch_cols = config.patch_size
+        inner = config.num_attention_heads * config.attention_head_dim
+        return frames * (rows // patch_rows) * (cols // patch_cols), max(config.ffn_dim, 3 * inner)
 
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
