@@ -39,7 +39,12 @@ def in_process_runner(preset: str, cache_dir: Path) -> tuple[Runner, ServingCont
     adapter = families.load(resolve_model(preset, cache_dir), torch.device("cpu"), torch.float32)
     # The server's prompt cache as well: both sides encode the prompts once, in the warm-up.
     runner = Runner(
-        adapter, SequenceParallel(), Limits.max_batch_size, DEFAULT_PROMPT_CACHE_ENTRIES, ServerMetrics()
+        adapter,
+        SequenceParallel(),
+        Limits.max_batch_size,
+        Limits.max_latent_elements,
+        DEFAULT_PROMPT_CACHE_ENTRIES,
+        ServerMetrics(),
     )
     defaults = defaults_for(preset, adapter.defaults())
     return runner, ServingContext.of(adapter, defaults, Limits())
@@ -50,7 +55,8 @@ def in_process_seconds(runner: Runner, request: rollout_pb2.RolloutRequest) -> f
     begin = time.perf_counter()
     rollout = runner.prepare(0, request)
     while not rollout.done:
-        advance(rollout.plan, rollout.state, runner.velocities([rollout]).guided[rollout.key])
+        velocities = runner.velocities([rollout], dropped=lambda key: False)
+        advance(rollout.plan, rollout.state, velocities.guided[rollout.key])
     return time.perf_counter() - begin
 
 

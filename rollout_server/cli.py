@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rollout.v1 import rollout_pb2
 from rollout_server.auth import ServerTLS, StartupError, TokenPolicy, load_token
-from rollout_server.limits import Limits
+from rollout_server.limits import Limits, parse_bytes
 from rollout_server.presets import PRESETS, resolve_model
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
 
@@ -74,6 +74,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=Limits.stall_seconds,
         help="end a stream (ABORTED) whose client has read nothing for this long, freeing its work",
+    )
+    s.add_argument(
+        "--memory-budget",
+        type=byte_size,
+        default=None,
+        help="bytes the running rollouts may take above the loaded model, e.g. 12GiB (default: half the "
+        "RAM available once the model is loaded on a CPU, 80%% of the free GPU memory on CUDA)",
     )
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (per rank)")
     s.add_argument(
@@ -137,6 +144,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def run_ray(args: argparse.Namespace) -> None:
     try:
         import ray
@@ -175,6 +189,7 @@ def main(argv=None) -> None:
         max_latent_elements=args.max_latent_elements,
         max_waiting_requests=args.max_waiting,
         stall_seconds=args.stall_seconds,
+        memory_budget=args.memory_budget,
     )
     try:
         limits.check()

@@ -3,8 +3,10 @@
 Each round, the scheduler (``scheduler.py``) says which rollouts drop, join and step, or which weight
 update to apply; the runner (``runner.py``) encodes the joining requests and computes one batched
 velocity for the rollouts that step; the sampler (``sampler.py``) advances each rollout in float32;
-the stream encoder (``stream.py``) turns what happened into messages for each rollout's outbox. The
-worker never waits on a client: a slow one parks its own rollout.
+the stream encoder (``stream.py``) turns what happened into messages for each rollout's outbox. A
+rollout whose steps are done decodes its images one piece per round (an image, or a chunk of a
+video's frames), so a cancel, a stall or a shutdown waits for one piece of work, never a whole
+decode. The worker never waits on a client: a slow one parks its own rollout.
 
 Sequence parallelism: rank 0 broadcasts each round (the keys to drop and to step, and the requests
 that join) and each update; the other ranks run the same round without streaming (``follow``), so
@@ -25,14 +27,15 @@ from concurrent.futures import Future
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_server.families.base import FamilyAdapter
+from rollout_server import memory
+from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.limits import Limits
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import HEARTBEAT, ROUND, STOP, UPDATE, RankFailure, SequenceParallel
 from rollout_server.policy import Policy
 from rollout_server.runner import Rollout, Runner
 from rollout_server.sampler import advance
-from rollout_server.scheduler import RolloutJob, Round, Scheduler, UpdateJob
+from rollout_server.scheduler import STREAM_BUFFER, RolloutJob, Round, Scheduler, UpdateJob
 from rollout_server.stream import StreamEncoder, latents_sent, started_event
 from rollout_server.validation import InvalidRequest
 
@@ -80,7 +83,6 @@ class Engine:
         self.model_name = model_name
         self.max_message_bytes = limits.max_message_bytes
         self.metrics = ServerMetrics()
-        self.scheduler = Scheduler(limits.max_queued_requests, limits.max_running_samples)
         # Called (from the worker thread) when the rank group broke: the server must go down.
         self.on_fatal: Callable[[Exception], None] = lambda error: None
         self._rollouts: dict[int, Rollout] = {}  # the running rollouts' model-side state, by key
@@ -95,12 +97,29 @@ class Engine:
             self.adapter: FamilyAdapter = loaded.result()
         else:
             self.adapter = load_adapter()
+        # Sized once the model is loaded: the default budget is a share of what the device has left.
+        self.memory_budget = memory.MemoryBudget(
+            limits.memory_budget or memory.default_budget(self.adapter.device, self.parallel.degree),
+            limits.max_batch_size,
+        )
+        self.scheduler = Scheduler(limits.max_queued_requests, limits.max_running_samples, self.memory_budget)
+        self._decode_profile = self.adapter.measure_decode() if self.parallel.is_leader else None
         self.policy = Policy(self.adapter.experts, self.parallel)
         self.runner = Runner(
-            self.adapter, self.parallel, limits.max_batch_size, prompt_cache_entries, self.metrics
+            self.adapter,
+            self.parallel,
+            limits.max_batch_size,
+            limits.max_latent_elements,
+            prompt_cache_entries,
+            self.metrics,
         )
         self.metrics.watch(self)
         self._ready.set()
+
+    def estimate(self, request: rollout_pb2.RolloutRequest) -> memory.RolloutMemory:
+        """The memory a resolved request's rollout takes (see ``memory.estimate``)."""
+        backlog = STREAM_BUFFER * self.max_message_bytes
+        return memory.estimate(self.adapter, self._decode_profile, request, backlog)
 
     def submit(self, job: RolloutJob) -> None:
         """Queue a rollout (Overloaded when the queue is full); its outbox receives its stream."""
@@ -179,30 +198,44 @@ class Engine:
     def _run_round(
         self, drop: list[int], join: list[tuple[int, rollout_pb2.RolloutRequest]], step: list[int]
     ) -> None:
-        """One round, alike on every rank (only rank 0 streams)."""
+        """One round, alike on every rank (only rank 0 streams): the rollouts still denoising take a
+        step, those decoding (rank 0) decode their next piece."""
         for key in drop:
             self._rollouts.pop(key, None)
         for key, request in join:
             self._join(key, request)
         stepping = [self._rollouts[key] for key in step if key in self._rollouts]
-        if not stepping:
-            return
-        began = time.perf_counter()
-        velocities = self.runner.velocities(stepping)
+        denoising = [rollout for rollout in stepping if rollout.pieces is None]
+        if denoising:
+            self._step(denoising)
         for rollout in stepping:
+            if rollout.pieces is not None:
+                self._decode_piece(rollout)
+
+    def _step(self, rollouts: list[Rollout]) -> None:
+        began = time.perf_counter()
+        velocities = self.runner.velocities(rollouts, self._dropped)
+        for rollout in rollouts:
             if rollout.key in velocities.failures:
                 self._end(rollout.key, velocities.failures[rollout.key])
                 continue
+            if rollout.key in velocities.cancelled:
+                continue  # dropped: the next round removes it
             rollout.shared_steps += rollout.key in velocities.shared
             try:
                 record = advance(rollout.plan, rollout.state, velocities.guided[rollout.key])
                 if rollout.stream is not None:
                     rollout.stream.on_step(record)
                 if rollout.done:
-                    self._finish(rollout)
+                    self._denoised(rollout)
             except Exception as error:  # noqa: BLE001 - it fails this rollout only
                 self._end(rollout.key, error)
-        self.metrics.batched_step(len(stepping), time.perf_counter() - began)
+        self.metrics.batched_step(len(rollouts), time.perf_counter() - began)
+
+    def _dropped(self, key: int) -> bool:
+        """Whether the stream of rollout ``key`` has ended (rank 0 knows; the runner asks it)."""
+        job = self.scheduler.running.get(key)
+        return job is not None and job.dropped
 
     def _join(self, key: int, request: rollout_pb2.RolloutRequest) -> None:
         joined_at = time.perf_counter()
@@ -239,21 +272,38 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - it fails this rollout only
             self._end(key, error)
 
+    def _denoised(self, rollout: Rollout) -> None:
+        """The last step is done: rank 0 decodes the images, when asked for, a piece per round (so
+        the rollout can park, be dropped or stop between pieces); otherwise it finishes now."""
+        rollout.times["denoised"] = time.perf_counter()
+        if rollout.stream is not None and rollout.request.images:
+            # The decode holds the latents, not the rollout: a dropped rollout frees both at once.
+            rollout.pieces = self.runner.decode_pieces(rollout.state.x, MediaShape.of(rollout.request))
+        else:
+            self._finish(rollout)
+
+    def _decode_piece(self, rollout: Rollout) -> None:
+        try:
+            piece = next(rollout.pieces, None)
+            if piece is None:
+                self._finish(rollout)
+                return
+            sample, first_frame, frames = piece
+            for f, frame in enumerate(frames, start=first_frame):
+                rollout.stream.on_image(sample, f, frame)
+        except Exception as error:  # noqa: BLE001 - it fails this rollout only
+            self._end(rollout.key, error)
+
     def _finish(self, rollout: Rollout) -> None:
-        """The last step is done: images (rank 0, when asked for), the finished event, the end."""
+        """The finished event (rank 0), and the end."""
         job = self.scheduler.running.get(rollout.key)
         if job is not None:
-            denoised_at = time.perf_counter()
-            if rollout.request.images:
-                for k, frames in enumerate(self.runner.decode(rollout)):
-                    for f, frame in enumerate(frames):
-                        rollout.stream.on_image(k, f, frame)
             times, finished_at = rollout.times, time.perf_counter()
             rollout.stream.on_finish(
                 rollout_pb2.RolloutFinished(
                     encode_seconds=times["encoded"] - times["joined"],
-                    denoise_seconds=denoised_at - times["encoded"],
-                    decode_seconds=finished_at - denoised_at,
+                    denoise_seconds=times["denoised"] - times["encoded"],
+                    decode_seconds=finished_at - times["denoised"],
                     total_seconds=finished_at - times["submitted"],
                     queue_seconds=times["joined"] - times["submitted"],
                     peak_memory_bytes=peak_memory_bytes(self.adapter.device),

@@ -1,5 +1,6 @@
 """Server limits: every request dimension is bounded, and GetServerInfo reports the bounds."""
 
+import re
 from dataclasses import dataclass
 
 from rollout.v1 import rollout_pb2
@@ -15,6 +16,18 @@ MAX_POLICY_VERSION = 2**63 - 1
 _STARTED_EVENT_ALLOWANCE = 64 * 1024
 # Bytes a prompt character may take in UTF-8.
 _UTF8_MAX_BYTES = 4
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_SIZE_UNITS |= {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]i?)?b?", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes: ``12GiB``, ``512MiB``, ``1.5G``, ``2000000000`` (k, M, G, T: powers of 1000;
+    Ki, Mi, Gi, Ti: of 1024). ValueError otherwise."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"not a size in bytes: {text!r} (e.g. 12GiB, 512MiB, 2000000000)")
+    return int(float(match["number"]) * _SIZE_UNITS[(match["unit"] or "").lower()])
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,9 @@ class Limits:
     # 16-channel latent, and any image at max_side.
     max_latent_elements: int = 8 * 1024 * 1024
     stall_seconds: float = 60.0
+    # Bytes the running rollouts may take above the loaded model (see memory.py); None: a share of
+    # what the device has left once the model is loaded.
+    memory_budget: int | None = None
 
     @property
     def min_message_bytes(self) -> int:
@@ -63,6 +79,8 @@ class Limits:
         ):
             if not value > 0:
                 raise ValueError(f"{option} must be positive, got {value}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"--memory-budget must be positive, got {self.memory_budget}")
 
     def to_proto(self, side_multiple: int, max_frames: int, frame_step: int) -> rollout_pb2.Limits:
         from rollout_core import steps  # loads torch, which the command line does without

@@ -165,6 +165,14 @@ class SequenceParallel:
         self._collective("success check", reduce)
         return bool(value.item())
 
+    def leader_decides(self, flag: bool) -> bool:
+        """Rank 0's ``flag``, on every rank (a decision only rank 0 can take, which all must follow)."""
+        if not self.enabled:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        self._collective("decision", lambda: dist.broadcast(value, 0, group=self.cpu_group))
+        return bool(value.item())
+
     def describe_failure(self) -> str:
         """Which ranks are gone, when this process started them. A collective fails as soon as a dead
         rank's sockets close, which can be before its process has exited: wait up to

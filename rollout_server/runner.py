@@ -7,15 +7,19 @@ and the same env signature (the shapes of the batched env tensors, and equal
 shared entries such as Flux's ``txt_ids``; the model dtype is the server's one). They may sit at
 different steps, with different schedules, samplers, noise levels, guidance and CFG scales: each
 row is fed its own timestep. A compatible group is cut into the fewest forwards of at most
-``max_batch_size`` rows, of even sizes. Each rollout's branches are then combined by its own
-guidance rule in float32, and the step math runs per rollout (``sampler.advance``): a row's numbers
-depend on its neighbours in a forward only through the model's float rounding at another batch size.
+``max_batch_size`` rows and at most ``max_forward_elements`` latent elements (the largest admitted
+row, so no forward takes longer than one row at the largest admitted shape), of even sizes. Each
+rollout's branches are then combined by its own guidance rule in float32, and the step math runs per
+rollout (``sampler.advance``): a row's numbers depend on its neighbours in a forward only through the
+model's float rounding at another batch size.
 
 The runner is all that the other sequence-parallel ranks run: given the same rollouts in the same
 order, every rank forms the same forwards.
 """
 
 import hashlib
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +63,7 @@ class Rollout:
     prompt_cache_hits: int  # distinct texts whose conditioning came from the prompt cache
     prompts_encoded: int  # distinct texts encoded for this rollout
     stream: Any = None  # rank 0: the StreamEncoder of its gRPC stream
+    pieces: Iterator | None = None  # rank 0, once its steps are done: its decode, a piece at a time
     shared_steps: int = 0  # steps whose forwards carried other rollouts' rows too
     times: dict[str, float] = field(default_factory=dict)  # perf_counter stamps, for the timings
 
@@ -74,6 +79,7 @@ class Velocities:
     guided: dict[int, torch.Tensor]  # the velocity after guidance, float32 [B, ...]
     failures: dict[int, Exception]  # rollouts whose forward raised
     shared: set[int]  # rollouts whose rows shared a forward with another rollout's
+    cancelled: set[int]  # dropped rollouts whose forwards were skipped: they take no step
 
 
 def env_signature(env: dict[str, Any], batched_keys: tuple[str, ...]) -> tuple:
@@ -102,12 +108,14 @@ class Runner:
         adapter: FamilyAdapter,
         parallel: SequenceParallel,
         max_batch_size: int,
+        max_forward_elements: int,
         prompt_cache_entries: int,
         metrics: ServerMetrics,
     ):
         self.adapter = adapter
         self.parallel = parallel
         self.max_batch_size = max_batch_size
+        self.max_forward_elements = max_forward_elements
         self.metrics = metrics
         # Used by the worker only, and on every rank alike: each sees the same requests in order.
         self.prompt_cache = PromptCache(adapter, prompt_cache_entries)
@@ -171,10 +179,12 @@ class Runner:
         )
 
     @torch.inference_mode()
-    def velocities(self, rollouts: list[Rollout]) -> Velocities:
+    def velocities(self, rollouts: list[Rollout], dropped: Callable[[int], bool]) -> Velocities:
         """The guided velocity of each rollout's current latent. A single-rank server fails only the
         rollouts with rows in a forward that raised; under sequence parallelism the error
-        propagates, since the ranks are out of step."""
+        propagates, since the ranks are out of step. Before each forward, a forward whose rollouts
+        have all been ``dropped`` (by key; rank 0 decides for every rank) is skipped, so a cancel
+        waits for one forward at most, not the whole round."""
         groups: dict[tuple, list[tuple[Rollout, Row]]] = {}
         for rollout in rollouts:
             for row in rollout.rows:
@@ -186,14 +196,22 @@ class Runner:
         }
         failures: dict[int, Exception] = {}
         shared: set[int] = set()
+        cancelled: set[int] = set()
         stacked: dict[tuple, dict[str, Any]] = {}
-        for (expert, *_), members in groups.items():
-            # The fewest forwards of at most max_batch_size rows, of even sizes (9 rows at 8: 5 + 4).
-            forwards = -(-len(members) // self.max_batch_size)
+        for (expert, latent_shape, _), members in groups.items():
+            # The fewest forwards of at most max_batch_size rows, of even sizes (9 rows at 8: 5 + 4),
+            # large rows fewer at a time.
+            row_elements = math.prod(latent_shape)
+            rows_per_forward = min(self.max_batch_size, max(1, self.max_forward_elements // row_elements))
+            forwards = -(-len(members) // rows_per_forward)
             size = -(-len(members) // forwards)
             for start in range(0, len(members), size):
                 batch = [(r, row) for r, row in members[start : start + size] if r.key not in failures]
                 if not batch:
+                    continue
+                keys = {r.key for r, _ in batch}
+                if self.parallel.leader_decides(all(dropped(key) for key in keys)):
+                    cancelled.update(keys)
                     continue
                 try:
                     v = self._forward(expert, batch, stacked)
@@ -205,15 +223,15 @@ class Runner:
                     continue
                 for j, (r, row) in enumerate(batch):
                     per_branch[r.key][row.branch][row.sample] = v[j]
-                if len({r.key for r, _ in batch}) > 1:
-                    shared.update(r.key for r, _ in batch)
+                if len(keys) > 1:
+                    shared.update(keys)
         self._stacked = stacked
         guided = {
             r.key: apply_guidance(r.guidance_rule, r.cfg_scale, per_branch[r.key])
             for r in rollouts
-            if r.key not in failures
+            if r.key not in failures and r.key not in cancelled
         }
-        return Velocities(guided, failures, shared)
+        return Velocities(guided, failures, shared, cancelled)
 
     def _forward(self, expert: str, batch: list[tuple[Rollout, Row]], stacked: dict) -> torch.Tensor:
         """One call of the transformer ``expert`` on ``batch``'s rows, each at its rollout's current
@@ -238,6 +256,12 @@ class Runner:
         )
 
     @torch.inference_mode()
-    def decode(self, rollout: Rollout) -> list:
-        """The rollout's final latents as each sample's frames."""
-        return self.adapter.decode(rollout.state.x, MediaShape.of(rollout.request))
+    def decode_pieces(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[tuple[int, int, list]]:
+        """Final latents [B, ...] decoded a piece at a time, sample by sample: (sample, index of the
+        piece's first frame, its frames). A piece is what the adapter decodes at once: one image, or
+        one chunk of a video's frames."""
+        for k in range(latents.shape[0]):
+            first = 0
+            for frames in self.adapter.decode_frames(latents[k : k + 1], shape):
+                yield k, first, frames
+                first += len(frames)

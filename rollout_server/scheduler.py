@@ -6,9 +6,10 @@ Rollouts and weight updates wait in one queue, in arrival order. The engine's wo
 * **drop**: rollouts whose stream has ended (the caller left, its deadline passed, or it stalled);
   queued ones are dropped before they cost anything, as are queued updates whose caller left.
 * **join**: rollouts join the running set from the head of the queue while their samples fit in
-  ``max_running_samples`` (a rollout joins an empty set whatever its size). The first one that does
-  not fit waits, and everything behind it waits too: strictly FIFO, so a large request is never
-  starved by small ones behind it.
+  ``max_running_samples`` and their estimated memory fits the memory budget with the running ones'
+  (a rollout joins an empty set whatever its size; admission refuses one that cannot fit the budget
+  alone). The first one that does not fit waits, and everything behind it waits too: strictly FIFO,
+  so a large request is never starved by small ones behind it.
 * **barrier**: a weight update at the head of the queue stops later rollouts from joining; once the
   running rollouts (all started on the old weights) have finished, the update is applied alone, and
   the rollouts behind it start on the new weights. No rollout ever mixes two policy versions.
@@ -17,8 +18,8 @@ Rollouts and weight updates wait in one queue, in arrival order. The engine's wo
   its state kept, until the client reads again (or the stream's stall limit ends it).
 
 Bounds: at most ``max_queued`` rollouts queued or running (more get RESOURCE_EXHAUSTED), at most
-``max_running_samples`` samples running (or one larger rollout alone), and per stream at most
-``STREAM_BUFFER`` messages plus one event's messages buffered.
+``max_running_samples`` samples running (or one larger rollout alone) within the memory budget, and
+per stream at most ``STREAM_BUFFER`` messages plus one event's messages buffered.
 """
 
 import asyncio
@@ -29,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from rollout.v1 import rollout_pb2
+from rollout_server.memory import MemoryBudget, RolloutMemory
 from rollout_server.weights.update import WeightUpdate
 
 # Messages a stream may hold unsent before its rollout is parked.
@@ -99,6 +101,7 @@ class RolloutJob:
     request: rollout_pb2.RolloutRequest  # resolved
     outbox: Outbox
     submitted_at: float  # perf_counter
+    memory: RolloutMemory = RolloutMemory()  # its estimate (see memory.py)
     key: int = -1  # set by the scheduler: the rollout's id in the engine, on every rank
     parked_rounds: int = 0  # rounds it sat out while its client was slow to read
 
@@ -137,9 +140,10 @@ class Round:
 
 
 class Scheduler:
-    def __init__(self, max_queued: int, max_running_samples: int):
+    def __init__(self, max_queued: int, max_running_samples: int, memory: MemoryBudget | None = None):
         self.max_queued = max_queued
         self.max_running_samples = max_running_samples
+        self.memory = memory  # None: no memory bound
         self._changed = threading.Condition()
         self._queue: deque[RolloutJob | UpdateJob] = deque()
         self.running: dict[int, RolloutJob] = {}
@@ -217,6 +221,11 @@ class Scheduler:
                 if not self._changed.wait(timeout):
                     return planned
 
+    def _fits_with_running(self, job: RolloutJob) -> bool:
+        if self.memory is None:
+            return True
+        return self.memory.fits([*(running.memory for running in self.running.values()), job.memory])
+
     def _plan(self) -> Round:
         if self._stopping:
             return Round(stop=True)
@@ -226,7 +235,9 @@ class Scheduler:
         self._queue = deque(job for job in self._queue if not job.dropped)
         samples = sum(job.samples for job in self.running.values())
         while self._queue and isinstance(head := self._queue[0], RolloutJob):
-            if self.running and samples + head.samples > self.max_running_samples:
+            if self.running and (
+                samples + head.samples > self.max_running_samples or not self._fits_with_running(head)
+            ):
                 break
             self._queue.popleft()
             self.running[head.key] = head

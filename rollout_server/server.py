@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 import rollout_server
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, steps, wire
-from rollout_server import families, presets
+from rollout_server import families, memory, presets
 from rollout_server.auth import (
     HANDLER_KINDS,
     ServerTLS,
@@ -121,6 +121,7 @@ def build_service(options: ServerOptions) -> RolloutService:
         features=features(adapter, options.weights_root),
     )
     info.limits.max_update_bytes = engine.policy.spec.max_update_bytes
+    info.limits.memory_budget_bytes = engine.memory_budget.limit
     return RolloutService(engine, serving, info, options.weights_root, options.upload_idle_seconds)
 
 
@@ -256,6 +257,8 @@ async def serve(options: ServerOptions) -> int:
             raise StartupError(f"cannot serve metrics on {host}:{options.metrics_port}: {error}") from None
         log.info("metrics at http://%s:%d/metrics", host, port)
     log.info("security: %s", describe_security(options))
+    budget = memory.format_bytes(service.engine.memory_budget.limit)
+    log.info("memory budget: %s for the running rollouts above the model", budget)
     warning = exposure_warning(options.host, options.tokens.enabled)
     if warning:
         log.warning("\n%s", warning)

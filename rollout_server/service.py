@@ -15,6 +15,7 @@ from grpc_status import rpc_status
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client.channel import PREVIOUS_ATTEMPTS_HEADER, PREVIOUS_ATTEMPTS_TRAILER
+from rollout_server import memory
 from rollout_server.engine import Engine, ShuttingDown
 from rollout_server.parallel import RankFailure
 from rollout_server.sampler import NonFiniteStep
@@ -357,11 +358,15 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             resolved = resolve(request, self.serving)
         except InvalidRequest as error:
             raise Refused(self._rejection(quoted(request.request_id or "-"), error)) from None
+        estimate = self.engine.estimate(resolved)
+        video = self.serving.max_frames > 1
+        if too_large := memory.refusal(estimate, self.engine.memory_budget, resolved, video):
+            raise Refused(self._rejection(quoted(resolved.request_id), InvalidRequest(too_large)))
         if resolved.HasField("min_policy_version"):
             await self._wait_for_policy(resolved)
         outbox = Outbox(asyncio.get_running_loop(), self.engine.scheduler.wake)
         try:
-            self.engine.submit(RolloutJob(resolved, outbox, time.perf_counter()))
+            self.engine.submit(RolloutJob(resolved, outbox, time.perf_counter(), estimate))
         except Overloaded as error:
             self.engine.metrics.reject("overloaded")
             raise Refused(CallStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))) from None

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from rollout.v1 import rollout_pb2
+from rollout_server.memory import RUNTIME_OVERHEAD, MemoryBudget, RolloutMemory
 from rollout_server.scheduler import Outbox, Overloaded, RolloutJob, Scheduler
 
 TIMEOUT = 0.01  # an idle round comes back after this long
@@ -17,9 +18,10 @@ def loop():
     loop.close()
 
 
-def job(loop, samples: int, limit: int = 2) -> RolloutJob:
+def job(loop, samples: int, limit: int = 2, held: int = 0) -> RolloutJob:
     request = rollout_pb2.RolloutRequest(seeds=range(samples))
-    return RolloutJob(request, Outbox(loop, wake=lambda: None, limit=limit), submitted_at=0.0)
+    outbox = Outbox(loop, wake=lambda: None, limit=limit)
+    return RolloutJob(request, outbox, submitted_at=0.0, memory=RolloutMemory(held=held))
 
 
 def test_rollouts_join_in_arrival_order_within_the_running_bound(loop):
@@ -45,6 +47,21 @@ def test_a_rollout_larger_than_the_bound_runs_alone(loop):
     assert scheduler.next_round(TIMEOUT).join == [big]
     scheduler.finished(big.key)
     assert scheduler.next_round(TIMEOUT).join == [small]
+
+
+def test_rollouts_join_while_their_memory_fits_the_budget(loop):
+    """Budget 100 bytes above the runtime's overhead: a (holding 60) runs; b (50) does not fit beside
+    it and waits, and c (10) behind it waits too, though it would fit. Once a ends, b and c join
+    together (60)."""
+    budget = MemoryBudget(RUNTIME_OVERHEAD + 100, max_batch_size=8)
+    scheduler = Scheduler(max_queued=8, max_running_samples=64, memory=budget)
+    a, b, c = (job(loop, 1, held=held) for held in (60, 50, 10))
+    for each in (a, b, c):
+        scheduler.submit(each)
+    assert scheduler.next_round(TIMEOUT).join == [a]
+    assert scheduler.next_round(TIMEOUT).join == []
+    scheduler.finished(a.key)
+    assert scheduler.next_round(TIMEOUT).join == [b, c]
 
 
 def test_admission_is_bounded(loop):

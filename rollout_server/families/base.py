@@ -6,7 +6,9 @@ the server never import a model class.
 """
 
 import copy
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,6 +38,18 @@ class MediaShape:
     def of(cls, request) -> "MediaShape":
         """The shape a resolved RolloutRequest asks for."""
         return cls(request.num_frames, request.height, request.width)
+
+
+@dataclass(frozen=True)
+class DecodeProfile:
+    """How large a decode piece's tensors are, in elements per pixel of the frames the piece yields:
+    the widest activation, and the widest convolution workspace (the CPU's 3D convolution unfolds its
+    input into ``in_channels x kernel volume`` columns per output element; none elsewhere). And the
+    most frames one piece yields."""
+
+    width: float
+    workspace: float
+    frames_per_piece: int
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,8 @@ class FamilyAdapter(ABC):
     # How conditioning latents enter the transformer's hidden states, and the env entry holding them:
     # none for text-to-image and text-to-video.
     conditioning: ClassVar[LatentConditioning] = NO_CONDITIONING
+    # Whether a sample's decode keeps state between its pieces (a causal video VAE's cache).
+    decode_keeps_state: ClassVar[bool] = False
 
     def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
         self.folder = folder
@@ -135,8 +151,54 @@ class FamilyAdapter(ABC):
         ``timestep``, those named in ``batched_env_keys`` with a leading batch dimension of 1."""
 
     @abstractmethod
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
-        """Decode final latents [B, ...] into each sample's frames (an image is one frame)."""
+    def text_elements(self) -> int:
+        """Elements of one text's batched env tensors at their longest (the text states and pooled
+        projections): what the env of a prompt holds, and what each row adds to a forward."""
+
+    @abstractmethod
+    def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
+        """(tokens, width) of one transformer row's forward at ``shape``: the tokens its blocks run
+        over (image and text, for joint attention), and the widest per-token activation in elements
+        (the feed-forward's hidden width, or a fused projection's)."""
+
+    def measure_decode(self) -> DecodeProfile:
+        """The decoder's tensors per output pixel, measured on a small probe: its channel widths at
+        each resolution, which the tensors of a piece of any size follow."""
+        side = 2 * self.side_multiple
+        shape = MediaShape(1 + self.frame_step, side, side)
+        widest = workspace = 0
+
+        def record(module, inputs, output) -> None:
+            nonlocal widest, workspace
+            for tensor in output if isinstance(output, tuple) else (output,):
+                if isinstance(tensor, torch.Tensor):
+                    widest = max(widest, tensor.numel())
+            if isinstance(module, torch.nn.Conv3d) and self.device.type == "cpu":
+                columns = module.in_channels // module.groups * math.prod(module.kernel_size)
+                workspace = max(workspace, columns * output.numel() // module.out_channels)
+
+        handles = [module.register_forward_hook(record) for module in self.pipe.vae.modules()]
+        profile = DecodeProfile(0.0, 0.0, 0)
+        try:
+            latents = torch.zeros(1, *self.latent_shape(shape), device=self.device)
+            for frames in self.decode_frames(latents, shape):
+                pixels = len(frames) * side * side
+                profile = DecodeProfile(
+                    max(profile.width, widest / pixels),
+                    max(profile.workspace, workspace / pixels),
+                    max(profile.frames_per_piece, len(frames)),
+                )
+                widest = workspace = 0
+        finally:
+            for handle in handles:
+                handle.remove()
+        return profile
+
+    @abstractmethod
+    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
+        """Decode one sample's final latents [1, ...] into its frames, in order, a piece at a time:
+        an image family yields its one image once; a video family yields consecutive chunks of
+        frames, as small as its VAE decodes them. The caller may stop between pieces."""
 
 
 class PackedLatentAdapter(FamilyAdapter):
@@ -179,3 +241,15 @@ def set_up_schedule(scheduler, num_steps: int, **kwargs) -> tuple[torch.Tensor, 
     retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
     timesteps = torch.cat([scheduler.timesteps.float().cpu(), torch.zeros(1)])
     return scheduler.sigmas.to(torch.float32).cpu(), timesteps
+
+
+def denormalized(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Latents [B, C, F, H, W] in the VAE's dtype, from the per-channel normalised space Wan's and
+    Qwen-Image's pipelines sample in (``latents_mean`` and ``latents_std`` of the VAE config)."""
+    latents = latents.to(vae.dtype)
+
+    def stats(values) -> torch.Tensor:
+        return torch.tensor(values).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+
+    # As the pipelines compute it: divided by the inverse of the std.
+    return latents / (1.0 / stats(vae.config.latents_std)) + stats(vae.config.latents_mean)

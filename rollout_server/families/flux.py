@@ -6,6 +6,8 @@ The transformer is called exactly as ``FluxPipeline.__call__`` does, with the ti
 ``return_dict``.
 """
 
+from collections.abc import Iterator
+
 import torch
 from diffusers import FluxPipeline
 from PIL import Image
@@ -32,6 +34,17 @@ class FluxAdapter(PackedLatentAdapter):
     def latent_packing(self) -> str:
         return "flux 2x2 patches: [(H/16) * (W/16), 4 * vae_latent_channels], row-major over the grid"
 
+    def text_elements(self) -> int:
+        config = self.pipe.transformer.config
+        return MAX_SEQUENCE_LENGTH * config.joint_attention_dim + config.pooled_projection_dim
+
+    def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
+        # Joint attention over image and text tokens; a single-stream block concatenates its attention
+        # output with its 4x MLP hidden state.
+        rows, cols = self._latent_grid(shape)
+        config = self.pipe.transformer.config
+        return rows * cols + MAX_SEQUENCE_LENGTH, 5 * config.num_attention_heads * config.attention_head_dim
+
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
         rows, cols = self._latent_grid(shape)
@@ -52,11 +65,11 @@ class FluxAdapter(PackedLatentAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
+    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
         vae = self.pipe.vae
         spatial = self.pipe._unpack_latents(
             latents.to(vae.dtype), shape.height, shape.width, self.pipe.vae_scale_factor
         )
         spatial = spatial / vae.config.scaling_factor + vae.config.shift_factor
         images = vae.decode(spatial, return_dict=False)[0]
-        return [[image] for image in self.pipe.image_processor.postprocess(images, output_type="pil")]
+        yield self.pipe.image_processor.postprocess(images, output_type="pil")

@@ -8,6 +8,8 @@ encoded on its own, so its env carries its own token length, unpadded; the mask 
 embeddings, so there is no ``txt_seq_lens`` to slice per sample.
 """
 
+from collections.abc import Iterator
+
 import torch
 from diffusers import QwenImagePipeline
 from PIL import Image
@@ -16,6 +18,7 @@ from rollout_server.families.base import (
     FamilyDefaults,
     MediaShape,
     PackedLatentAdapter,
+    denormalized,
 )
 
 MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
@@ -40,6 +43,15 @@ class QwenImageAdapter(PackedLatentAdapter):
     def latent_packing(self) -> str:
         return "qwen-image 2x2 patches: [(H/16) * (W/16), 4 * vae_z_dim], row-major over the grid"
 
+    def text_elements(self) -> int:
+        return MAX_SEQUENCE_LENGTH * self.pipe.transformer.config.joint_attention_dim
+
+    def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
+        # Joint attention over image and text tokens; the feed-forward is 4x wide.
+        rows, cols = self._latent_grid(shape)
+        config = self.pipe.transformer.config
+        return rows * cols + MAX_SEQUENCE_LENGTH, 4 * config.num_attention_heads * config.attention_head_dim
+
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
         # One text per encode_prompt call: a batch would pad every prompt to the longest.
@@ -60,17 +72,8 @@ class QwenImageAdapter(PackedLatentAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
+    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
         vae = self.pipe.vae
         latents = self.pipe._unpack_latents(latents, shape.height, shape.width, self.pipe.vae_scale_factor)
-        latents = latents.to(vae.dtype)
-        stats_shape = (1, vae.config.z_dim, 1, 1, 1)
-        latents_mean = (
-            torch.tensor(vae.config.latents_mean).view(stats_shape).to(latents.device, latents.dtype)
-        )
-        latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(stats_shape).to(
-            latents.device, latents.dtype
-        )
-        latents = latents / latents_std + latents_mean
-        images = vae.decode(latents, return_dict=False)[0][:, :, 0]  # the video VAE's single frame
-        return [[image] for image in self.pipe.image_processor.postprocess(images, output_type="pil")]
+        images = vae.decode(denormalized(vae, latents), return_dict=False)[0][:, :, 0]  # its single frame
+        yield self.pipe.image_processor.postprocess(images, output_type="pil")

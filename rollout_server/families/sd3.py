@@ -8,6 +8,8 @@ padded to the T5 width, followed by the T5 sequence), ``pooled_projections`` (bo
 v_neg + s * (v_pos - v_neg), with an empty negative prompt as the unconditional branch.
 """
 
+from collections.abc import Iterator
+
 import torch
 from diffusers import StableDiffusion3Pipeline
 from PIL import Image
@@ -22,6 +24,8 @@ from rollout_server.families.base import (
 
 # StableDiffusion3Pipeline.__call__'s default T5 length.
 MAX_SEQUENCE_LENGTH = 256
+# The text states: CLIP's 77 tokens, then T5's.
+TEXT_TOKENS = 77 + MAX_SEQUENCE_LENGTH
 
 
 class SD3Adapter(FamilyAdapter):
@@ -63,6 +67,17 @@ class SD3Adapter(FamilyAdapter):
     def latent_packing(self) -> str:
         return "unpacked: [vae_latent_channels, H/8, W/8] (the transformer patchifies 2x2 itself)"
 
+    def text_elements(self) -> int:
+        config = self.pipe.transformer.config
+        return TEXT_TOKENS * config.joint_attention_dim + config.pooled_projection_dim
+
+    def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
+        # Joint attention over image patches and text tokens; the feed-forward is 4x wide.
+        config = self.pipe.transformer.config
+        _, rows, cols = self.latent_shape(shape)
+        patches = (rows // config.patch_size) * (cols // config.patch_size)
+        return patches + TEXT_TOKENS, 4 * config.num_attention_heads * config.attention_head_dim
+
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
         # guidance_scale is SD3's CFG scale, applied when the branches are combined. The negative prompt
@@ -83,8 +98,8 @@ class SD3Adapter(FamilyAdapter):
         }
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
+    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
         vae = self.pipe.vae
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         images = vae.decode(latents, return_dict=False)[0]
-        return [[image] for image in self.pipe.image_processor.postprocess(images, output_type="pil")]
+        yield self.pipe.image_processor.postprocess(images, output_type="pil")

@@ -16,8 +16,11 @@ updates name the expert they change. Its second guidance scale (``guidance_scale
 exposed: both experts take the request's ``guidance_scale``, as the pipeline does by default.
 """
 
+from collections.abc import Iterator
+
 import torch
 from diffusers import WanPipeline
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
 from PIL import Image
 
 from rollout_server.families.base import (
@@ -25,6 +28,7 @@ from rollout_server.families.base import (
     FamilyDefaults,
     MediaShape,
     UnsupportedModel,
+    denormalized,
     set_up_schedule,
 )
 
@@ -39,6 +43,7 @@ class WanAdapter(FamilyAdapter):
     cfg_scale_field = "guidance_scale"
     cfg_rule = "true_cfg"
     batched_env_keys = ("encoder_hidden_states",)
+    decode_keeps_state = True  # the causal convolutions' cache, between latent frames
     max_frames = 161  # Wan 2.1 generates 81; twice that bounds the work of one request
 
     def __init__(self, folder, device, dtype):
@@ -96,6 +101,18 @@ class WanAdapter(FamilyAdapter):
     def latent_packing(self) -> str:
         return "video: [vae_z_dim, (F - 1)/4 + 1, H/8, W/8] (the transformer patchifies 1x2x2 itself)"
 
+    def text_elements(self) -> int:
+        return MAX_SEQUENCE_LENGTH * self.pipe.transformer.config.text_dim
+
+    def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
+        # Self-attention over the video tokens (1x2x2 patches; the text enters by cross-attention),
+        # with separate q, k and v projections, and the feed-forward's ffn_dim.
+        channels, frames, rows, cols = self.latent_shape(shape)
+        config = self.pipe.transformer.config
+        _, patch_rows, patch_cols = config.patch_size
+        inner = config.num_attention_heads * config.attention_head_dim
+        return frames * (rows // patch_rows) * (cols // patch_cols), max(config.ffn_dim, 3 * inner)
+
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
         embeds, _ = self.pipe.encode_prompt(
@@ -108,13 +125,16 @@ class WanAdapter(FamilyAdapter):
         return {"encoder_hidden_states": embeds, "attention_kwargs": None, "return_dict": False}
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, shape: MediaShape) -> list[list[Image.Image]]:
+    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
+        # AutoencoderKLWan.decode's own loop, one latent frame at a time (the first gives one frame,
+        # each later one vae_scale_factor_temporal frames), with the causal convolutions' cache kept
+        # between pieces: the same numbers, without holding the whole video.
         vae = self.pipe.vae
-        stats_shape = (1, vae.config.z_dim, 1, 1, 1)
-        latents = latents.to(vae.dtype)
-        mean = torch.tensor(vae.config.latents_mean).view(stats_shape).to(latents.device, latents.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(stats_shape).to(
-            latents.device, latents.dtype
-        )
-        video = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
-        return self.pipe.video_processor.postprocess_video(video, output_type="pil")
+        x = vae.post_quant_conv(denormalized(vae, latents))
+        cache = [None] * sum(isinstance(module, WanCausalConv3d) for module in vae.decoder.modules())
+        for i in range(x.shape[2]):
+            frames = vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=i == 0)
+            if vae.config.patch_size is not None:
+                frames = unpatchify(frames, patch_size=vae.config.patch_size)
+            video = torch.clamp(frames, min=-1.0, max=1.0)
+            yield self.pipe.video_processor.postprocess_video(video, output_type="pil")[0]

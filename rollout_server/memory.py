@@ -1,0 +1,167 @@
+"""What a rollout's work takes in memory, estimated at admission and checked against a budget.
+
+A rollout holds, from the round it joins to its end: its latents and the sampler's float32 tensors
+(the state, each CFG branch's velocity, the guided velocity, the step's mean, noise and next latent),
+the messages of its stream (an event's tensors, their safetensors buffer and the messages cut from
+it, and the outbox's backlog) and its prompts' env. On top of that, one piece of work runs at a time
+on the worker: a transformer forward (at most ``max_batch_size`` rows of one shape) or one decode
+piece (one image, or one chunk of a video's frames). The per-family sizes come from the adapter
+(``forward_activation``, ``text_elements``, ``measure_decode``); the factors below, live tensors per
+widest activation, were measured on the tiny presets (docs/architecture.md has the table).
+
+The estimate is an upper bound on the memory above the loaded model. Rollouts run together only
+while the sum of what they hold plus the largest piece of work among them fits the budget; a
+rollout that cannot fit alone is refused at admission.
+"""
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from rollout.v1 import rollout_pb2
+from rollout_core import dtypes
+from rollout_server.families.base import DecodeProfile, FamilyAdapter, MediaShape
+
+# Live tensors at a forward's peak, per element of its widest activation (tokens x width), and at a
+# decode piece's peak, per element of the decoder's widest activation; measured on this repository's
+# presets, rounded up.
+FORWARD_LIVE_FACTOR = 6
+DECODE_LIVE_FACTOR = 6
+# Resident memory that the first work at a new size adds besides its tensors: library code paged in
+# on first use, and what the allocator keeps in its arenas (40 to 120 MiB measured on a CPU).
+RUNTIME_OVERHEAD = 128 * 2**20
+# A sample's float32 sampler tensors besides each branch's velocity: the state, the guided velocity,
+# the step's mean, noise, scaled noise and next latent.
+SAMPLER_TENSORS = 6
+# Copies of an event's payload alive while it is sent: the tensors, their safetensors buffer and the
+# messages cut from it.
+EVENT_COPIES = 3
+# A decoded frame's bytes per pixel: the float32 RGB tensor, its numpy copy and the 8-bit image.
+FRAME_BYTES_PER_PIXEL = 3 * (4 + 4 + 1)
+# The default budget's share of the device memory left once the model is loaded: on a CPU host the
+# RAM is shared with other processes (a trainer, often); a GPU is the server's own, less room for the
+# caching allocator's fragmentation.
+CPU_BUDGET_FRACTION = 0.5
+CUDA_BUDGET_FRACTION = 0.8
+
+
+def format_bytes(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
+
+
+def default_budget(device: torch.device, ranks: int) -> int:
+    """The budget when ``--memory-budget`` is not given: a share of the memory the device has left
+    now that the model is loaded. On a CPU the ``ranks`` sequence-parallel ranks share the host's
+    RAM, each with the rollouts' latents and a forward's working set."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_BUDGET_FRACTION)
+    if device.type == "cpu":
+        return int(psutil.virtual_memory().available * CPU_BUDGET_FRACTION / ranks)
+    raise ValueError(f"no default memory budget on {device.type}: pass --memory-budget")
+
+
+@dataclass(frozen=True)
+class RolloutMemory:
+    """A rollout's estimated memory, in bytes."""
+
+    held: int = 0  # from join to end: latents, sampler tensors, stream buffers, env (and a decode cache)
+    row_bytes: int = 0  # one transformer row's share of a forward's working set
+    rows: int = 0  # its transformer rows: samples x CFG branches
+    decode_bytes: int = 0  # one decode piece's working set (0 without images)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The memory the running rollouts may take above the loaded model."""
+
+    limit: int
+    max_batch_size: int
+
+    def peak(self, rollouts: Iterable[RolloutMemory]) -> int:
+        """An upper bound on the peak of ``rollouts`` running together: what each holds, plus the
+        largest single piece of work, a forward (at most ``max_batch_size`` of their rows, each no
+        larger than the largest row among them) or a decode piece, plus the runtime's overhead."""
+        rollouts = list(rollouts)
+        if not rollouts:
+            return 0
+        rows = min(self.max_batch_size, sum(r.rows for r in rollouts))
+        forward = rows * max(r.row_bytes for r in rollouts)
+        largest_piece = max(forward, max(r.decode_bytes for r in rollouts))
+        return RUNTIME_OVERHEAD + sum(r.held for r in rollouts) + largest_piece
+
+    def fits(self, rollouts: Iterable[RolloutMemory]) -> bool:
+        return self.peak(rollouts) <= self.limit
+
+
+def estimate(
+    adapter: FamilyAdapter,
+    decode: DecodeProfile,
+    request: rollout_pb2.RolloutRequest,
+    backlog_bytes: int,
+) -> RolloutMemory:
+    """The memory of a resolved request on ``adapter``'s model, whose decoder ``decode`` profiles;
+    ``backlog_bytes`` bounds the messages its outbox holds from earlier events."""
+    shape = MediaShape.of(request)
+    samples = len(request.seeds)
+    branches = 2 if getattr(request, adapter.cfg_scale_field) > 1.0 else 1
+    model_bytes = adapter.dtype.itemsize
+    latent = math.prod(adapter.latent_shape(shape)) * samples  # elements of the rollout's latents
+    texts = len(set(request.prompts)) + (branches == 2)
+    env = texts * adapter.text_elements() * model_bytes
+    tokens, width = adapter.forward_activation(shape)
+    row_bytes = (tokens * width * FORWARD_LIVE_FACTOR + adapter.text_elements()) * model_bytes
+    decode_bytes = decode_state = 0
+    frame_pixels = shape.height * shape.width
+    if request.images:
+        piece_pixels = decode.frames_per_piece * frame_pixels
+        vae_bytes = adapter.pipe.vae.dtype.itemsize
+        activations = math.ceil(piece_pixels * decode.width * DECODE_LIVE_FACTOR) * vae_bytes
+        decode_bytes = (
+            activations
+            + math.ceil(piece_pixels * decode.workspace) * vae_bytes
+            + piece_pixels * FRAME_BYTES_PER_PIXEL
+        )
+        # What a decode keeps between pieces (a few frames of each causal convolution's input) is
+        # part of a piece's activations.
+        decode_state = activations if adapter.decode_keeps_state else 0
+    debug = sum(d != rollout_pb2.DEBUG_TENSOR_SD for d in request.debug_tensors)
+    step_event = latent * (dtypes.LATENT[request.latent_dtype].itemsize + 4 * debug)
+    started_event = latent * dtypes.LATENT[request.latent_dtype].itemsize + env
+    png = 3 * frame_pixels if request.images else 0  # an RGB image that does not compress
+    event = max(step_event, started_event, png)
+    held = (
+        latent * 4 * (SAMPLER_TENSORS + branches) + EVENT_COPIES * event + backlog_bytes + env + decode_state
+    )
+    return RolloutMemory(held, row_bytes, samples * branches, decode_bytes)
+
+
+def refusal(
+    memory: RolloutMemory, budget: MemoryBudget, request: rollout_pb2.RolloutRequest, video: bool
+) -> list[tuple[str, str]]:
+    """The BadRequest violations of a rollout that cannot fit the budget even alone (empty if it
+    fits): each field that makes it large, with what it costs."""
+    peak = budget.peak([memory])
+    if peak <= budget.limit:
+        return []
+    over = (
+        f"the rollout's estimated peak memory, {format_bytes(peak)}, is above the server's memory "
+        f"budget of {format_bytes(budget.limit)} (--memory-budget)"
+    )
+    samples = len(request.seeds)
+    holds = "its 1 sample holds" if samples == 1 else f"its {samples} samples hold"
+    rows = min(budget.max_batch_size, memory.rows)
+    size = f"{request.height} x {request.width} pixels" + (f" x {request.num_frames} frames" if video else "")
+    sized = (
+        f"at {size} a forward of up to {rows} rows needs {format_bytes(rows * memory.row_bytes)} and a "
+        f"decode piece {format_bytes(memory.decode_bytes)}; {over}"
+    )
+    count_field = "samples_per_prompt" if request.samples_per_prompt > 1 else "prompts"
+    violations = [(count_field, f"{holds} {format_bytes(memory.held)}; {over}")]
+    violations += [("height", sized), ("width", sized)]
+    if video:
+        violations.append(("num_frames", sized))
+    return violations

@@ -1,0 +1,122 @@
+"""The memory budget on a real tiny-flux server: a request whose estimated peak cannot fit is refused
+at once, naming the fields that make it large, and the server stays SERVING with its memory
+untouched; a request that fits completes, its images decoded one sample at a time, its peak resident
+memory within the estimate."""
+
+import time
+
+import grpc
+import pytest
+import torch
+from helpers import field_violations, health_status, make_request, start_server
+
+from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_server import families, memory
+from rollout_server.limits import Limits, parse_bytes
+from rollout_server.memory import RUNTIME_OVERHEAD, MemoryBudget, RolloutMemory
+from rollout_server.presets import defaults_for
+from rollout_server.scheduler import STREAM_BUFFER
+from rollout_server.validation import ServingContext, resolve
+
+BUDGET = "1GiB"
+# 64 samples at 2048 x 2048 with images: each sample's decode takes about 1.3 GiB on this model, so
+# the old batched decode wanted about 84 GiB; one sample at a time it is still above 1 GiB.
+LARGE = {"prompts": ["a red fox"], "samples_per_prompt": 64, "height": 2048, "width": 2048, "num_steps": 1}
+# 8 samples at 512 x 512: about 100 MiB per sample's decode, about 640 MiB decoded in one batch.
+FITS = {"prompts": ["a red fox", "a kite"], "samples_per_prompt": 4, "height": 512, "width": 512}
+# What a refused request may leave behind in the server's resident memory: its gRPC buffers.
+LEFT_BEHIND = 64 * 2**20
+
+
+def memory_of(pid: int, field: str) -> int:
+    """A /proc/<pid>/status memory field (VmRSS, VmHWM) in bytes."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def reset_peak(pid: int) -> None:
+    """Reset the process's peak resident set (VmHWM) to its current size."""
+    with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def test_a_running_set_peaks_at_what_it_holds_plus_its_largest_piece():
+    """Two rollouts of 3 and 6 rows at 10 and 20 bytes a row: a forward takes at most 4 of their rows
+    (max_batch_size), each at most the larger row: 80 bytes, above the larger decode piece (50)."""
+    budget = MemoryBudget(limit=RUNTIME_OVERHEAD + 300, max_batch_size=4)
+    small = RolloutMemory(held=100, row_bytes=10, rows=3, decode_bytes=50)
+    large = RolloutMemory(held=120, row_bytes=20, rows=6, decode_bytes=30)
+    assert budget.peak([small]) == RUNTIME_OVERHEAD + 100 + 50  # its decode is above its forward
+    assert budget.peak([small, large]) == RUNTIME_OVERHEAD + 100 + 120 + 4 * 20
+    assert budget.fits([small, large]) and not budget.fits([small, large, small])
+
+
+@pytest.mark.parametrize("text", ["-1", "12 XB", "", "1e9", "GiB", "0x10"])
+def test_a_budget_that_is_not_a_size_is_refused(text):
+    with pytest.raises(ValueError, match="not a size in bytes"):
+        parse_bytes(text)
+    assert parse_bytes("12GiB") == 12 * 2**30 and parse_bytes("1.5G") == 1_500_000_000
+
+
+@pytest.fixture(scope="module")
+def budgeted(cache_dir, tiny_flux_folder, tmp_path_factory):
+    server = start_server(
+        cache_dir, tmp_path_factory.mktemp("budget") / "server.log", "--memory-budget", BUDGET
+    )
+    with grpc.insecure_channel(server.address) as channel:
+        yield server, channel
+    server.stop()
+
+
+def test_a_request_above_the_budget_is_refused_at_once(budgeted):
+    server, channel = budgeted
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+    info = stub.GetServerInfo(rollout_pb2.GetServerInfoRequest(), timeout=30)
+    assert info.limits.memory_budget_bytes == parse_bytes(BUDGET)
+    resident = memory_of(server.process.pid, "VmRSS")
+    began = time.monotonic()
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Rollout(make_request(LARGE), timeout=30))
+    # Refused before any work: an estimate, not a decode (which takes minutes at this size).
+    assert time.monotonic() - began < 5
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    violations = {violation.field: violation.description for violation in field_violations(refused.value)}
+    assert set(violations) == {"samples_per_prompt", "height", "width"}
+    assert "its 64 samples hold" in violations["samples_per_prompt"]
+    assert "at 2048 x 2048 pixels a forward of up to 8 rows" in violations["height"]
+    assert f"memory budget of {memory.format_bytes(parse_bytes(BUDGET))}" in violations["height"]
+    assert memory_of(server.process.pid, "VmRSS") - resident < LEFT_BEHIND
+    assert health_status(channel) == 1  # SERVING
+    assert server.process.poll() is None
+
+
+def estimated_peak(folder, request: rollout_pb2.RolloutRequest) -> int:
+    """The server's estimate of ``request``'s peak, computed here as the server does."""
+    adapter = families.load(folder, torch.device("cpu"), torch.float32)
+    limits = Limits()
+    serving = ServingContext.of(adapter, defaults_for("tiny-flux", adapter.defaults()), limits)
+    estimate = memory.estimate(
+        adapter, adapter.measure_decode(), resolve(request, serving), STREAM_BUFFER * limits.max_message_bytes
+    )
+    return MemoryBudget(parse_bytes(BUDGET), limits.max_batch_size).peak([estimate])
+
+
+def test_a_request_that_fits_decodes_its_images_one_sample_at_a_time(budgeted, tiny_flux_folder):
+    server, channel = budgeted
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+    request = make_request(FITS, num_steps=1, base_seed=3)
+    warm_up = make_request(FITS, num_steps=1, prompts=["a kite"], samples_per_prompt=1, height=64, width=64)
+    list(stub.Rollout(warm_up, timeout=60))
+    estimate = estimated_peak(tiny_flux_folder, request)
+    resident = memory_of(server.process.pid, "VmRSS")
+    reset_peak(server.process.pid)
+    messages = list(stub.Rollout(request, timeout=120))
+    peak = memory_of(server.process.pid, "VmHWM") - resident
+    assert [m.image.sample_index for m in messages if m.HasField("image")] == list(range(8))
+    assert messages[-1].HasField("finished")
+    # One sample decoded at a time: the peak (about 200 MiB) stays within the estimate (270 MiB), where
+    # the eight decoded in one batch took about 640 MiB.
+    assert peak <= estimate, (memory.format_bytes(peak), memory.format_bytes(estimate))
+    assert estimate < parse_bytes(BUDGET)
+    assert health_status(channel) == 1
