@@ -28,7 +28,7 @@ LATENT_BOUND = 16 * 11 * 24 * 24  # 16 channels, (41 - 1) / 4 + 1 latent frames 
 DECODE = {**BASE, "samples_per_prompt": 1, "height": 96, "width": 96, "num_frames": 41, "images": True}
 SMALL = {**BASE, "samples_per_prompt": 1, "height": 64, "width": 64, "num_frames": 5}
 # The worker must be free after this share of the uncancelled work: one piece is 1/8 of the round
-# and about 1/10 of the decode (measured: 0.03 to 0.06 of it; without pieces 0.56 to 1.05), so a
+# and about 1/10 of the decode (measured: 0.03 to 0.08 of it; without pieces 0.56 to 1.05), so a
 # quarter leaves room for a noisy machine.
 FREED_WITHIN = 0.25
 
