@@ -22,7 +22,7 @@ from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
 MODEL_DTYPES = tuple(
     name.removeprefix("TENSOR_DTYPE_").lower() for name, number in rollout_pb2.TensorDtype.items() if number
 )
-# How --sp ranks split attention (rollout_server.parallel).
+# How --sp ranks split attention: rollout_server.parallel.ATTENTION_SPLITS, not imported (it loads torch).
 ATTENTION_SPLITS = ("ulysses", "ring", "ulysses+ring")
 
 
@@ -217,7 +217,7 @@ def main(argv=None) -> None:
     import torch
 
     from rollout_server.families import UnsupportedModel
-    from rollout_server.parallel import RankFailure, start
+    from rollout_server.parallel import ParallelismUnsupported, RankFailure, start
     from rollout_server.server import ServerOptions, follow, serve
 
     diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components" while the model loads
@@ -228,7 +228,10 @@ def main(argv=None) -> None:
         model_path = resolve_model(args.model, args.cache_dir)
     except FileNotFoundError as error:
         sys.exit(f"rollout-server: cannot load model {args.model!r}: {error}")
-    parallel = start(args.sp, args.attention_split, args.collective_timeout, args.device)
+    try:
+        parallel = start(args.sp, args.attention_split, args.collective_timeout, args.device)
+    except (ValueError, ParallelismUnsupported) as error:
+        sys.exit(f"rollout-server: {error}")
     options = ServerOptions(
         model=args.model,
         host=args.host,
@@ -252,7 +255,7 @@ def main(argv=None) -> None:
         code = asyncio.run(serve(options)) if parallel.is_leader else follow(options)
     except UnsupportedModel as error:
         code = f"rollout-server: cannot load model {args.model!r}: {error}"
-    except StartupError as error:
+    except (StartupError, ParallelismUnsupported) as error:
         code = f"rollout-server: {error}"
     except RankFailure as error:
         code = f"rollout-server rank {parallel.rank}: {error}"

@@ -1,6 +1,8 @@
 """Sequence parallelism: every torch.distributed concern of the server, in one place.
 
-N ranks run the same engine rounds. Rank 0 owns the gRPC front end and the scheduler; before each
+N ranks run the same engine rounds. Their layout is a ``ParallelDims``, checked when it is made, and
+a device mesh built once from it with named dims ("ring", "ulysses"), which diffusers splits the
+attention over. Rank 0 owns the gRPC front end and the scheduler; before each
 batched step it broadcasts the round (which rollouts drop, join with their resolved requests, and
 step), so every rank runs the same forwards. The transformer is split with diffusers' own context
 parallelism (Ulysses attention on CPU; ring or Ulysses + ring on GPUs); latents stay full and
@@ -11,7 +13,8 @@ the others.
 
 Launch: ``rollout-server serve --sp N`` starts N - 1 helper processes itself; under ``torchrun``
 (single or multi node) the launcher's RANK / WORLD_SIZE / LOCAL_RANK are used and rank 0 of the job
-serves gRPC.
+serves gRPC. Nothing here knows a request field or a model family's arguments, and nothing exits the
+process: problems are exceptions, which the command line turns into exit messages.
 """
 
 import datetime
@@ -28,13 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
-
-from rollout_server.validation import InvalidRequest
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 log = logging.getLogger("rollout_server.parallel")
 
-# Transformer inputs that carry the image tokens (the context-parallel output gathers them back).
-IMAGE_INPUTS = ("hidden_states", "img_ids")
+# How --sp ranks split attention: all-to-all over the heads (Ulysses), ring attention, or both.
+ATTENTION_SPLITS = ("ulysses", "ring", "ulysses+ring")
+# The mesh dims diffusers' ContextParallelConfig(mesh=...) looks up by name.
+MESH_DIMS = ("ring", "ulysses")
 # Commands rank 0 broadcasts to the others.
 HEARTBEAT, ROUND, UPDATE, STOP = "heartbeat", "round", "update", "stop"
 # How long a failed collective waits for a spawned rank's process to exit, so the error can name it.
@@ -45,22 +49,92 @@ class RankFailure(RuntimeError):
     """A collective failed: a rank died, hung past the timeout, or fell out of step."""
 
 
+class ParallelismUnsupported(Exception):
+    """The model or the machine cannot run the requested split (no plan, heads, no kernel)."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How a replica's ranks divide the work, checked when made (torchtitan's ``ParallelDims``).
+
+    Sequence parallelism over ``sp`` ranks is the one dim today: its attention splits into a Ulysses
+    and a ring degree (``attention_split``). ``world_size`` counts every rank of the replica; a later
+    dim (CFG branches, say) multiplies into it. ValueError names the option that is wrong."""
+
+    sp: int = 1
+    attention_split: str = "ulysses"
+    world_size: int = 1
+
+    def __post_init__(self):
+        if self.sp < 1:
+            raise ValueError(f"--sp must be at least 1, got {self.sp}")
+        if self.attention_split not in ATTENTION_SPLITS:
+            choices = ", ".join(ATTENTION_SPLITS)
+            raise ValueError(f"--attention-split must be one of {choices}, got {self.attention_split!r}")
+        if self.attention_split == "ulysses+ring" and self.sp % 2:
+            raise ValueError(f"--attention-split ulysses+ring needs an even --sp, got {self.sp}")
+        if self.world_size != self.sp:
+            raise ValueError(f"--sp {self.sp} needs {self.sp} ranks, but the world has {self.world_size}")
+
+    @property
+    def ulysses(self) -> int:
+        return {"ulysses": self.sp, "ring": 1, "ulysses+ring": 2}[self.attention_split]
+
+    @property
+    def ring(self) -> int:
+        return self.sp // self.ulysses
+
+    @property
+    def seq_len_divisor(self) -> int:
+        """Every sequence the ranks split, and gather back, is cut into this many equal parts."""
+        return self.ulysses * self.ring
+
+    @property
+    def uneven_text(self) -> bool:
+        """Whether sequences that are not gathered back (the text tokens) may have any length: Ulysses
+        alone splits them unevenly (diffusers' ``ulysses_anything``), ring attention cannot."""
+        return self.ring == 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The device mesh of the SP ranks, dims ``MESH_DIMS``: call once, on every rank."""
+        return init_device_mesh(device_type, (self.ring, self.ulysses), mesh_dim_names=MESH_DIMS)
+
+
+def split_inputs(transformer: torch.nn.Module) -> dict[str, int]:
+    """The keyword inputs the transformer's context-parallel plan splits, each with the dim it cuts."""
+    return {
+        name: split.split_dim
+        for plan in (getattr(transformer, "_cp_plan", None) or {}).values()
+        if isinstance(plan, dict)
+        for name, split in plan.items()
+        if isinstance(name, str) and hasattr(split, "split_dim")
+    }
+
+
 @dataclass
 class SequenceParallel:
-    """This process's place in the sequence-parallel group (a group of one without --sp)."""
+    """This process's place among the sequence-parallel ranks (one rank without --sp)."""
 
-    degree: int = 1
+    dims: ParallelDims = ParallelDims()
     rank: int = 0
     local_rank: int = 0
-    attention_split: str = "none"
     timeout_seconds: float = 120.0
     helpers: list[subprocess.Popen] = field(default_factory=list)  # ranks this process spawned
     # Coordination (commands, flags) runs on a gloo group: on the CPU even when the model uses NCCL.
     cpu_group: Any = None
+    mesh: DeviceMesh | None = None  # dims MESH_DIMS; diffusers splits attention over it
+
+    @property
+    def degree(self) -> int:
+        return self.dims.sp
 
     @property
     def enabled(self) -> bool:
         return self.degree > 1
+
+    @property
+    def attention_split(self) -> str:
+        return self.dims.attention_split if self.enabled else "none"
 
     @property
     def is_leader(self) -> bool:
@@ -74,54 +148,26 @@ class SequenceParallel:
         return device
 
     def split_transformer(self, transformer: torch.nn.Module) -> None:
-        """Apply diffusers' context parallelism to the transformer, or refuse with a clear message."""
+        """Apply diffusers' context parallelism over the mesh; ParallelismUnsupported if it cannot."""
         if not self.enabled:
             return
         name = type(transformer).__name__
         if getattr(transformer, "_cp_plan", None) is None:
-            raise SystemExit(
+            raise ParallelismUnsupported(
                 f"{name} has no context-parallel plan in diffusers: --sp {self.degree} is not supported"
             )
-        ulysses, ring = {
-            "ulysses": (self.degree, 1),
-            "ring": (1, self.degree),
-            "ulysses+ring": (2, self.degree // 2),
-        }[self.attention_split]
-        if ulysses * ring != self.degree:
-            raise SystemExit(f"--attention-split ulysses+ring needs an even --sp, got {self.degree}")
         heads = transformer.config.num_attention_heads
-        if heads % ulysses:
-            raise SystemExit(
-                f"{name} has {heads} attention heads: not divisible by the Ulysses degree {ulysses}"
+        if heads % self.dims.ulysses:
+            raise ParallelismUnsupported(
+                f"{name} has {heads} attention heads: not divisible by the Ulysses degree {self.dims.ulysses}"
             )
-        # Ulysses alone may split uneven lengths (prompts of any token count); ring attention may not.
-        config = ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring, ulysses_anything=ring == 1)
+        config = ContextParallelConfig(
+            ulysses_degree=self.dims.ulysses,
+            ring_degree=self.dims.ring,
+            ulysses_anything=self.dims.uneven_text,
+            mesh=self.mesh,
+        )
         transformer.enable_parallelism(config=config)
-
-    def check_splittable(self, transformer: torch.nn.Module, latent_shape, envs) -> None:
-        """Every sequence the transformer's context-parallel plan splits must divide by the degree
-        (with Ulysses alone, only the image tokens, which are gathered back at the output);
-        InvalidRequest names the request field that sets the offending length otherwise."""
-        if not self.enabled:
-            return
-        uneven_text = self.attention_split == "ulysses"
-        inputs = {"hidden_states": (1, *latent_shape)}
-        for per_prompt in envs.values():
-            for env in per_prompt:
-                inputs.update({k: tuple(v.shape) for k, v in env.items() if isinstance(v, torch.Tensor)})
-        for plan in transformer._cp_plan.values():
-            if not isinstance(plan, dict):
-                continue
-            for name, split in plan.items():
-                image = name in IMAGE_INPUTS
-                if name not in inputs or not hasattr(split, "split_dim") or (uneven_text and not image):
-                    continue
-                length = inputs[name][split.split_dim]
-                if length % self.degree:
-                    reason = (
-                        f"{name} has {length} tokens, which do not split evenly across {self.degree} ranks"
-                    )
-                    raise InvalidRequest([("height" if image else "prompts", reason)])
 
     def _collective(self, what: str, action):
         try:
@@ -203,10 +249,19 @@ def _free_port() -> int:
 
 
 def start(degree: int, attention_split: str, timeout_seconds: float, device: str) -> SequenceParallel:
-    """Join (under torchrun) or form (``--sp N``: spawn ranks 1..N-1) the process group."""
+    """Join (under torchrun) or form (``--sp N``: spawn ranks 1..N-1) the process group and its mesh.
+    ValueError if the options disagree; ParallelismUnsupported if this machine cannot run the split."""
     launched = "WORLD_SIZE" in os.environ
-    if not launched and degree == 1:
-        return SequenceParallel()
+    world_size = int(os.environ["WORLD_SIZE"]) if launched else degree
+    # Under a launcher --sp may be left out: the launched ranks are the SP ranks.
+    dims = ParallelDims(world_size if launched and degree == 1 else degree, attention_split, world_size)
+    if dims.sp == 1:
+        return SequenceParallel(dims)
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    if backend == "gloo" and dims.ring > 1:
+        raise ParallelismUnsupported(
+            "ring attention needs GPUs (no CPU log-sum-exp kernel): use --attention-split ulysses"
+        )
     helpers = []
     if not launched:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(degree))
@@ -214,22 +269,13 @@ def start(degree: int, attention_split: str, timeout_seconds: float, device: str
         for rank in range(1, degree):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             helpers.append(subprocess.Popen([sys.executable, "-m", "rollout_server", *sys.argv[1:]], env=env))
-    world_size = int(os.environ["WORLD_SIZE"])
-    if launched and degree not in (1, world_size):
-        raise SystemExit(f"--sp {degree} disagrees with the launcher's WORLD_SIZE={world_size}")
     group = SequenceParallel(
-        degree=world_size,
+        dims=dims,
         rank=int(os.environ["RANK"]),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        attention_split=attention_split if world_size > 1 else "none",
         timeout_seconds=timeout_seconds,
         helpers=helpers,
     )
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    if backend == "gloo" and group.attention_split not in ("none", "ulysses"):
-        raise SystemExit(
-            "ring attention needs GPUs (no CPU log-sum-exp kernel): use --attention-split ulysses"
-        )
     if backend == "nccl":
         torch.cuda.set_device(group.local_rank)
     timeout = datetime.timedelta(seconds=timeout_seconds)
@@ -237,5 +283,6 @@ def start(degree: int, attention_split: str, timeout_seconds: float, device: str
     group.cpu_group = (
         dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     )
+    group.mesh = dims.build_mesh("cuda" if backend == "nccl" else "cpu")
     log.info("rank %d of %d ready (pid %d, %s)", group.rank, world_size, os.getpid(), backend)
     return group

@@ -33,6 +33,7 @@ from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import SequenceParallel
 from rollout_server.prompt_cache import Conditioning, PromptCache
 from rollout_server.sampler import SamplerPlan, SamplerState, init, stochastic_steps
+from rollout_server.validation import check_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class Runner:
     @torch.inference_mode()
     def prepare(self, key: int, request: rollout_pb2.RolloutRequest) -> Rollout:
         """Encode the prompts (through the prompt cache) and set up the schedule, plan and x_0.
-        InvalidRequest if the sequence-parallel split cannot take the request's lengths."""
+        InvalidRequest if the sequence-parallel split cannot take the prompts' token lengths."""
         adapter = self.adapter
         group = request.samples_per_prompt
         prompt_indices = [k // group for k in range(len(request.prompts) * group)]
@@ -140,7 +141,7 @@ class Runner:
         sigmas, timesteps = adapter.schedule(request.num_steps, shape)
         sampler_type = steps.SAMPLERS_BY_ENUM[request.sampler].name
         latent_shape = adapter.latent_shape(shape)
-        self.parallel.check_splittable(adapter.transformer, latent_shape, conditioning.envs)
+        check_prompt_tokens(self.parallel.dims, adapter, conditioning.envs)
         plan = SamplerPlan(
             sampler_type=sampler_type,
             sigmas=sigmas,

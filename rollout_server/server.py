@@ -100,7 +100,8 @@ def build_service(options: ServerOptions) -> RolloutService:
     """Load the model and assemble the servicer (no network yet)."""
     engine = build_engine(options)
     adapter, limits = engine.adapter, options.limits
-    serving = ServingContext.of(adapter, presets.defaults_for(options.model, adapter.defaults()), limits)
+    defaults = presets.defaults_for(options.model, adapter.defaults())
+    serving = ServingContext.of(adapter, defaults, limits, options.parallel.dims.seq_len_divisor)
     info = rollout_pb2.GetServerInfoResponse(
         model=options.model,
         model_path=str(adapter.folder),

@@ -7,12 +7,16 @@ violation, so a trainer sees at once everything that is wrong with its request.
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, steps
 from rollout_core.layout import DEFAULT_GROUP_SIZE, sample_layout
 from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape
 from rollout_server.limits import MAX_POLICY_VERSION, Limits
+from rollout_server.parallel import ParallelDims, split_inputs
 
 LATENT_SELECTIONS = {
     rollout_pb2.LATENT_SELECTION_ALL,
@@ -75,10 +79,16 @@ class ServingContext:
     frame_step: int = 0  # video families: num_frames - 1 is a multiple of it
     # One sample's latent shape for a media shape (None: not checked against max_latent_elements).
     latent_shape: Callable[[MediaShape], tuple[int, ...]] | None = None
+    # Sequence parallelism: one sample's generated tokens must divide by seq_len_divisor.
+    generated_tokens: Callable[[MediaShape], int] | None = None
+    seq_len_divisor: int = 1
 
     @classmethod
-    def of(cls, adapter: FamilyAdapter, defaults: FamilyDefaults, limits: Limits) -> "ServingContext":
-        """The context of a loaded model, with the request ``defaults`` it serves."""
+    def of(
+        cls, adapter: FamilyAdapter, defaults: FamilyDefaults, limits: Limits, seq_len_divisor: int = 1
+    ) -> "ServingContext":
+        """The context of a loaded model, with the request ``defaults`` it serves, split across ranks
+        into ``seq_len_divisor`` parts."""
         return cls(
             defaults=defaults,
             side_multiple=adapter.side_multiple,
@@ -88,6 +98,8 @@ class ServingContext:
             max_frames=adapter.max_frames,
             frame_step=adapter.frame_step,
             latent_shape=adapter.latent_shape,
+            generated_tokens=adapter.generated_tokens,
+            seq_len_divisor=seq_len_divisor,
         )
 
 
@@ -170,6 +182,15 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
             bad.append(
                 ("num_frames", f"a latent of {elements} elements is above {limits.max_latent_elements}")
             )
+    divisor = context.seq_len_divisor
+    if divisor > 1 and not any(field in ("height", "width", "num_frames") for field, _ in bad):
+        # The split image tokens are gathered back at the output: they must cut into equal parts.
+        tokens = context.generated_tokens(MediaShape.of(resolved))
+        if tokens % divisor:
+            size = f"{resolved.height} x {resolved.width} pixels, {frames} frame(s)"
+            bad.append(
+                ("height", f"{size}: {tokens} tokens, which do not split evenly across {divisor} ranks")
+            )
 
     num_steps = resolved.num_steps
     if not 0 < num_steps <= limits.max_steps:
@@ -241,3 +262,31 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     if bad:
         raise InvalidRequest(bad)
     return resolved
+
+
+def check_prompt_tokens(
+    dims: ParallelDims, adapter: FamilyAdapter, envs: dict[str, list[dict[str, Any]]]
+) -> None:
+    """Ring attention cuts the text tokens into equal parts too, and their count is known only once
+    the prompts are encoded (``envs``: per branch, per prompt). InvalidRequest names each prompt
+    whose tokens do not split."""
+    if dims.uneven_text:
+        return
+    text_inputs = {
+        name: dim
+        for name, dim in split_inputs(adapter.transformer).items()
+        if name not in adapter.generated_inputs
+    }
+    bad: dict[str, str] = {}
+    for branch, per_prompt in envs.items():
+        for p, env in enumerate(per_prompt):
+            for name, dim in text_inputs.items():
+                value = env.get(name)
+                if isinstance(value, torch.Tensor) and value.shape[dim] % dims.seq_len_divisor:
+                    field = "negative_prompt" if branch == "negative" else f"prompts[{p}]"
+                    bad[field] = (
+                        f"{name} has {value.shape[dim]} tokens, which do not split evenly across "
+                        f"{dims.seq_len_divisor} ranks"
+                    )
+    if bad:
+        raise InvalidRequest(list(bad.items()))

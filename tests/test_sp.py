@@ -13,12 +13,20 @@ import time
 import grpc
 import pytest
 import torch
-from helpers import assert_replays, assert_same_numbers, make_request, split_events, start_server
+from helpers import (
+    assert_replays,
+    assert_same_numbers,
+    make_request,
+    metrics_url,
+    scrape,
+    split_events,
+    start_server,
+)
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient
 from rollout_server.local import LocalServer
-from rollout_server.parallel import SequenceParallel
+from rollout_server.parallel import ParallelDims, SequenceParallel
 
 EPS, VELOCITY = rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_VELOCITY
 RANK_READY = re.compile(r"rank (?P<rank>\d+) of 2 ready \(pid (?P<pid>\d+)")
@@ -42,7 +50,9 @@ def request(**fields) -> rollout_pb2.RolloutRequest:
 
 @pytest.fixture(scope="module")
 def sp2_server(tiny_flux_folder, cache_dir, tmp_path_factory):
-    server = start_server(cache_dir, tmp_path_factory.mktemp("sp") / "sp2.log", "--sp", "2")
+    server = start_server(
+        cache_dir, tmp_path_factory.mktemp("sp") / "sp2.log", "--sp", "2", "--metrics-port", "0"
+    )
     yield server
     assert server.stop() == 0
 
@@ -125,14 +135,24 @@ def test_sp2_batching_concurrent_requests_matches_sp1(client, sp2_client):
         assert_same_numbers(alone, together[name], bitwise_log_probs=True)
 
 
+def admitted_and_refused(server) -> tuple[float, float]:
+    samples = scrape(metrics_url(server))
+    admitted = sum(value for (name, _), value in samples.items() if name == "rollout_server_rollouts_total")
+    refused = samples.get(("rollout_server_rejected_requests_total", (("reason", "invalid_argument"),)), 0.0)
+    return admitted, refused
+
+
 def test_unsplittable_shape_is_invalid_argument(sp2_server, sp2_client):
-    """48 x 48 pixels is 9 image tokens: they cannot be split over 2 ranks."""
+    """48 x 48 pixels is 9 image tokens: they cannot be split over 2 ranks. Validation refuses the
+    request before it is queued: it is counted as refused, never as an admitted rollout."""
+    admitted, refused = admitted_and_refused(sp2_server)
     with pytest.raises(grpc.RpcError) as raised:
         sp2_client.rollout(request(height=48, width=48))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (
         "height" in raised.value.details() and "do not split evenly across 2 ranks" in raised.value.details()
     )
+    assert admitted_and_refused(sp2_server) == (admitted, refused + 1)
     assert sp2_client.rollout(request(num_steps=2))  # still serving, ranks still in step
 
 
@@ -162,7 +182,8 @@ def test_a_failure_names_a_rank_whose_process_is_still_exiting():
     has exited: the error still names the rank (here one that exits 0.3 s after the failure)."""
     rank_1 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3); raise SystemExit(3)"])
     try:
-        assert SequenceParallel(degree=2, helpers=[rank_1]).describe_failure() == "rank 1 exited with 3; "
+        two_ranks = SequenceParallel(ParallelDims(sp=2, world_size=2), helpers=[rank_1])
+        assert two_ranks.describe_failure() == "rank 1 exited with 3; "
     finally:
         rank_1.kill()
         rank_1.wait()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rollout.v1 import rollout_pb2
-from rollout_server.parallel import UPDATE, SequenceParallel
+from rollout_server.parallel import UPDATE, ParallelDims, SequenceParallel
 from rollout_server.weights import ranks
 from rollout_server.weights.update import WeightUpdate
 
@@ -33,7 +33,8 @@ def run_rank(rank: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-    group = SequenceParallel(degree=2, rank=rank, cpu_group=dist.group.WORLD, timeout_seconds=60)
+    dims = ParallelDims(sp=2, world_size=2)
+    group = SequenceParallel(dims, rank=rank, cpu_group=dist.group.WORLD, timeout_seconds=60)
     try:
         if rank == 0:
             ranks.send(group, update())

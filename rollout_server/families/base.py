@@ -86,6 +86,9 @@ class FamilyAdapter(ABC):
     conditioning: ClassVar[LatentConditioning] = NO_CONDITIONING
     # Whether a sample's decode keeps state between its pieces (a causal video VAE's cache).
     decode_keeps_state: ClassVar[bool] = False
+    # The transformer inputs that carry the generated (image or video) tokens, whose count
+    # ``generated_tokens`` gives: the sequence-parallel split checks them when a request arrives.
+    generated_inputs: ClassVar[tuple[str, ...]] = ("hidden_states",)
 
     def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
         self.folder = folder
@@ -139,6 +142,10 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def latent_shape(self, shape: MediaShape) -> tuple[int, ...]:
         """One sample's latent shape as the transformer consumes it."""
+
+    @abstractmethod
+    def generated_tokens(self, shape: MediaShape) -> int:
+        """How many tokens of one sample the transformer's attention sees (after its patchify)."""
 
     @abstractmethod
     def latent_packing(self) -> str:
@@ -221,6 +228,9 @@ class PackedLatentAdapter(FamilyAdapter):
     def latent_shape(self, shape: MediaShape) -> tuple[int, ...]:
         rows, cols = self._latent_grid(shape)
         return (rows * cols, self.pipe.transformer.config.in_channels)
+
+    def generated_tokens(self, shape: MediaShape) -> int:
+        return self.latent_shape(shape)[0]  # the latents are packed into tokens already
 
 
 def resolution_shift(scheduler_config, image_seq_len: int, max_shift_default: float = 1.15) -> float:

@@ -23,6 +23,7 @@ class FluxAdapter(PackedLatentAdapter):
     timestep_divisor = 1000.0
     timestep_rule = "timestep / 1000"
     batched_env_keys = ("encoder_hidden_states", "pooled_projections", "guidance")
+    generated_inputs = ("hidden_states", "img_ids")
 
     def defaults(self) -> FamilyDefaults:
         # FLUX.1-dev's usual settings; the pipeline's default side is default_sample_size * 8.

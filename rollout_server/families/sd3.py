@@ -54,15 +54,18 @@ class SD3Adapter(FamilyAdapter):
         # a shift that follows the image token count.
         kwargs = {}
         if self.pipe.scheduler.config.get("use_dynamic_shifting", None):
-            patch_size = self.pipe.transformer.config.patch_size
-            _, rows, cols = self.latent_shape(shape)
-            tokens = (rows // patch_size) * (cols // patch_size)
+            tokens = self.generated_tokens(shape)
             kwargs["mu"] = resolution_shift(self.pipe.scheduler.config, tokens, max_shift_default=1.16)
         return set_up_schedule(self.pipe.scheduler, num_steps, **kwargs)
 
     def latent_shape(self, shape: MediaShape) -> tuple[int, ...]:
         scale = self.pipe.vae_scale_factor
         return (self.pipe.transformer.config.in_channels, shape.height // scale, shape.width // scale)
+
+    def generated_tokens(self, shape: MediaShape) -> int:
+        patch_size = self.pipe.transformer.config.patch_size
+        _, rows, cols = self.latent_shape(shape)
+        return (rows // patch_size) * (cols // patch_size)
 
     def latent_packing(self) -> str:
         return "unpacked: [vae_latent_channels, H/8, W/8] (the transformer patchifies 2x2 itself)"

@@ -98,6 +98,11 @@ class WanAdapter(FamilyAdapter):
         channels = self.pipe.transformer.config.in_channels
         return (channels, latent_frames, shape.height // spatial, shape.width // spatial)
 
+    def generated_tokens(self, shape: MediaShape) -> int:
+        _, frames, rows, cols = self.latent_shape(shape)
+        t, h, w = self.pipe.transformer.config.patch_size
+        return (frames // t) * (rows // h) * (cols // w)
+
     def latent_packing(self) -> str:
         return "video: [vae_z_dim, (F - 1)/4 + 1, H/8, W/8] (the transformer patchifies 1x2x2 itself)"
 
