@@ -387,6 +387,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             write.result()
         except StreamStalled:
             raise
+        except asyncio.CancelledError:
+            # The call is over (its deadline, a cancel, the shutdown): the pending write fails with it,
+            # and its error is taken here, or asyncio would log it as a task exception never retrieved.
+            write.add_done_callback(lambda done: done.cancelled() or done.exception())
+            raise
         except Exception as error:  # noqa: BLE001 - gRPC fails a write only once the call is over
             raise CallerLeft(f"the call ended: {error}") from error
 

@@ -148,6 +148,7 @@ def test_expired_deadline(server, stub):
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert logged_status(server, request_id) == "CANCELLED"
     assert_serves(stub)
+    assert "never retrieved" not in server.log()  # the write pending at the deadline was taken care of
 
 
 def test_overload_is_resource_exhausted(launch):
