@@ -74,7 +74,7 @@ class ServingContext:
     side_multiple: int
     limits: Limits
     cfg_scale_field: str = "true_cfg_scale"
-    scale_fields: tuple[str, ...] = ("guidance_scale", "true_cfg_scale")  # the scales the model reads
+    scale_fields: tuple[str, ...] = SCALE_FIELDS  # the scales the model reads
     max_frames: int = 1  # the family's; image families take 1
     frame_step: int = 0  # video families: num_frames - 1 is a multiple of it
     # One sample's latent shape for a media shape (None: not checked against max_latent_elements).
