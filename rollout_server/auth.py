@@ -19,6 +19,7 @@ import grpc
 
 from rollout.v1 import rollout_pb2
 from rollout_client.credentials import AUTHORIZATION, read_token
+from rollout_server.errors import StartupError
 
 log = logging.getLogger("rollout_server.auth")
 _SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
@@ -32,10 +33,6 @@ HANDLER_KINDS = {
     (True, False): grpc.stream_unary_rpc_method_handler,
     (True, True): grpc.stream_stream_rpc_method_handler,
 }
-
-
-class StartupError(Exception):
-    """A security option that cannot be used; the message is the whole explanation."""
 
 
 def _read_pem(path: Path, what: str, label: str) -> bytes:

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from rollout.v1 import rollout_pb2
-from rollout_server.auth import ServerTLS, StartupError, TokenPolicy, load_token
+from rollout_server.auth import ServerTLS, TokenPolicy, load_token
+from rollout_server.errors import ParallelismUnsupported, RankFailure, StartupError, UnsupportedModel
 from rollout_server.limits import Limits, parse_bytes
 from rollout_server.presets import PRESETS, resolve_model
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
@@ -216,8 +217,7 @@ def main(argv=None) -> None:
     import diffusers
     import torch
 
-    from rollout_server.families import UnsupportedModel
-    from rollout_server.parallel import ParallelismUnsupported, RankFailure, start
+    from rollout_server.parallel import start
     from rollout_server.server import ServerOptions, follow, serve
 
     diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components" while the model loads

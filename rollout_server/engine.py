@@ -16,6 +16,7 @@ sequence parallelism is a ``RankFailure`` that takes the server down, since the 
 step.
 """
 
+import asyncio
 import json
 import logging
 import resource
@@ -23,27 +24,28 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_server import memory
+from rollout_server.errors import InvalidRequest, RankFailure, ShuttingDown
 from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.limits import Limits
 from rollout_server.metrics import ServerMetrics
-from rollout_server.parallel import HEARTBEAT, ROUND, STOP, UPDATE, RankFailure, SequenceParallel
+from rollout_server.parallel import HEARTBEAT, ROUND, STOP, UPDATE, SequenceParallel
 from rollout_server.policy import Policy
 from rollout_server.runner import Rollout, Runner
 from rollout_server.sampler import advance
-from rollout_server.scheduler import STREAM_BUFFER, RolloutJob, Round, Scheduler, UpdateJob
+from rollout_server.scheduler import STREAM_BUFFER, Outbox, RolloutJob, Round, Scheduler, UpdateJob
 from rollout_server.stream import StreamEncoder, latents_sent, started_event
-from rollout_server.validation import InvalidRequest
+
+if TYPE_CHECKING:
+    from rollout_server.weights.update import WeightUpdate
 
 log = logging.getLogger("rollout_server.engine")
-
-
-class ShuttingDown(Exception):
-    """The server stopped before the rollout or update could run."""
 
 
 def encode_round(planned: Round) -> bytes:
@@ -68,8 +70,27 @@ def decode_round(payload: bytes) -> tuple[list[int], list[tuple[int, rollout_pb2
     return header["drop"], join, header["step"]
 
 
+@dataclass(frozen=True)
+class EngineStatus:
+    """What the engine serves and holds right now."""
+
+    policy_version: int
+    lora_adapters: dict[str, rollout_pb2.LoraAdapter]  # the served LoRA adapter, by transformer
+    in_flight: int  # rollouts queued or running whose stream is still open
+    running: int  # rollouts in the running set (stepping, decoding or parked)
+    queued: int  # rollouts and weight updates waiting to start
+
+
 class Engine:
-    """Owns the model on one worker thread; ``submit`` rollouts, ``submit_update`` weight updates."""
+    """The model on one worker thread, behind the small API the gRPC layer calls:
+
+    * ``open_stream(resolved)``: queue a rollout; iterate its encoded messages, then ``close()`` it;
+    * ``check_update(update)``, then ``update_weights(update)``: apply a weight update between rollouts;
+    * ``status()``: the policy served and the rollouts held; ``close()``: stop.
+
+    ``on_fatal`` is called from the worker thread when no later round is safe (the rank group broke):
+    the server must go down. ``metrics`` receives what the engine observes.
+    """
 
     def __init__(
         self,
@@ -78,14 +99,16 @@ class Engine:
         limits: Limits,
         parallel: SequenceParallel | None = None,
         prompt_cache_entries: int = 0,
+        metrics: ServerMetrics | None = None,
+        on_fatal: Callable[[Exception], None] | None = None,
     ):
         self.parallel = parallel or SequenceParallel()
         self.model_name = model_name
         self.max_message_bytes = limits.max_message_bytes
-        self.metrics = ServerMetrics()
-        # Called (from the worker thread) when the rank group broke: the server must go down.
-        self.on_fatal: Callable[[Exception], None] = lambda error: None
+        self.metrics = metrics or ServerMetrics()
+        self._on_fatal = on_fatal or (lambda error: None)
         self._rollouts: dict[int, Rollout] = {}  # the running rollouts' model-side state, by key
+        self._ended: dict[int, BaseException | None] = {}  # the rollouts that ended this round
         # The worker also loads the model: CPU kernels run up to 2x slower on a thread other than the
         # one that loaded it. It starts its rounds once the engine is assembled.
         self._ready = threading.Event()
@@ -113,21 +136,54 @@ class Engine:
             prompt_cache_entries,
             self.metrics,
         )
-        self.metrics.watch(self)
+        self.transformers = tuple(self.adapter.experts)  # the pipeline components an update may target
+        self.max_update_bytes = self.policy.spec.max_update_bytes
+        self.metrics.watch(self.status)
         self._ready.set()
 
-    def estimate(self, request: rollout_pb2.RolloutRequest) -> memory.RolloutMemory:
-        """The memory a resolved request's rollout takes (see ``memory.estimate``)."""
+    def check_fits(self, resolved: rollout_pb2.RolloutRequest) -> memory.RolloutMemory:
+        """The memory a resolved request's rollout takes (see ``memory.estimate``); InvalidRequest,
+        naming the fields that make it large, when it cannot fit the memory budget even alone."""
         backlog = STREAM_BUFFER * self.max_message_bytes
-        return memory.estimate(self.adapter, self._decode_profile, request, backlog)
+        estimate = memory.estimate(self.adapter, self._decode_profile, resolved, backlog)
+        video = self.adapter.max_frames > 1
+        if too_large := memory.refusal(estimate, self.memory_budget, resolved, video):
+            raise InvalidRequest(too_large)
+        return estimate
 
-    def submit(self, job: RolloutJob) -> None:
-        """Queue a rollout (Overloaded when the queue is full); its outbox receives its stream."""
-        self.scheduler.submit(job)
+    def open_stream(self, resolved: rollout_pb2.RolloutRequest) -> Outbox:
+        """Queue a resolved rollout (on the running event loop's thread). Iterating the returned stream
+        gives its encoded RolloutResponse messages and raises its failure at the end; ``close()`` it
+        once done, however it ended, which drops the rollout if it still runs. InvalidRequest if it
+        cannot fit the memory budget, Overloaded if the queue is full."""
+        estimate = self.check_fits(resolved)
+        stream = Outbox(asyncio.get_running_loop(), self.scheduler.wake)
+        self.scheduler.submit(RolloutJob(resolved, stream, time.perf_counter(), estimate))
+        return stream
 
-    def submit_update(self, update) -> Future:
-        """Queue a checked weight update; the future ends once every rank has applied it."""
+    def check_update(self, update: "WeightUpdate") -> None:
+        """StaleUpdate or InvalidRequest unless ``update`` applies to the current weights; it changes
+        nothing, and may take a while (a LoRA check builds an empty model): call it off the event loop."""
+        self.policy.check(update)
+
+    def update_weights(self, update: "WeightUpdate") -> Future:
+        """Queue a checked update behind the rollouts already queued (it is checked again when it
+        runs); the future ends once every rank has applied it, or with its failure."""
+        log.info(
+            "weight update to version %d queued; it runs once the %d running rollouts finish",
+            update.policy_version,
+            len(self.scheduler.running),
+        )
         return self.scheduler.submit_update(update)
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            policy_version=self.policy.version,
+            lora_adapters=dict(self.policy.lora_adapters),
+            in_flight=self.scheduler.in_flight,
+            running=len(self.scheduler.running),
+            queued=self.scheduler.queued,
+        )
 
     def close(self) -> None:
         """Stop the worker (what is still queued or running fails with ShuttingDown), and release
@@ -145,7 +201,7 @@ class Engine:
             return
         self._ready.wait()
         try:
-            while True:
+            while True:  # schedule, execute, update
                 planned = self.scheduler.next_round(self.parallel.timeout_seconds / 4)
                 if planned.stop:
                     self.parallel.broadcast_command(STOP)
@@ -158,10 +214,10 @@ class Engine:
                 else:
                     self.parallel.broadcast_command(ROUND, encode_round(planned))
                     joining = [(job.key, job.request) for job in planned.join]
-                    self._run_round(planned.drop, joining, planned.step)
+                    self.scheduler.update(self._run_round(planned.drop, joining, planned.step))
         except RankFailure as error:
             self._end_all(error)
-            self.on_fatal(error)
+            self._on_fatal(error)
         except BaseException as error:
             # Nothing else may escape a round; if it does, no later round is safe.
             # Under sequence parallelism this is mostly a collective inside a forward: name the ranks
@@ -172,7 +228,7 @@ class Engine:
             failure.__cause__ = error
             log.exception("engine worker failed")
             self._end_all(failure)
-            self.on_fatal(failure)
+            self._on_fatal(failure)
 
     def _lead_update(self, job: UpdateJob) -> None:
         try:
@@ -197,9 +253,11 @@ class Engine:
 
     def _run_round(
         self, drop: list[int], join: list[tuple[int, rollout_pb2.RolloutRequest]], step: list[int]
-    ) -> None:
+    ) -> dict[int, BaseException | None]:
         """One round, alike on every rank (only rank 0 streams): the rollouts still denoising take a
-        step, those decoding (rank 0) decode their next piece."""
+        step, those decoding (rank 0) decode their next piece. Returns the rollouts that ended in it,
+        each with its failure (None: it finished)."""
+        self._ended = {}
         for key in drop:
             self._rollouts.pop(key, None)
         for key, request in join:
@@ -211,6 +269,7 @@ class Engine:
         for rollout in stepping:
             if rollout.pieces is not None:
                 self._decode_piece(rollout)
+        return self._ended
 
     def _step(self, rollouts: list[Rollout]) -> None:
         began = time.perf_counter()
@@ -316,11 +375,10 @@ class Engine:
         self._end(rollout.key, None)
 
     def _end(self, key: int, error: BaseException | None) -> None:
-        """The rollout ``key`` finished (``error`` None) or failed: free it, and end its stream."""
+        """The rollout ``key`` finished (``error`` None) or failed: free its model-side state; the
+        scheduler ends its stream after the round."""
         self._rollouts.pop(key, None)
-        job = self.scheduler.finished(key)
-        if job is not None:
-            job.outbox.end(error)
+        self._ended[key] = error
 
     def _end_all(self, error: BaseException) -> None:
         """Fail whatever is queued or running (the server stops, or the rank group broke)."""

@@ -71,12 +71,13 @@ class ServerMetrics:
             f"{PREFIX}_prompts_encoded", "Texts run through the text encoders", registry=r
         )
 
-    def watch(self, engine) -> None:
-        """Read the engine's admission, queue and policy version at each scrape."""
-        self.in_flight.set_function(lambda: engine.scheduler.in_flight)
-        self.running.set_function(lambda: len(engine.scheduler.running))
-        self.queue_depth.set_function(lambda: engine.scheduler.queued)
-        self.policy_version.set_function(lambda: engine.policy.version)
+    def watch(self, status: Callable) -> None:
+        """Read the engine's admission, queue and policy version (``status()``, an EngineStatus) at
+        each scrape."""
+        self.in_flight.set_function(lambda: status().in_flight)
+        self.running.set_function(lambda: status().running)
+        self.queue_depth.set_function(lambda: status().queued)
+        self.policy_version.set_function(lambda: status().policy_version)
 
     def reject(self, reason: str) -> None:
         """A call refused before any work: invalid_argument, overloaded, unauthenticated,

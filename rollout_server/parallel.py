@@ -33,6 +33,8 @@ import torch.distributed as dist
 from diffusers import ContextParallelConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from rollout_server.errors import ParallelismUnsupported, RankFailure
+
 log = logging.getLogger("rollout_server.parallel")
 
 # How --sp ranks split attention: all-to-all over the heads (Ulysses), ring attention, or both.
@@ -43,14 +45,6 @@ MESH_DIMS = ("ring", "ulysses")
 HEARTBEAT, ROUND, UPDATE, STOP = "heartbeat", "round", "update", "stop"
 # How long a failed collective waits for a spawned rank's process to exit, so the error can name it.
 _EXIT_WAIT_SECONDS = 2.0
-
-
-class RankFailure(RuntimeError):
-    """A collective failed: a rank died, hung past the timeout, or fell out of step."""
-
-
-class ParallelismUnsupported(Exception):
-    """The model or the machine cannot run the requested split (no plan, heads, no kernel)."""
 
 
 @dataclass(frozen=True)

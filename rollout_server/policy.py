@@ -15,7 +15,8 @@ from collections.abc import Callable
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_server.parallel import RankFailure, SequenceParallel
+from rollout_server.errors import RankFailure
+from rollout_server.parallel import SequenceParallel
 from rollout_server.weights import ranks, spec
 from rollout_server.weights.apply import apply_update
 from rollout_server.weights.update import WeightUpdate

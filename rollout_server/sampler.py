@@ -18,11 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout_core import noise, steps
-
-
-class NonFiniteStep(Exception):
-    """A step produced NaN or infinity (a broken policy, or a model that overflows in its dtype): the
-    rollout fails there instead of streaming numbers no trainer can use."""
+from rollout_server.errors import NonFiniteStep
 
 
 def check_finite(what: str, i: int, tensor: torch.Tensor) -> None:

@@ -30,15 +30,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from rollout.v1 import rollout_pb2
+from rollout_server.errors import Overloaded
 from rollout_server.memory import MemoryBudget, RolloutMemory
 from rollout_server.weights.update import WeightUpdate
 
 # Messages a stream may hold unsent before its rollout is parked.
 STREAM_BUFFER = 8
-
-
-class Overloaded(Exception):
-    """Too many rollouts are queued or running."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +46,8 @@ class StreamEnd:
 
 
 class Outbox:
-    """A rollout's messages on their way from the engine's worker thread to its gRPC handler. The
+    """A rollout's messages on their way from the engine's worker thread to its gRPC handler, which
+    iterates them (the rollout's failure is raised at the end) and closes the outbox when done. The
     worker never waits on it: while it holds ``limit`` messages or more, the scheduler parks the
     rollout, and ``taken`` wakes the scheduler when it drains."""
 
@@ -61,6 +59,7 @@ class Outbox:
         self._lock = threading.Lock()
         self._pending = 0
         self.closed = False  # the handler is done with the stream: the rollout is dropped
+        self._handed_out = False  # a message was handed to the handler and not yet counted taken
 
     @property
     def full(self) -> bool:
@@ -78,9 +77,22 @@ class Outbox:
         """(worker) The rollout finished (``error`` None) or failed."""
         self._loop.call_soon_threadsafe(self._queue.put_nowait, StreamEnd(error))
 
-    async def get(self) -> rollout_pb2.RolloutResponse | StreamEnd:
-        """(handler) The next message, or the StreamEnd."""
-        return await self._queue.get()
+    def __aiter__(self) -> "Outbox":
+        return self
+
+    async def __anext__(self) -> rollout_pb2.RolloutResponse:
+        """(handler) The next message, once the one before it has gone out; at the end, the rollout's
+        failure, if it failed."""
+        if self._handed_out:
+            self._handed_out = False
+            self.taken()
+        item = await self._queue.get()
+        if isinstance(item, StreamEnd):
+            if item.error is not None:
+                raise item.error
+            raise StopAsyncIteration
+        self._handed_out = True
+        return item
 
     def taken(self) -> None:
         """(handler) One message has gone out."""
@@ -192,11 +204,13 @@ class Scheduler:
             self._stopping = True
             self._changed.notify()
 
-    def finished(self, key: int) -> RolloutJob | None:
-        """The rollout ``key`` has ended (finished or failed): it leaves the running set. Returns
-        its job (None on ranks other than 0, or once dropped)."""
+    def update(self, ended: dict[int, BaseException | None]) -> None:
+        """After a round: the rollouts that ended in it (finished, ``None``, or failed) leave the
+        running set, and their streams end."""
         with self._changed:
-            return self.running.pop(key, None)
+            jobs = [(job, error) for key, error in ended.items() if (job := self.running.pop(key, None))]
+        for job, error in jobs:
+            job.outbox.end(error)
 
     def abandon(self) -> list[RolloutJob | UpdateJob]:
         """Empty the running set and the queue (the server stops); returns their jobs, whose callers

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -16,16 +17,11 @@ import rollout_server
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, steps, wire
 from rollout_server import families, memory, presets
-from rollout_server.auth import (
-    HANDLER_KINDS,
-    ServerTLS,
-    StartupError,
-    TokenInterceptor,
-    TokenPolicy,
-    exposure_warning,
-)
+from rollout_server.auth import HANDLER_KINDS, ServerTLS, TokenInterceptor, TokenPolicy, exposure_warning
 from rollout_server.engine import Engine
+from rollout_server.errors import StartupError
 from rollout_server.limits import Limits
+from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import SequenceParallel
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
 from rollout_server.service import RolloutService
@@ -69,7 +65,11 @@ def versions() -> dict[str, str]:
     return {"rollout-server": rollout_server.__version__, **{name: version(name) for name in packages}}
 
 
-def build_engine(options: ServerOptions) -> Engine:
+def build_engine(
+    options: ServerOptions,
+    metrics: ServerMetrics | None = None,
+    on_fatal: Callable[[Exception], None] | None = None,
+) -> Engine:
     """Load the model (split across the sequence-parallel ranks, if any) into an engine."""
     folder = options.model_path or presets.resolve_model(options.model, options.cache_dir)
     device = options.parallel.device(options.device)
@@ -81,7 +81,15 @@ def build_engine(options: ServerOptions) -> Engine:
             options.parallel.split_transformer(expert)
         return adapter
 
-    return Engine(load, options.model, options.limits, options.parallel, options.prompt_cache_entries)
+    return Engine(
+        load,
+        options.model,
+        options.limits,
+        options.parallel,
+        options.prompt_cache_entries,
+        metrics,
+        on_fatal,
+    )
 
 
 def features(adapter: families.FamilyAdapter, weights_root: Path | None) -> list[str]:
@@ -96,9 +104,11 @@ def features(adapter: families.FamilyAdapter, weights_root: Path | None) -> list
     return names
 
 
-def build_service(options: ServerOptions) -> RolloutService:
-    """Load the model and assemble the servicer (no network yet)."""
-    engine = build_engine(options)
+def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None]) -> RolloutService:
+    """Load the model and assemble the servicer (no network yet); ``on_fatal`` is called from the
+    engine's worker thread when the server must go down."""
+    metrics = ServerMetrics()
+    engine = build_engine(options, metrics, on_fatal)
     adapter, limits = engine.adapter, options.limits
     defaults = presets.defaults_for(options.model, adapter.defaults())
     serving = ServingContext.of(adapter, defaults, limits, options.parallel.dims.seq_len_divisor)
@@ -121,9 +131,9 @@ def build_service(options: ServerOptions) -> RolloutService:
         timestep_rule=adapter.timestep_rule,
         features=features(adapter, options.weights_root),
     )
-    info.limits.max_update_bytes = engine.policy.spec.max_update_bytes
+    info.limits.max_update_bytes = engine.max_update_bytes
     info.limits.memory_budget_bytes = engine.memory_budget.limit
-    return RolloutService(engine, serving, info, options.weights_root, options.upload_idle_seconds)
+    return RolloutService(engine, metrics, serving, info, options.weights_root, options.upload_idle_seconds)
 
 
 def _parse_or_none(message_type):
@@ -169,8 +179,8 @@ class RolloutServer:
     ):
         self.service = service
         self.grace_seconds = grace_seconds
-        max_message = service.engine.max_message_bytes
-        metrics = service.engine.metrics
+        max_message = service.serving.limits.max_message_bytes
+        metrics = service.metrics
         interceptors = []
         if tokens is not None and tokens.enabled:
             interceptors.append(TokenInterceptor(tokens, lambda code: metrics.reject(code.name.lower())))
@@ -200,16 +210,6 @@ class RolloutServer:
                     "belong to --tls-cert"
                 ) from None
         self.address = f"{host}:{self.port}"
-        self.stopping = asyncio.Event()
-        self.exit_code = 0
-        loop = asyncio.get_running_loop()
-        service.engine.on_fatal = lambda error: loop.call_soon_threadsafe(self.fail, error)
-
-    def fail(self, error: Exception) -> None:
-        """The rank group broke: stop serving and exit non-zero."""
-        log.error("fatal: %s", error)
-        self.exit_code = 1
-        self.stopping.set()
 
     async def start(self) -> None:
         await self.server.start()
@@ -227,25 +227,37 @@ class RolloutServer:
         self.service.begin_shutdown()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        while self.service.engine.scheduler.in_flight and loop.time() < deadline:
+        while self.service.engine.status().in_flight and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_POLL_SECONDS)
         await asyncio.to_thread(self.service.engine.close)  # the loop must keep running meanwhile
         await self.server.stop(_STATUS_SECONDS)
 
-    async def serve_until_stopped(self) -> int:
-        """Serve until SIGINT/SIGTERM (exit code 0) or a fatal rank failure (exit code 1)."""
+    async def serve_until_stopped(self, fatal: asyncio.Future) -> int:
+        """Serve until SIGINT/SIGTERM (exit code 0) or until ``fatal`` gets the error that brought the
+        engine down (exit code 1)."""
+        signalled = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.stopping.set)
-        await self.stopping.wait()
+            loop.add_signal_handler(sig, signalled.set)
+        waiting = asyncio.ensure_future(signalled.wait())
+        await asyncio.wait({waiting, fatal}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        if fatal.done():
+            log.error("fatal: %s", fatal.result())
         log.info("shutting down (grace %.0f s)", self.grace_seconds)
         await self.stop()
-        return self.exit_code
+        return 1 if fatal.done() else 0
 
 
 async def serve(options: ServerOptions) -> int:
     """Rank 0 (or the only rank): the gRPC front end. Returns the process exit code."""
-    service = build_service(options)
+    loop = asyncio.get_running_loop()
+    fatal = loop.create_future()
+
+    def on_fatal(error: Exception) -> None:  # on the engine's worker thread
+        loop.call_soon_threadsafe(lambda: fatal.done() or fatal.set_result(error))
+
+    service = build_service(options, on_fatal)
     server = RolloutServer(
         service, options.host, options.port, options.grace_seconds, options.tls, options.tokens
     )
@@ -253,7 +265,7 @@ async def serve(options: ServerOptions) -> int:
     if options.metrics_port is not None:
         host = options.metrics_host
         try:
-            port = service.engine.metrics.serve(host, options.metrics_port)
+            port = service.metrics.serve(host, options.metrics_port)
         except (OSError, OverflowError) as error:
             raise StartupError(f"cannot serve metrics on {host}:{options.metrics_port}: {error}") from None
         log.info("metrics at http://%s:%d/metrics", host, port)
@@ -267,7 +279,7 @@ async def serve(options: ServerOptions) -> int:
     log.info(
         "serving %s (%s, %s on %s) at %s", info.model, info.family, info.dtype, info.device, server.address
     )
-    return await server.serve_until_stopped()
+    return await server.serve_until_stopped(fatal)
 
 
 def describe_security(options: ServerOptions) -> str:

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf import any_pb2
@@ -15,14 +16,22 @@ from grpc_status import rpc_status
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client.channel import PREVIOUS_ATTEMPTS_HEADER, PREVIOUS_ATTEMPTS_TRAILER
-from rollout_server import memory
-from rollout_server.engine import Engine, ShuttingDown
-from rollout_server.parallel import RankFailure
-from rollout_server.sampler import NonFiniteStep
-from rollout_server.scheduler import Outbox, Overloaded, RolloutJob, StreamEnd
-from rollout_server.validation import InvalidRequest, ServingContext, quoted, resolve
+from rollout_server.errors import (
+    InvalidRequest,
+    NonFiniteStep,
+    Overloaded,
+    RankFailure,
+    ShuttingDown,
+    StaleUpdate,
+    UploadIdle,
+)
+from rollout_server.validation import ServingContext, quoted, resolve
 from rollout_server.weights import files, upload
-from rollout_server.weights.update import StaleUpdate, UploadIdle, WeightUpdate
+
+if TYPE_CHECKING:
+    from rollout_server.engine import Engine
+    from rollout_server.metrics import ServerMetrics
+    from rollout_server.weights.update import WeightUpdate
 
 log = logging.getLogger("rollout_server.service")
 # What a handler receives in place of a request whose bytes do not parse (see server.py).
@@ -133,13 +142,15 @@ async def _parsed(messages: AsyncIterator) -> AsyncIterator:
 class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(
         self,
-        engine: Engine,
+        engine: "Engine",
+        metrics: "ServerMetrics",
         serving: ServingContext,
         server_info: rollout_pb2.GetServerInfoResponse,
         weights_root: Path | None = None,
         upload_idle_seconds: float = 30.0,
     ):
         self.engine = engine
+        self.metrics = metrics
         self.serving = serving
         self.server_info = server_info
         self.weights_root = weights_root
@@ -157,24 +168,24 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
         info = rollout_pb2.GetServerInfoResponse()
         info.CopyFrom(self.server_info)
-        for target, adapter in self.engine.policy.lora_adapters.items():
+        status = self.engine.status()
+        for target, adapter in status.lora_adapters.items():
             info.lora_adapters[target].CopyFrom(adapter)
-        lora_adapter = self.engine.policy.lora_adapter
-        info.policy_version = self.engine.policy.version
-        if lora_adapter is not None:
-            info.lora_adapter.CopyFrom(lora_adapter)
+        if "transformer" in status.lora_adapters:
+            info.lora_adapter.CopyFrom(status.lora_adapters["transformer"])
+        info.policy_version = status.policy_version
         return info
 
     async def UpdateWeights(self, request_iterator, context):
         started_at = time.perf_counter()
         if self.shutting_down:
-            self.engine.metrics.reject("shutting_down")
+            self.metrics.reject("shutting_down")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         max_bytes = self.server_info.limits.max_update_bytes
         async with self._update_slot(context):
             received = upload.receive(
                 _parsed(request_iterator),
-                lambda: self.engine.policy.version,
+                lambda: self.engine.status().policy_version,
                 max_bytes,
                 self.upload_idle_seconds,
             )
@@ -187,7 +198,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if request is None:
             await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
         if self.shutting_down:
-            self.engine.metrics.reject("shutting_down")
+            self.metrics.reject("shutting_down")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if self.weights_root is None:
             await context.abort(
@@ -199,9 +210,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 files.read_update,
                 self.weights_root,
                 request,
-                self.engine.policy.version,
+                self.engine.status().policy_version,
                 self.server_info.limits.max_update_bytes,
-                self.engine.policy.experts,
+                self.engine.transformers,
             )
             update = await self._updating(context, read)
             await self._updating(context, self._apply(update))
@@ -222,16 +233,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         finally:
             self._update_in_progress = False
 
-    async def _apply(self, update: WeightUpdate) -> None:
+    async def _apply(self, update: "WeightUpdate") -> None:
         """Check ``update`` (off the event loop: a LoRA check builds an empty model), then queue it
         behind the rollouts already queued and wait until it is applied."""
-        await asyncio.to_thread(self.engine.policy.check, update)
-        work = self.engine.submit_update(update)
-        log.info(
-            "weight update to version %d queued; it runs once the %d running rollouts finish",
-            update.policy_version,
-            len(self.engine.scheduler.running),
-        )
+        await asyncio.to_thread(self.engine.check_update, update)
+        work = self.engine.update_weights(update)
         loop = asyncio.get_running_loop()
         # Wake waiting rollouts even when this caller has gone away before the job ended.
         work.add_done_callback(lambda _: loop.call_soon_threadsafe(self._policy_advanced))
@@ -251,11 +257,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         no rollout slot: they have a bounded list of their own (Refused when it is full, or at
         shutdown). The call's deadline bounds the wait."""
         version = resolved.min_policy_version
-        if self.engine.policy.version >= version:
+        if self.engine.status().policy_version >= version:
             return
         limit = self.serving.limits.max_waiting_requests
         if self._waiting >= limit:
-            self.engine.metrics.reject("overloaded")
+            self.metrics.reject("overloaded")
             raise Refused(
                 CallStatus(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -267,7 +273,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             while True:
                 changed = self._policy_changed  # taken before the check, so no update is missed
-                if self.engine.policy.version >= version:
+                if self.engine.status().policy_version >= version:
                     return
                 if self.shutting_down:
                     raise Refused(CallStatus(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
@@ -278,10 +284,10 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         finally:
             self._waiting -= 1
 
-    def _applied(self, update: WeightUpdate, started_at: float) -> dict:
+    def _applied(self, update: "WeightUpdate", started_at: float) -> dict:
         """The fields UpdateWeightsResponse and LoadWeightsResponse share."""
         seconds = time.perf_counter() - started_at
-        self.engine.metrics.weight_update(update.nbytes, seconds)
+        self.metrics.weight_update(update.nbytes, seconds)
         log.info("weights %s: %d bytes in %.3f s, status=OK", update.describe(), update.nbytes, seconds)
         return {
             "policy_version": update.policy_version,
@@ -297,13 +303,13 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         except Exception as error:  # noqa: BLE001 - each failure becomes the call's status
             outcome, status = failure_status("weight update", error)
             if outcome == "INVALID_ARGUMENT":
-                self.engine.metrics.reject("invalid_argument")
+                self.metrics.reject("invalid_argument")
             await context.abort_with_status(status)
 
     async def Rollout(self, request, context):
         report_previous_attempts(context)
         try:
-            resolved, outbox = await self._admit(request)
+            resolved, stream = await self._admit(request)
         except Refused as refusal:
             end_call(context, refusal.status)
             return
@@ -312,11 +318,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         submitted_at = time.perf_counter()
         outcome, failure, unsent = "OK", None, None
         try:
-            while not isinstance(message := await outbox.get(), StreamEnd):
+            async for message in stream:
                 await self._write(context, message)
-                outbox.taken()
-            if message.error is not None:
-                raise message.error
         except (asyncio.CancelledError, CallerLeft):
             outcome = "CANCELLED"  # the caller left or its deadline passed
             raise
@@ -326,8 +329,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         except Exception as error:  # noqa: BLE001 - each failure becomes the call's status
             outcome, failure = failure_status(f"request {request_id}", error)
         finally:
-            outbox.close()  # the engine drops the rollout if it still runs
-            self.engine.metrics.rollouts.labels(outcome).inc()
+            stream.close()  # the engine drops the rollout if it still runs
+            self.metrics.rollouts.labels(outcome).inc()
             log.info(
                 "rollout id=%s samples=%d steps=%d seconds=%.3f status=%s",
                 request_id,
@@ -345,12 +348,10 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if failure is not None:
             end_call(context, failure)
 
-    async def _admit(
-        self, request: rollout_pb2.RolloutRequest | None
-    ) -> tuple[rollout_pb2.RolloutRequest, Outbox]:
-        """Validate and queue a rollout: its resolved request and its outbox, or Refused."""
+    async def _admit(self, request: rollout_pb2.RolloutRequest | None):
+        """Validate and queue a rollout: its resolved request and its stream, or Refused."""
         if self.shutting_down:
-            self.engine.metrics.reject("shutting_down")
+            self.metrics.reject("shutting_down")
             raise Refused(CallStatus(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
         if request is None:
             raise Refused(self._rejection("-", InvalidRequest([("request", NOT_A_PROTOBUF)])))
@@ -358,19 +359,16 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             resolved = resolve(request, self.serving)
         except InvalidRequest as error:
             raise Refused(self._rejection(quoted(request.request_id or "-"), error)) from None
-        estimate = self.engine.estimate(resolved)
-        video = self.serving.max_frames > 1
-        if too_large := memory.refusal(estimate, self.engine.memory_budget, resolved, video):
-            raise Refused(self._rejection(quoted(resolved.request_id), InvalidRequest(too_large)))
-        if resolved.HasField("min_policy_version"):
-            await self._wait_for_policy(resolved)
-        outbox = Outbox(asyncio.get_running_loop(), self.engine.scheduler.wake)
         try:
-            self.engine.submit(RolloutJob(resolved, outbox, time.perf_counter(), estimate))
+            if resolved.HasField("min_policy_version"):
+                self.engine.check_fits(resolved)  # a rollout too large is refused at once, not after the wait
+                await self._wait_for_policy(resolved)
+            return resolved, self.engine.open_stream(resolved)
+        except InvalidRequest as error:
+            raise Refused(self._rejection(quoted(resolved.request_id), error)) from None
         except Overloaded as error:
-            self.engine.metrics.reject("overloaded")
+            self.metrics.reject("overloaded")
             raise Refused(CallStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))) from None
-        return resolved, outbox
 
     async def _write(self, context, message: rollout_pb2.RolloutResponse) -> None:
         """Send one message: StreamStalled if the client takes nothing for the stall limit, CallerLeft
@@ -401,5 +399,5 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     def _rejection(self, request_id: str, error: InvalidRequest) -> grpc.Status:
         """The INVALID_ARGUMENT status of a rejected request (logged and counted)."""
         log.info("rejected request id=%s: %s", request_id, error)
-        self.engine.metrics.reject("invalid_argument")
+        self.metrics.reject("invalid_argument")
         return rpc_status.to_status(bad_request_status(error))

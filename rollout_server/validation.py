@@ -14,6 +14,7 @@ import torch
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, steps
 from rollout_core.layout import DEFAULT_GROUP_SIZE, sample_layout
+from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape
 from rollout_server.limits import MAX_POLICY_VERSION, Limits
 from rollout_server.parallel import ParallelDims, split_inputs
@@ -36,9 +37,6 @@ SCALE_FIELDS = ("guidance_scale", "true_cfg_scale")
 MIN_NOISE_LEVEL = 1e-6
 
 
-# A rejection lists at most this many violations (the rest are counted): the list travels in the
-# status trailer, which gRPC caps at a few KiB, and in the server log.
-MAX_LISTED_VIOLATIONS = 20
 # Client strings quoted in messages and logs are cut to this many characters.
 MAX_QUOTED_CHARS = 120
 
@@ -49,21 +47,6 @@ def quoted(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}... ({len(text)} characters)"
-
-
-class InvalidRequest(Exception):
-    """One or more request fields are invalid: ``violations`` is a list of (field, description).
-
-    Only the first ``MAX_LISTED_VIOLATIONS`` are kept, followed by a count of the others."""
-
-    def __init__(self, violations: list[tuple[str, str]]):
-        hidden = len(violations) - MAX_LISTED_VIOLATIONS
-        self.violations = list(violations[:MAX_LISTED_VIOLATIONS])
-        if hidden > 0:
-            self.violations.append(("...", f"and {hidden} more violations"))
-        super().__init__(
-            "invalid request: " + "; ".join(f"{field}: {what}" for field, what in self.violations)
-        )
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 with rows in that forward; the others in the round finish, and the engine keeps serving."""
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ from rollout_server import families
 from rollout_server.engine import Engine
 from rollout_server.limits import Limits
 from rollout_server.presets import defaults_for
-from rollout_server.scheduler import Outbox, RolloutJob, StreamEnd
 from rollout_server.validation import ServingContext, resolve
 
 TOKENS_AT_128PX = 64  # tiny-flux packs 16 x 16 pixels per token
@@ -34,23 +32,23 @@ def resolved(engine: Engine, **fields) -> rollout_pb2.RolloutRequest:
 
 
 def run_together(engine: Engine, requests: list[rollout_pb2.RolloutRequest]) -> list[tuple[list, object]]:
-    """(messages, error) of each request, all submitted at once."""
+    """(messages, error) of each request, all opened at once through the engine's facade."""
 
     async def main():
-        loop = asyncio.get_running_loop()
-        jobs = [RolloutJob(r, Outbox(loop, engine.scheduler.wake), time.perf_counter()) for r in requests]
-        for job in jobs:
-            engine.submit(job)
+        streams = [engine.open_stream(request) for request in requests]
 
-        async def drain(job: RolloutJob):
-            messages = []
-            while not isinstance(message := await job.outbox.get(), StreamEnd):
-                messages.append(message)
-                job.outbox.taken()
-            job.outbox.close()
-            return messages, message.error
+        async def drain(stream):
+            messages, error = [], None
+            try:
+                async for message in stream:
+                    messages.append(message)
+            except Exception as failure:  # noqa: BLE001 - the rollout's outcome, compared below
+                error = failure
+            finally:
+                stream.close()
+            return messages, error
 
-        return await asyncio.wait_for(asyncio.gather(*(drain(job) for job in jobs)), timeout=120)
+        return await asyncio.wait_for(asyncio.gather(*(drain(stream) for stream in streams)), timeout=120)
 
     return asyncio.run(main())
 

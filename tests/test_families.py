@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rollout_server import families
+from rollout_server import errors, families
 from rollout_server.families.flux import FluxAdapter
 from rollout_server.families.qwen_image import QwenImageAdapter
 from rollout_server.families.sd3 import SD3Adapter
@@ -22,7 +22,7 @@ def test_preset_folder_is_detected(family_folder, family, adapter):
 
 def test_unsupported_pipeline_class_is_named(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
-    with pytest.raises(families.UnsupportedModel, match="KandinskyPipeline"):
+    with pytest.raises(errors.UnsupportedModel, match="KandinskyPipeline"):
         families.detect(tmp_path)
 
 

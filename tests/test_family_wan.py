@@ -132,9 +132,10 @@ def test_a_latent_above_the_servers_bound_is_refused(family, family_folder):
     """``--max-latent-elements`` bounds one sample's latent: 9 frames at 64 x 64 are 16 x 3 x 8 x 8 =
     3072 elements, 5 frames 2048."""
     from rollout_server import families
+    from rollout_server.errors import InvalidRequest
     from rollout_server.limits import Limits
     from rollout_server.presets import defaults_for
-    from rollout_server.validation import InvalidRequest, ServingContext, resolve
+    from rollout_server.validation import ServingContext, resolve
 
     adapter = families.load(family_folder, torch.device("cpu"), torch.float32)
     bounded = Limits(max_latent_elements=3000)

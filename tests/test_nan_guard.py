@@ -10,7 +10,8 @@ from grpc_health.v1 import health_pb2
 from helpers import health_status, start_server
 
 from rollout_client import RolloutClient
-from rollout_server.sampler import NonFiniteStep, SamplerPlan, advance, init
+from rollout_server.errors import NonFiniteStep
+from rollout_server.sampler import SamplerPlan, advance, init
 
 REQUEST = {"prompts": ["a red fox"], "samples_per_prompt": 2, "height": 64, "width": 64, "num_steps": 3}
 

@@ -19,17 +19,12 @@ from helpers import FAMILIES
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import call_transformer
 from rollout_server import cli, families
+from rollout_server.errors import InvalidRequest, ParallelismUnsupported
 from rollout_server.families.base import MediaShape
 from rollout_server.limits import Limits
-from rollout_server.parallel import (
-    ATTENTION_SPLITS,
-    ParallelDims,
-    ParallelismUnsupported,
-    SequenceParallel,
-    split_inputs,
-)
+from rollout_server.parallel import ATTENTION_SPLITS, ParallelDims, SequenceParallel, split_inputs
 from rollout_server.presets import defaults_for
-from rollout_server.validation import InvalidRequest, ServingContext, check_prompt_tokens, resolve
+from rollout_server.validation import ServingContext, check_prompt_tokens, resolve
 
 
 def test_parallel_dims_split_the_ranks():

@@ -5,8 +5,9 @@ import asyncio
 import pytest
 
 from rollout.v1 import rollout_pb2
+from rollout_server.errors import Overloaded
 from rollout_server.memory import RUNTIME_OVERHEAD, MemoryBudget, RolloutMemory
-from rollout_server.scheduler import Outbox, Overloaded, RolloutJob, Scheduler
+from rollout_server.scheduler import Outbox, RolloutJob, Scheduler
 
 TIMEOUT = 0.01  # an idle round comes back after this long
 
@@ -34,7 +35,7 @@ def test_rollouts_join_in_arrival_order_within_the_running_bound(loop):
     first = scheduler.next_round(TIMEOUT)
     assert first.join == [a] and first.step == [a.key]
     assert scheduler.next_round(TIMEOUT).join == []  # b still does not fit
-    scheduler.finished(a.key)
+    scheduler.update({a.key: None})
     second = scheduler.next_round(TIMEOUT)
     assert second.join == [b, c] and second.step == [b.key, c.key]
 
@@ -45,7 +46,7 @@ def test_a_rollout_larger_than_the_bound_runs_alone(loop):
     scheduler.submit(big)
     scheduler.submit(small)
     assert scheduler.next_round(TIMEOUT).join == [big]
-    scheduler.finished(big.key)
+    scheduler.update({big.key: None})
     assert scheduler.next_round(TIMEOUT).join == [small]
 
 
@@ -60,7 +61,7 @@ def test_rollouts_join_while_their_memory_fits_the_budget(loop):
         scheduler.submit(each)
     assert scheduler.next_round(TIMEOUT).join == [a]
     assert scheduler.next_round(TIMEOUT).join == []
-    scheduler.finished(a.key)
+    scheduler.update({a.key: None})
     assert scheduler.next_round(TIMEOUT).join == [b, c]
 
 
@@ -99,7 +100,7 @@ def test_an_update_is_a_barrier(loop):
     for _ in range(3):
         planned = scheduler.next_round(TIMEOUT)
         assert planned.join == [] and planned.update is None and planned.step == [a.key]
-    scheduler.finished(a.key)
+    scheduler.update({a.key: None})
     planned = scheduler.next_round(TIMEOUT)
     assert planned.update is not None and planned.update.done is done
     assert planned.join == [] and planned.step == []
@@ -116,7 +117,7 @@ def test_a_cancelled_update_frees_its_place_at_once(loop):
     assert scheduler.next_round(TIMEOUT).join == [a]
     left, waiting = scheduler.submit_update(object()), scheduler.submit_update(object())
     assert left.cancel()
-    scheduler.finished(a.key)
+    scheduler.update({a.key: None})
     planned = scheduler.next_round(TIMEOUT)
     assert planned.update is not None and planned.update.done is waiting
 
@@ -134,7 +135,7 @@ def test_a_slow_reader_parks_its_rollout_only(loop):
     for _ in range(3):
         assert scheduler.next_round(TIMEOUT).step == [fast.key]
     assert slow.parked_rounds == 3
-    scheduler.finished(fast.key)
+    scheduler.update({fast.key: None})
     assert scheduler.next_round(TIMEOUT).idle  # only a parked rollout: nothing to do, not counted
     assert slow.parked_rounds == 3
     slow.outbox.taken()

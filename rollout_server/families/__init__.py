@@ -5,7 +5,8 @@ from pathlib import Path
 
 import torch
 
-from rollout_server.families.base import FamilyAdapter, UnsupportedModel
+from rollout_server.errors import UnsupportedModel
+from rollout_server.families.base import FamilyAdapter
 from rollout_server.families.flux import FluxAdapter
 from rollout_server.families.qwen_image import QwenImageAdapter
 from rollout_server.families.sd3 import SD3Adapter

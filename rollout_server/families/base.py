@@ -22,10 +22,6 @@ from PIL import Image
 from rollout_core.transformer_call import NO_CONDITIONING, LatentConditioning
 
 
-class UnsupportedModel(Exception):
-    """The folder holds a pipeline no adapter supports."""
-
-
 @dataclass(frozen=True)
 class MediaShape:
     """What one sample is: ``frames`` frames of ``height`` x ``width`` pixels (an image is one frame)."""

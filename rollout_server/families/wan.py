@@ -23,11 +23,11 @@ from diffusers import WanPipeline
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
 from PIL import Image
 
+from rollout_server.errors import UnsupportedModel
 from rollout_server.families.base import (
     FamilyAdapter,
     FamilyDefaults,
     MediaShape,
-    UnsupportedModel,
     denormalized,
     set_up_schedule,
 )

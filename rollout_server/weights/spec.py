@@ -17,10 +17,11 @@ from peft import get_peft_model_state_dict, inject_adapter_in_model
 from peft.tuners.lora import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+from rollout_server.errors import StaleUpdate
 from rollout_server.limits import MAX_POLICY_VERSION
 from rollout_server.validation import quoted
 from rollout_server.weights.lora_config import parse_lora_config
-from rollout_server.weights.update import FULL, LORA, SUBSET, StaleUpdate, WeightUpdate, reject
+from rollout_server.weights.update import FULL, LORA, SUBSET, WeightUpdate, reject
 
 # Room for the safetensors header on top of the tensor bytes (about 100 bytes per tensor).
 HEADER_ALLOWANCE_BYTES = 16 * 1024 * 1024

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_server.validation import InvalidRequest
+from rollout_server.errors import InvalidRequest
 
 FULL, SUBSET, LORA = (
     rollout_pb2.WEIGHTS_KIND_FULL,
@@ -13,14 +13,6 @@ FULL, SUBSET, LORA = (
     rollout_pb2.WEIGHTS_KIND_LORA,
 )
 DEFAULT_ADAPTER_NAME = "default"
-
-
-class StaleUpdate(Exception):
-    """The update's policy version is not above the server's current one."""
-
-
-class UploadIdle(Exception):
-    """The client sent nothing for longer than the server's upload idle timeout."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""The exceptions that cross the server's layers, in one place.
+
+Each names an outcome a caller can act on; the gRPC layer (``service.py``) maps them to status codes
+and the CLI (``cli.py``) to exit codes. Errors that one module raises and handles itself stay in it.
+"""
+
+# A rejection lists at most this many violations (the rest are counted): the list travels in the
+# status trailer, which gRPC caps at a few KiB, and in the server log.
+MAX_LISTED_VIOLATIONS = 20
+
+
+class InvalidRequest(Exception):
+    """One or more request fields are invalid: ``violations`` is a list of (field, description).
+
+    Only the first ``MAX_LISTED_VIOLATIONS`` are kept, followed by a count of the others."""
+
+    def __init__(self, violations: list[tuple[str, str]]):
+        hidden = len(violations) - MAX_LISTED_VIOLATIONS
+        self.violations = list(violations[:MAX_LISTED_VIOLATIONS])
+        if hidden > 0:
+            self.violations.append(("...", f"and {hidden} more violations"))
+        super().__init__(
+            "invalid request: " + "; ".join(f"{field}: {what}" for field, what in self.violations)
+        )
+
+
+class Overloaded(Exception):
+    """Too many rollouts are queued or running."""
+
+
+class ShuttingDown(Exception):
+    """The server stopped before the rollout or update could run."""
+
+
+class NonFiniteStep(Exception):
+    """A step produced NaN or infinity (a broken policy, or a model that overflows in its dtype): the
+    rollout fails there instead of streaming numbers no trainer can use."""
+
+
+class StaleUpdate(Exception):
+    """The update's policy version is not above the server's current one."""
+
+
+class UploadIdle(Exception):
+    """The client sent nothing for longer than the server's upload idle timeout."""
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: a rank died, hung past the timeout, or fell out of step."""
+
+
+class ParallelismUnsupported(Exception):
+    """The model or the machine cannot run the requested split (no plan, heads, no kernel)."""
+
+
+class UnsupportedModel(Exception):
+    """The folder holds a pipeline no adapter supports."""
+
+
+class StartupError(Exception):
+    """An option the server cannot start with (a security file, an address); the message is the
+    whole explanation."""
