@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import torch
@@ -62,8 +62,10 @@ from rollout_client.grpo import (
     sde_window,
     step_transitions,
 )
-from rollout_client.rewards import Reward
 from rollout_server.local import LocalServer
+
+if TYPE_CHECKING:
+    from rollout_client.rewards import Reward
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the server builds its model locally
 
@@ -249,7 +251,7 @@ def run_settings(args: argparse.Namespace) -> dict:
     return {name: value for name, value in vars(args).items() if name not in ignored}
 
 
-def load_reward(spec: str) -> Reward:
+def load_reward(spec: str) -> "Reward":
     """``module:callable``, e.g. ``rollout_client.rewards:jpeg_compressibility``."""
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)

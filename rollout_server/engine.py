@@ -33,7 +33,6 @@ from rollout.v1 import rollout_pb2
 from rollout_server import memory
 from rollout_server.errors import InvalidRequest, RankFailure, ShuttingDown
 from rollout_server.families.base import FamilyAdapter, MediaShape
-from rollout_server.limits import Limits
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import HEARTBEAT, ROUND, STOP, UPDATE, SequenceParallel
 from rollout_server.policy import Policy
@@ -43,6 +42,7 @@ from rollout_server.scheduler import STREAM_BUFFER, Outbox, RolloutJob, Round, S
 from rollout_server.stream import StreamEncoder, latents_sent, started_event
 
 if TYPE_CHECKING:
+    from rollout_server.limits import Limits
     from rollout_server.weights.update import WeightUpdate
 
 log = logging.getLogger("rollout_server.engine")
@@ -96,7 +96,7 @@ class Engine:
         self,
         load_adapter: Callable[[], FamilyAdapter],
         model_name: str,
-        limits: Limits,
+        limits: "Limits",
         parallel: SequenceParallel | None = None,
         prompt_cache_entries: int = 0,
         metrics: ServerMetrics | None = None,

@@ -11,15 +11,18 @@ no server, so any failure there is a ``RankFailure`` that takes the server down.
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_server.errors import RankFailure
-from rollout_server.parallel import SequenceParallel
 from rollout_server.weights import ranks, spec
 from rollout_server.weights.apply import apply_update
-from rollout_server.weights.update import WeightUpdate
+
+if TYPE_CHECKING:
+    from rollout_server.parallel import SequenceParallel
+    from rollout_server.weights.update import WeightUpdate
 
 log = logging.getLogger("rollout_server.policy")
 
@@ -28,7 +31,7 @@ class Policy:
     """The transformers' weights as served (one, or Wan 2.2's two experts, by pipeline component
     name): version 0 as loaded, then that of each applied update, whichever transformer it changed."""
 
-    def __init__(self, experts: dict[str, torch.nn.Module], parallel: SequenceParallel):
+    def __init__(self, experts: dict[str, torch.nn.Module], parallel: "SequenceParallel"):
         self.experts = experts
         self.parallel = parallel
         self.version = 0
@@ -46,14 +49,14 @@ class Policy:
     def lora_adapter(self) -> rollout_pb2.LoraAdapter | None:
         return self.lora_adapters.get("transformer")
 
-    def check(self, update: WeightUpdate) -> None:
+    def check(self, update: "WeightUpdate") -> None:
         """StaleUpdate or InvalidRequest unless ``update`` applies to the current weights. It changes
         nothing and reads no live tensor, so any thread may call it while rollouts run."""
         spec.check_target(update.target, self.experts)
         spec.check_version(update.policy_version, self.version)
         spec.check(self.specs[update.target], update)
 
-    def apply(self, update: WeightUpdate) -> None:
+    def apply(self, update: "WeightUpdate") -> None:
         """Rank 0: check ``update`` again (another update may have gone first), send it to the other
         ranks, and apply it on every rank."""
         self.check(update)
@@ -65,13 +68,13 @@ class Policy:
         """A non-leader rank: receive the update whose header rank 0 broadcast, and apply it."""
         update = ranks.receive(self.parallel, payload)
 
-        def checked() -> WeightUpdate:
+        def checked() -> "WeightUpdate":
             self.check(update)
             return update
 
         self._apply_on_every_rank(checked)
 
-    def _apply_here(self, update: WeightUpdate) -> None:
+    def _apply_here(self, update: "WeightUpdate") -> None:
         started_at = time.perf_counter()
         # If this fails, the previous weights are back in place (apply_update restores them).
         target = update.target
@@ -82,7 +85,7 @@ class Policy:
         self.version = update.policy_version
         log.info("applied %s in %.3f s", update.describe(), time.perf_counter() - started_at)
 
-    def _apply_on_every_rank(self, get_update: Callable[[], WeightUpdate]) -> None:
+    def _apply_on_every_rank(self, get_update: Callable[[], "WeightUpdate"]) -> None:
         """Apply the update here, then learn whether every rank did (see the module docstring)."""
         if not self.parallel.enabled:
             self._apply_here(get_update())

@@ -21,7 +21,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,11 +29,13 @@ from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, steps
 from rollout_core.transformer_call import apply_guidance, call_transformer, stack_envs
 from rollout_server.families.base import FamilyAdapter, MediaShape
-from rollout_server.metrics import ServerMetrics
-from rollout_server.parallel import SequenceParallel
 from rollout_server.prompt_cache import Conditioning, PromptCache
 from rollout_server.sampler import SamplerPlan, SamplerState, init, stochastic_steps
 from rollout_server.validation import check_prompt_tokens
+
+if TYPE_CHECKING:
+    from rollout_server.metrics import ServerMetrics
+    from rollout_server.parallel import SequenceParallel
 
 
 @dataclass(frozen=True)
@@ -107,11 +109,11 @@ class Runner:
     def __init__(
         self,
         adapter: FamilyAdapter,
-        parallel: SequenceParallel,
+        parallel: "SequenceParallel",
         max_batch_size: int,
         max_forward_elements: int,
         prompt_cache_entries: int,
-        metrics: ServerMetrics,
+        metrics: "ServerMetrics",
     ):
         self.adapter = adapter
         self.parallel = parallel

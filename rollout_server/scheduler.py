@@ -28,11 +28,14 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rollout.v1 import rollout_pb2
 from rollout_server.errors import Overloaded
 from rollout_server.memory import MemoryBudget, RolloutMemory
-from rollout_server.weights.update import WeightUpdate
+
+if TYPE_CHECKING:
+    from rollout_server.weights.update import WeightUpdate
 
 # Messages a stream may hold unsent before its rollout is parked.
 STREAM_BUFFER = 8
@@ -128,7 +131,7 @@ class RolloutJob:
 
 @dataclass(eq=False)
 class UpdateJob:
-    update: WeightUpdate
+    update: "WeightUpdate"
     done: Future = field(default_factory=Future)
 
     @property
@@ -184,7 +187,7 @@ class Scheduler:
             self._queue.append(job)
             self._changed.notify()
 
-    def submit_update(self, update: WeightUpdate) -> Future:
+    def submit_update(self, update: "WeightUpdate") -> Future:
         """Queue a checked update; the future ends once it is applied or has failed."""
         job = UpdateJob(update)
         job.done.add_done_callback(lambda _: self.wake())  # a cancel frees its place at once

@@ -75,7 +75,7 @@ def build_engine(
     device = options.parallel.device(options.device)
     dtype = dtypes.BY_NAME[options.dtype]
 
-    def load() -> families.FamilyAdapter:
+    def load() -> families.base.FamilyAdapter:
         adapter = families.load(folder, device, dtype)
         for expert in adapter.experts.values():
             options.parallel.split_transformer(expert)
@@ -92,7 +92,7 @@ def build_engine(
     )
 
 
-def features(adapter: families.FamilyAdapter, weights_root: Path | None) -> list[str]:
+def features(adapter: families.base.FamilyAdapter, weights_root: Path | None) -> list[str]:
     """GetServerInfo.features: the optional capabilities this server has (see rollout_core.wire)."""
     names = [wire.FEATURE_LORA]  # every family's transformer takes PEFT adapters
     if weights_root is not None:

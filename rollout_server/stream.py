@@ -10,15 +10,18 @@ server's message limit.
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_core import codec, dtypes, noise, wire
-from rollout_server.families.base import FamilyAdapter
-from rollout_server.parallel import SequenceParallel
-from rollout_server.runner import Rollout
-from rollout_server.sampler import StepRecord
+
+if TYPE_CHECKING:
+    from rollout_server.families.base import FamilyAdapter
+    from rollout_server.parallel import SequenceParallel
+    from rollout_server.runner import Rollout
+    from rollout_server.sampler import StepRecord
 
 # Room for a message's fields other than its payload bytes, and for protobuf framing.
 _FRAMING_BYTES = 1024
@@ -40,7 +43,11 @@ def latents_sent(selection: int, stochastic: list[bool]) -> list[bool]:
 
 
 def started_event(
-    rollout: Rollout, adapter: FamilyAdapter, model_name: str, policy_version: int, parallel: SequenceParallel
+    rollout: "Rollout",
+    adapter: "FamilyAdapter",
+    model_name: str,
+    policy_version: int,
+    parallel: "SequenceParallel",
 ) -> tuple[rollout_pb2.RolloutStarted, dict[str, torch.Tensor]]:
     """The started event of ``rollout`` (without tensors), and the env tensors it carries."""
     request, plan = rollout.request, rollout.plan
@@ -138,7 +145,7 @@ class StreamEncoder:
         response.started.CopyFrom(self.started)
         self._send_tensors(response, response.started.tensors, tensors)
 
-    def on_step(self, record: StepRecord) -> None:
+    def on_step(self, record: "StepRecord") -> None:
         batch = record.x_next.shape[0]
         step = rollout_pb2.RolloutStep(
             index=record.index,

@@ -135,7 +135,7 @@ def test_the_mesh_has_named_dims_and_carries_the_split(tiny_flux_folder):
 def adapters(family_resources):
     loaded = {}
 
-    def load(family: str) -> families.FamilyAdapter:
+    def load(family: str) -> families.base.FamilyAdapter:
         if family not in loaded:
             folder = family_resources.folder(family)
             loaded[family] = families.load(folder, torch.device("cpu"), torch.float32)

@@ -32,20 +32,22 @@ advantages, the clipped policy loss, the KL penalty and the Flow-GRPO-Fast step 
 """
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from rollout_client.trajectory import Trajectory
 from rollout_core import dtypes, steps
 from rollout_core.transformer_call import apply_guidance, call_transformer, stack_envs
+
+if TYPE_CHECKING:
+    from rollout_client.trajectory import Trajectory
 
 
 def _on(value, device: torch.device):
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
-def _call_key(trajectory: Trajectory) -> tuple:
+def _call_key(trajectory: "Trajectory") -> tuple:
     """Trajectories with equal keys can share one batched forward: same transformer call and expert
     per step, same latent shape, same env tensor shapes per branch."""
     shapes = sorted(
@@ -73,7 +75,7 @@ class Transition(NamedTuple):
 Transformer = torch.nn.Module | Mapping[str, torch.nn.Module]
 
 
-def expert(transformer: Transformer, trajectory: Trajectory, i: int) -> torch.nn.Module:
+def expert(transformer: Transformer, trajectory: "Trajectory", i: int) -> torch.nn.Module:
     """The module that replays step ``i``: ``transformer`` itself, or, given the pipeline's experts
     by component name (Wan 2.2: ``{"transformer": ..., "transformer_2": ...}``), the one that ran it."""
     if not isinstance(transformer, Mapping):
@@ -84,7 +86,7 @@ def expert(transformer: Transformer, trajectory: Trajectory, i: int) -> torch.nn
 
 def step_transitions(
     transformer: Transformer,
-    trajectories: Sequence[Trajectory],
+    trajectories: Sequence["Trajectory"],
     i: int,
     device: str | torch.device = "cpu",
 ) -> Transition:
@@ -132,7 +134,7 @@ def step_transitions(
 
 def step_log_probs(
     transformer: Transformer,
-    trajectories: Sequence[Trajectory],
+    trajectories: Sequence["Trajectory"],
     i: int,
     device: str | torch.device = "cpu",
 ) -> torch.Tensor:
@@ -141,7 +143,7 @@ def step_log_probs(
 
 
 def micro_batches(
-    trajectories: Sequence[Trajectory], step_indices: Iterable[int], size: int
+    trajectories: Sequence["Trajectory"], step_indices: Iterable[int], size: int
 ) -> Iterator[tuple[int, list[int]]]:
     """(step, row indices into ``trajectories``) pieces covering every trajectory at every given step,
     at most ``size`` rows each; a piece holds rows of one transformer call and env shapes only, so it

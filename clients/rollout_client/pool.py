@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -43,11 +43,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout.v1 import rollout_pb2
 from rollout_client.client import RolloutClient
-from rollout_client.credentials import TLS
 from rollout_client.events import Event, decode_stream
 from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
 from rollout_core.layout import sample_layout
+
+if TYPE_CHECKING:
+    from rollout_client.credentials import TLS
 
 log = logging.getLogger("rollout_client.pool")
 
@@ -147,7 +149,7 @@ class RolloutPool:
         self,
         addresses: Sequence[str],
         timeout: float | None = None,
-        tls: TLS | None = None,
+        tls: "TLS | None" = None,
         token: str | None = None,
         max_retries: int = 2,
         health_interval: float = 1.0,

@@ -1,14 +1,18 @@
 """Recompute a trajectory's log-probs from the model, the way a trainer does in its policy update."""
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from rollout_client.grpo import Transformer, step_log_probs
-from rollout_client.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from rollout_client.trajectory import Trajectory
 
 
 @torch.no_grad()
 def replay_log_probs(
-    transformer: Transformer, trajectory: Trajectory, device: str | torch.device = "cpu"
+    transformer: Transformer, trajectory: "Trajectory", device: str | torch.device = "cpu"
 ) -> torch.Tensor:
     """float32 [T]: the log-prob of each stochastic step recomputed with ``transformer``; NaN elsewhere.
 

@@ -2,23 +2,26 @@
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout_server.errors import UnsupportedModel
-from rollout_server.families.base import FamilyAdapter
 from rollout_server.families.flux import FluxAdapter
 from rollout_server.families.qwen_image import QwenImageAdapter
 from rollout_server.families.sd3 import SD3Adapter
 from rollout_server.families.wan import WanAdapter
 
-ADAPTERS: dict[str, type[FamilyAdapter]] = {
+if TYPE_CHECKING:
+    from rollout_server.families.base import FamilyAdapter
+
+ADAPTERS: dict[str, type["FamilyAdapter"]] = {
     adapter.pipeline_type.__name__: adapter
     for adapter in (FluxAdapter, SD3Adapter, QwenImageAdapter, WanAdapter)
 }
 
 
-def detect(folder: Path) -> type[FamilyAdapter]:
+def detect(folder: Path) -> type["FamilyAdapter"]:
     """The adapter class for the pipeline named in ``folder/model_index.json``."""
     index = Path(folder) / "model_index.json"
     pipeline_class = json.loads(index.read_text()).get("_class_name")
@@ -30,5 +33,5 @@ def detect(folder: Path) -> type[FamilyAdapter]:
     return ADAPTERS[pipeline_class]
 
 
-def load(folder: Path, device: torch.device, dtype: torch.dtype) -> FamilyAdapter:
+def load(folder: Path, device: torch.device, dtype: torch.dtype) -> "FamilyAdapter":
     return detect(folder)(folder, device, dtype)
