@@ -258,15 +258,20 @@ async def serve(options: ServerOptions) -> int:
         loop.call_soon_threadsafe(lambda: fatal.done() or fatal.set_result(error))
 
     service = build_service(options, on_fatal)
-    server = RolloutServer(
-        service, options.host, options.port, options.grace_seconds, options.tls, options.tokens
-    )
+    try:
+        server = RolloutServer(
+            service, options.host, options.port, options.grace_seconds, options.tls, options.tokens
+        )
+    except BaseException:
+        await asyncio.to_thread(service.engine.close)  # a startup error leaves no worker behind
+        raise
     await server.start()
     if options.metrics_port is not None:
         host = options.metrics_host
         try:
             port = service.metrics.serve(host, options.metrics_port)
         except (OSError, OverflowError) as error:
+            await server.stop()
             raise StartupError(f"cannot serve metrics on {host}:{options.metrics_port}: {error}") from None
         log.info("metrics at http://%s:%d/metrics", host, port)
     log.info("security: %s", describe_security(options))

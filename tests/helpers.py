@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 import reference
 import torch
 from google.rpc import error_details_pb2
@@ -55,6 +56,16 @@ LATENT_DTYPES = {"float32": rollout_pb2.TENSOR_DTYPE_FLOAT32, "bfloat16": rollou
 def start_server(cache_dir: Path, log_path: Path, *args: str) -> LocalServer:
     """A real ``rollout-server serve`` on a free loopback port, sharing the session's preset cache."""
     return LocalServer.start(log_path, "--cache-dir", str(cache_dir), "--threads", "1", *args)
+
+
+def command_line_exit(*argv: str) -> str:
+    """Run ``rollout-server`` with ``argv`` in this process, expecting it to refuse: the message it exits
+    with. Any other exception escapes, as a traceback would in a terminal."""
+    from rollout_server import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(list(argv))
+    return exited.value.code
 
 
 def vm_rss_bytes(pid: int) -> int:

@@ -6,15 +6,13 @@ import datetime
 import inspect
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from diffusers import FluxTransformer2DModel
-from helpers import FAMILIES
+from helpers import FAMILIES, command_line_exit
 
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import call_transformer
@@ -68,11 +66,10 @@ def test_parallel_dims_name_the_wrong_option(fields, message):
 def test_the_command_line_turns_a_refused_layout_into_an_exit_message(
     cache_dir, tiny_flux_folder, args, message
 ):
-    """Checked before any rank starts: the library raises, the command line exits 1 with the message."""
-    command = [sys.executable, "-m", "rollout_server", "serve", "--cache-dir", str(cache_dir), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith(f"rollout-server: {message}")
+    """Checked before any rank starts: the library raises, the command line exits with the message."""
+    assert command_line_exit("serve", "--cache-dir", str(cache_dir), *args).startswith(
+        f"rollout-server: {message}"
+    )
 
 
 def test_split_transformer_refuses_with_an_exception(family_resources, tiny_transformer):
