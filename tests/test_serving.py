@@ -110,6 +110,16 @@ def stub(server):
         yield rollout_pb2_grpc.RolloutServiceStub(channel)
 
 
+@pytest.fixture(scope="module")
+def one_slot(tiny_flux_folder, cache_dir, tmp_path_factory):
+    """A server with one rollout place and two places to wait for a policy version; the tests that
+    share it leave nothing running on it."""
+    log = tmp_path_factory.mktemp("one-slot") / "server.log"
+    server = start_server(cache_dir, log, "--max-queued", "1", "--max-waiting", "2")
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def launch(tiny_flux_folder, cache_dir, tmp_path):
     """Start dedicated servers with extra flags; any still running at teardown are killed."""
@@ -151,10 +161,10 @@ def test_expired_deadline(server, stub):
     assert "never retrieved" not in server.log()  # the write pending at the deadline was taken care of
 
 
-def test_overload_is_resource_exhausted(launch):
+def test_overload_is_resource_exhausted(one_slot):
     """With --max-queued 1, a second rollout while one is in flight gets RESOURCE_EXHAUSTED; once the
     first is cancelled, rollouts are admitted again."""
-    server = launch("--max-queued", "1")
+    server = one_slot
     with holding_channel(server.address) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         info = stub.GetServerInfo(rollout_pb2.GetServerInfoRequest(), timeout=WAIT_SECONDS)
@@ -355,11 +365,11 @@ def test_stalled_reader_is_ended_and_frees_the_worker(launch):
     assert "Traceback" not in server.log()
 
 
-def test_requests_waiting_for_a_policy_version_hold_no_rollout_slot(launch):
+def test_requests_waiting_for_a_policy_version_hold_no_rollout_slot(one_slot):
     """Requests waiting for a future policy version wait in a list of their own: with one rollout
     slot and two waiters, rollouts still run; a third waiter is refused at once; a version beyond
     2^63 - 1 is refused as invalid."""
-    server = launch("--max-queued", "1", "--max-waiting", "2")
+    server = one_slot
     with grpc.insecure_channel(server.address) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         info = stub.GetServerInfo(rollout_pb2.GetServerInfoRequest(), timeout=WAIT_SECONDS)
