@@ -3,6 +3,7 @@ group: every tensor arrives bitwise, whatever its dtype and shape (bfloat16, int
 scalar, an empty tensor), with the header's fields."""
 
 import datetime
+import io
 import os
 import socket
 
@@ -41,7 +42,11 @@ def run_rank(rank: int, port: int, results) -> None:
         else:
             command, payload = group.broadcast_command("")
             received = ranks.receive(group, payload)
-            results.put((command, received.policy_version, received.kind, received.target, received.tensors))
+            # As bytes: a tensor put on the queue is shared through this process, which may be gone
+            # by the time the test reads it.
+            saved = io.BytesIO()
+            torch.save(received.tensors, saved)
+            results.put((command, received.policy_version, received.kind, received.target, saved.getvalue()))
     finally:
         dist.destroy_process_group()
 
@@ -55,7 +60,8 @@ def test_rank_0_update_arrives_bitwise_on_the_other_rank():
     processes = [context.Process(target=run_rank, args=(rank, port, results)) for rank in (0, 1)]
     for process in processes:
         process.start()
-    command, version, kind, target, tensors = results.get(timeout=120)
+    command, version, kind, target, saved = results.get(timeout=120)
+    tensors = torch.load(io.BytesIO(saved), weights_only=True)
     for process in processes:
         process.join(timeout=60)
         assert process.exitcode == 0
