@@ -6,6 +6,7 @@ renders."""
 import hashlib
 import io
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,6 +42,7 @@ from rollout_client.rewards.shapes import (
     train_prompts,
 )
 
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "training.md"
 OPPOSITE = {
     "to the left of": "to the right of",
     "to the right of": "to the left of",
@@ -448,3 +450,27 @@ def test_rl_prompt_sets_are_disjoint_by_scene_and_cover_every_task():
 
 
 PINNED_PROMPT_SETS_SHA256 = "ff537a2dddfdbd9ece0c130b2e8d29f8f4316d2d8708b0bf637a7c34b614f70a"
+
+
+def documented_section(title: str) -> str:
+    """The text of docs/training.md's subsection ``title`` of "The shapes task"."""
+    text = DOCS.read_text()
+    text = text[text.index("## The shapes task") :]
+    start = text.index(f"### {title}\n")
+    end = text.find("\n### ", start + 1)
+    return text[start : end if end >= 0 else None]
+
+
+def test_the_docs_list_the_palette_and_the_held_out_compositions():
+    rows = re.findall(
+        r"^\| (\w+) \| \((\d+), (\d+), (\d+)\) \|$", documented_section("Scenes"), flags=re.MULTILINE
+    )
+    assert {name: tuple(map(int, rgb)) for name, *rgb in rows} == {**PALETTE, "background": BACKGROUND}
+    split = documented_section("The split")
+    counting, pairs, relations = (
+        re.search(rf"^\| `{task}` \| (.+) \| \d+ \|$", split, flags=re.MULTILINE).group(1)
+        for task in ("counting", "two_objects", "position")
+    )
+    assert counting == "four of: " + ", ".join(f"{c} {s}" for c, s in HELD_OUT_FOUR)
+    assert pairs == ", ".join(f"{a} {b} + {c} {d}" for (a, b), (c, d) in HELD_OUT_PAIRS)
+    assert relations == ", ".join(f"{c} {s} {r}" for (c, s), r in HELD_OUT_RELATIONS) + " (the other object)"
