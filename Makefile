@@ -11,7 +11,7 @@ BUF := npx --yes @bufbuild/buf@1.75.0
 # The schema of the last release: `buf breaking` holds every later schema wire-compatible with it.
 RELEASED_SCHEMA := protos/released/rollout-v1.binpb
 
-.PHONY: serve test demo train proto lint bench clean
+.PHONY: serve test demo train pretrain-shapes proto lint bench clean
 
 serve: $(STAMP) $(STUBS)
 	$(VENV)/bin/rollout-server serve --model $(MODEL) --host $(HOST) --port $(PORT)
@@ -24,6 +24,10 @@ demo: $(STAMP) $(STUBS)
 
 train: $(STAMP) $(STUBS)
 	$(PY) examples/train_grpo.py --out train-output
+
+# Pretrains the shapes preset's VAE and transformer (resumable); the weights land in pretrain-shapes-output/weights.
+pretrain-shapes: $(STAMP) $(STUBS)
+	$(PY) examples/pretrain_shapes.py --out pretrain-shapes-output --resume
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=clients --pyi_out=clients \
@@ -56,4 +60,4 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) demo-output train-output clients/rollout/v1/*_pb2*.py* .pytest_cache .ruff_cache
+	rm -rf $(VENV) demo-output train-output pretrain-shapes-output clients/rollout/v1/*_pb2*.py* .pytest_cache .ruff_cache

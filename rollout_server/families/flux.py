@@ -14,6 +14,7 @@ from PIL import Image
 
 from rollout_server.families.base import FamilyDefaults, MediaShape, PackedLatentAdapter
 
+# FLUX.1's T5 text length; a model whose tokenizer says less pads its prompts to that.
 MAX_SEQUENCE_LENGTH = 512
 
 
@@ -35,22 +36,28 @@ class FluxAdapter(PackedLatentAdapter):
     def latent_packing(self) -> str:
         return "flux 2x2 patches: [(H/16) * (W/16), 4 * vae_latent_channels], row-major over the grid"
 
+    @property
+    def text_tokens(self) -> int:
+        """The T5 tokens every prompt is padded to: the model's own length (its tokenizer's), at most
+        FLUX.1's."""
+        return min(MAX_SEQUENCE_LENGTH, self.pipe.tokenizer_2.model_max_length)
+
     def text_elements(self) -> int:
         config = self.pipe.transformer.config
-        return MAX_SEQUENCE_LENGTH * config.joint_attention_dim + config.pooled_projection_dim
+        return self.text_tokens * config.joint_attention_dim + config.pooled_projection_dim
 
     def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
         # Joint attention over image and text tokens; a single-stream block concatenates its attention
         # output with its 4x MLP hidden state.
         rows, cols = self._latent_grid(shape)
         config = self.pipe.transformer.config
-        return rows * cols + MAX_SEQUENCE_LENGTH, 5 * config.num_attention_heads * config.attention_head_dim
+        return rows * cols + self.text_tokens, 5 * config.num_attention_heads * config.attention_head_dim
 
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
         rows, cols = self._latent_grid(shape)
         embeds, pooled, txt_ids = self.pipe.encode_prompt(
-            prompt=[text], prompt_2=None, device=self.device, max_sequence_length=MAX_SEQUENCE_LENGTH
+            prompt=[text], prompt_2=None, device=self.device, max_sequence_length=self.text_tokens
         )
         guidance = None
         if self.pipe.transformer.config.guidance_embeds:

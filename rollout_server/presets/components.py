@@ -6,12 +6,13 @@ from transformers import T5Config, T5EncoderModel
 
 def kl_vae(cfg, scaling_factor: float, shift_factor: float) -> AutoencoderKL:
     """A randomly initialised (seed it first) AutoencoderKL with the preset's widths and the family's
-    latent scaling and shift; 4 down blocks keep the 8x downsampling."""
+    latent scaling and shift; one down block per width (4 keep FLUX's and SD3's 8x downsampling)."""
+    blocks = len(cfg.vae_block_out_channels)
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
+        down_block_types=("DownEncoderBlock2D",) * blocks,
+        up_block_types=("UpDecoderBlock2D",) * blocks,
         block_out_channels=cfg.vae_block_out_channels,
         layers_per_block=cfg.vae_layers_per_block,
         act_fn="silu",

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from .components import kl_vae, t5_encoder
-from .tokenizers import write_clip_tokenizer, write_t5_tokenizer
+from .tokenizers import CORPUS, write_clip_tokenizer, write_t5_tokenizer
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,18 @@ FLUX_SCHEDULER_CONFIG = {
 
 def build_flux_preset(folder: Path, size: str) -> None:
     """Builds the `size` ("tiny" or "small") preset and saves it as a float32 FluxPipeline into `folder`."""
-    cfg = FLUX_PRESET_CONFIGS[size]
+    flux_pipeline(folder, FLUX_PRESET_CONFIGS[size]).save_pretrained(folder, safe_serialization=True)
+
+
+def flux_pipeline(
+    folder: Path, cfg: FluxPresetConfig, corpus: str = CORPUS, text_tokens: int = 512, guidance: bool = True
+) -> FluxPipeline:
+    """A seeded, randomly initialised FluxPipeline of `cfg`'s sizes, its tokenizers trained on `corpus`
+    and written into `folder`; prompts are padded to `text_tokens` T5 tokens, and `guidance` says
+    whether the transformer embeds the guidance scale (FLUX.1-dev's guidance distillation)."""
     folder = Path(folder)
-    write_clip_tokenizer(folder / "tokenizer", cfg.clip_vocab_size)
-    write_t5_tokenizer(folder / "tokenizer_2", cfg.t5_vocab_size)
+    write_clip_tokenizer(folder / "tokenizer", cfg.clip_vocab_size, corpus)
+    write_t5_tokenizer(folder / "tokenizer_2", cfg.t5_vocab_size, corpus, text_tokens)
     tokenizer = CLIPTokenizer.from_pretrained(folder / "tokenizer")
     tokenizer_2 = T5TokenizerFast.from_pretrained(folder / "tokenizer_2")
 
@@ -122,7 +130,7 @@ def build_flux_preset(folder: Path, size: str) -> None:
         num_attention_heads=cfg.num_attention_heads,
         joint_attention_dim=cfg.t5_d_model,
         pooled_projection_dim=cfg.clip_hidden_size,
-        guidance_embeds=True,
+        guidance_embeds=guidance,
         axes_dims_rope=cfg.axes_dims_rope,
     )
 
@@ -149,7 +157,7 @@ def build_flux_preset(folder: Path, size: str) -> None:
     torch.manual_seed(3)
     text_encoder_2 = t5_encoder(tokenizer_2, cfg)
 
-    pipe = FluxPipeline(
+    return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
         vae=vae,
         text_encoder=text_encoder,
@@ -158,4 +166,3 @@ def build_flux_preset(folder: Path, size: str) -> None:
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
-    pipe.save_pretrained(folder, safe_serialization=True)

@@ -120,8 +120,9 @@ def _train_bpe_merges(counts: Counter[tuple[str, ...]], num_merges: int) -> list
     return merges
 
 
-def write_clip_tokenizer(folder: Path, vocab_size: int) -> None:
-    """Writes a byte-level BPE CLIP tokenizer with at most `vocab_size` tokens (vocab.json, merges.txt).
+def write_clip_tokenizer(folder: Path, vocab_size: int, corpus: str = CORPUS) -> None:
+    """Writes a byte-level BPE CLIP tokenizer with at most `vocab_size` tokens (vocab.json, merges.txt),
+    trained on `corpus`.
 
     The vocabulary follows OpenAI CLIP's layout: the 256 byte symbols, the same symbols with `</w>`, one token
     per merge, then the two special tokens. Having every byte in the vocabulary means any text (unseen words,
@@ -129,7 +130,7 @@ def write_clip_tokenizer(folder: Path, vocab_size: int) -> None:
     """
     byte_symbols = sorted(ByteLevel.alphabet())  # code point order == CLIP's bytes_to_unicode order
     num_merges = vocab_size - 2 * len(byte_symbols) - 2
-    merges = _train_bpe_merges(_clip_word_counts(CORPUS.splitlines()), num_merges)
+    merges = _train_bpe_merges(_clip_word_counts(corpus.splitlines()), num_merges)
     tokens = byte_symbols + [s + CLIP_EOW for s in byte_symbols] + ["".join(m) for m in merges]
     vocab = {token: i for i, token in enumerate([*tokens, CLIP_BOS, CLIP_EOS])}
 
@@ -141,8 +142,11 @@ def write_clip_tokenizer(folder: Path, vocab_size: int) -> None:
     CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77).save_pretrained(folder)
 
 
-def write_t5_tokenizer(folder: Path, vocab_size: int) -> None:
-    """Writes a SentencePiece unigram T5 tokenizer (spiece.model, tokenizer.json) like google/t5-v1_1.
+def write_t5_tokenizer(
+    folder: Path, vocab_size: int, corpus: str = CORPUS, model_max_length: int = 512
+) -> None:
+    """Writes a SentencePiece unigram T5 tokenizer (spiece.model, tokenizer.json) like google/t5-v1_1,
+    trained on `corpus`; `model_max_length` is the text length a pipeline pads prompts to.
 
     `vocab_size` is a soft limit: the small corpus supports only so many pieces. T5's 100 `<extra_id_*>`
     sentinels are appended on top, as in the original.
@@ -150,7 +154,7 @@ def write_t5_tokenizer(folder: Path, vocab_size: int) -> None:
     model = io.BytesIO()
     spm.set_random_generator_seed(0)
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS.splitlines()),
+        sentence_iterator=iter(corpus.splitlines()),
         model_writer=model,
         model_type="unigram",
         vocab_size=vocab_size,
@@ -170,7 +174,7 @@ def write_t5_tokenizer(folder: Path, vocab_size: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "spiece.model").write_bytes(model.getvalue())
     # Loading from spiece.model runs transformers' own SentencePiece conversion; saving adds tokenizer.json.
-    T5TokenizerFast.from_pretrained(folder, model_max_length=512).save_pretrained(folder)
+    T5TokenizerFast.from_pretrained(folder, model_max_length=model_max_length).save_pretrained(folder)
 
 
 QWEN2_SPECIAL_TOKENS = (
