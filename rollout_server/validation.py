@@ -60,6 +60,7 @@ class ServingContext:
     scale_fields: tuple[str, ...] = SCALE_FIELDS  # the scales the model reads
     max_frames: int = 1  # the family's; image families take 1
     frame_step: int = 0  # video families: num_frames - 1 is a multiple of it
+    min_steps: int = 1  # the fewest steps the model's schedule is defined for
     # One sample's latent shape for a media shape (None: not checked against max_latent_elements).
     latent_shape: Callable[[MediaShape], tuple[int, ...]] | None = None
     # Sequence parallelism: one sample's generated tokens must divide by seq_len_divisor.
@@ -80,6 +81,7 @@ class ServingContext:
             scale_fields=adapter.scale_fields,
             max_frames=adapter.max_frames,
             frame_step=adapter.frame_step,
+            min_steps=adapter.min_steps,
             latent_shape=adapter.latent_shape,
             generated_tokens=adapter.generated_tokens,
             seq_len_divisor=seq_len_divisor,
@@ -176,8 +178,8 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
             )
 
     num_steps = resolved.num_steps
-    if not 0 < num_steps <= limits.max_steps:
-        bad.append(("num_steps", f"must be in [1, {limits.max_steps}], got {num_steps}"))
+    if not context.min_steps <= num_steps <= limits.max_steps:
+        bad.append(("num_steps", f"must be in [{context.min_steps}, {limits.max_steps}], got {num_steps}"))
 
     if not _finite_in(resolved.guidance_scale, 0.0, 100.0):
         bad.append(("guidance_scale", f"must be finite and in [0, 100], got {resolved.guidance_scale}"))

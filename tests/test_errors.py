@@ -208,3 +208,16 @@ def test_a_scale_the_model_does_not_read_is_refused(family, field, value, family
     assert [violation.field for violation in field_violations(raised.value)] == [field]
     setattr(request, field, getattr(family_client.server_info().defaults, field))
     assert len(family_client.rollout(request)) == 4
+
+
+@pytest.mark.parametrize("family", ["qwen-image"])
+def test_one_step_is_refused_where_the_schedule_needs_two(family, family_client):
+    """Qwen-Image's scheduler stretches its sigmas to end at shift_terminal, which one step cannot do
+    (every sigma would be NaN): num_steps 1 is INVALID_ARGUMENT naming it, and 2 runs."""
+    with pytest.raises(grpc.RpcError) as raised:
+        family_client.rollout(family_request(family, "ODE", cfg=False, num_steps=1))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [violation.field for violation in field_violations(raised.value)] == ["num_steps"]
+    assert "must be in [2, " in raised.value.details()
+    (trajectory, *_) = family_client.rollout(family_request(family, "ODE", cfg=False, num_steps=2))
+    assert trajectory.sigmas.isfinite().all()

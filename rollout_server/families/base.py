@@ -126,6 +126,13 @@ class FamilyAdapter(ABC):
         """Video families: ``num_frames - 1`` must be a multiple of it. 0: one frame only."""
         return 0
 
+    @property
+    def min_steps(self) -> int:
+        """The fewest denoising steps the schedule is defined for: a scheduler that stretches its
+        sigmas to end at ``shift_terminal`` divides by the last sigma's distance from 1, which is 0 with
+        one step (every sigma would be NaN)."""
+        return 2 if self.pipe.scheduler.config.get("shift_terminal") else 1
+
     @abstractmethod
     def defaults(self) -> FamilyDefaults:
         """The family's usual request settings."""
