@@ -196,13 +196,10 @@ def test_kl_to_the_base_model_is_zero_before_training_and_positive_after(client,
 def _without_adapters(adapted: torch.nn.Module) -> torch.nn.Module:
     """The base model built on the very tensors the LoRA layers of ``adapted`` wrap (assigned, not
     copied), so it computes exactly what the base model computes on that memory."""
-    weights = {
-        name.replace(".base_layer", ""): parameter
-        for name, parameter in adapted.named_parameters()
-        if "lora_" not in name
-    }
+    from rollout_server.weights.spec import base_tensors
+
     plain = type(adapted).from_config(adapted.config)
-    plain.load_state_dict(weights, strict=True, assign=True)
+    plain.load_state_dict(base_tensors(adapted), strict=True, assign=True)
     return plain.eval()
 
 
