@@ -162,7 +162,7 @@ def packed_latents(pipe, pixels: torch.Tensor) -> torch.Tensor:
 def train_transformer(pipe, args, state: dict, specs: list, text: TextCache, save) -> None:
     transformer = pipe.transformer.train()
     transformer.requires_grad_(True)
-    parameters = [p for p in transformer.parameters()]
+    parameters = list(transformer.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.0)
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
