@@ -1,6 +1,9 @@
-"""End to end in under a minute on a laptop CPU: serve the tiny-flux preset, roll out 2 prompts x 4
-samples with ``rollout-client``, then replay one saved trajectory's log-probs the way a trainer does,
-with the transformer loaded by plain diffusers, and compare them with the streamed ones.
+"""End to end in under a minute on a laptop CPU: serve the pretrained ``shapes`` preset, roll out 2
+prompts of its scene grammar x 4 samples with ``rollout-client`` (the stochastic sampler, with the
+preset's true CFG),
+then replay one saved trajectory's log-probs the way a trainer does, with the transformer loaded by
+plain diffusers, and compare them with the streamed ones. contact-sheet.png has a row per prompt,
+labelled with it.
 
     python examples/demo.py --out demo-output
 """
@@ -16,7 +19,8 @@ from rollout_server.local import LocalServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the server builds its model locally
 
-PROMPTS = ["a red fox in the snow", "a lighthouse at dusk"]
+MODEL = "shapes"
+PROMPTS = ["a red circle to the left of a blue square", "two yellow triangles"]
 SAMPLES_PER_PROMPT = 4
 BASE_SEED = 2024
 REPLAYED_SAMPLE = 5  # the second sample of the second prompt
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # One torch thread: the tiny model gains nothing from more, and they would contend with the client.
     cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir else []
-    server = LocalServer.start(args.out / "server.log", "--model", "tiny-flux", "--threads", "1", *cache)
+    server = LocalServer.start(args.out / "server.log", "--model", MODEL, "--threads", "1", *cache)
     address = server.address
     try:
         with RolloutClient(address, timeout=60) as client:

@@ -9,6 +9,8 @@ version with ``min_policy_version``, so they never run on an older policy than t
     python examples/train_grpo.py                       # its own tiny-flux server; writes train-output/
     python examples/train_grpo.py --async               # next rollouts stream while this one trains
     python examples/train_grpo.py --server HOST:PORT --model-path FOLDER
+    python examples/train_grpo.py --model shapes --prompt-set shapes \
+        --reward rollout_client.rewards.shapes:geneval_reward --eval-every 5   # make train-shapes
 
 Sync: iteration i rolls out on policy version i, so at its update the ratio exp(logp_new - logp_old)
 is 1 up to float rounding (``ratio_max_dev`` in metrics.csv: the on-policy proof). Async: iteration
@@ -25,6 +27,13 @@ times with a growing pause; then the run stops, its finished iterations checkpoi
 Writes to --out: metrics.csv (one row per iteration), reward.png (reward mean +/- std per iteration),
 the first and last iteration's images in samples/iter-NNNN/, the final LoRA in lora/ (a PEFT
 adapter folder) and checkpoint.pt.
+
+``--prompt-set shapes`` draws each iteration's P prompts from the shapes task's train prompts
+(``rollout_client.rewards.shapes.train_prompts()``); with ``--eval-every N`` the served policy is
+evaluated GenEval-style on the disjoint eval prompts (``rollout_client.shapes_eval``) before
+iterations 0, N, 2N ... and once more after the last: metrics.csv gains ``eval_accuracy``, and the
+run writes accuracy.png, eval.json (the tables before and after) and samples/eval-before.png and
+samples/eval-after.png (the eval images, framed green where strictly right, red where wrong).
 """
 
 import argparse
@@ -32,6 +41,7 @@ import csv
 import functools
 import importlib
 import itertools
+import json
 import math
 import os
 import re
@@ -66,6 +76,7 @@ from rollout_server.local import LocalServer
 
 if TYPE_CHECKING:
     from rollout_client.rewards import Reward
+    from rollout_client.shapes_eval import ShapesEval
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the server builds its model locally
 
@@ -79,6 +90,7 @@ PROMPTS = [
     "a mountain lake at dawn",
     "a city street at night",
 ]
+PROMPT_SETS = ("scenes", "shapes")  # PROMPTS above, or the shapes task's train prompts
 # FLUX's attention and feed-forward layers, with the latent projections in and out.
 FLUX_TARGETS = ["x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
 COLUMNS = [
@@ -95,6 +107,8 @@ COLUMNS = [
     "train_seconds",
     "update_seconds",
     "iteration_seconds",
+    "eval_accuracy",
+    "eval_seconds",
 ]
 CHECKPOINT = "checkpoint.pt"
 # Flags that do not change what a run computes: a resumed run may set them anew.
@@ -162,6 +176,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int_at_least(1), default=70)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration (P)")
     parser.add_argument(
+        "--prompt-set",
+        choices=PROMPT_SETS,
+        default="scenes",
+        help="the fixed scene prompts, or P of the shapes task's train prompts drawn per iteration",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int_at_least(0),
+        default=0,
+        help="with --prompt-set shapes: evaluate the policy on the eval prompts this often (0: never)",
+    )
+    parser.add_argument(
+        "--cfg",
+        type=float,
+        help="true CFG scale of the rollouts, Flux and Qwen-Image (default: the server's; shapes: 3)",
+    )
+    parser.add_argument(
         "--group-size",
         type=int_at_least(2, " (advantages are standardised within a prompt's group: one sample has none)"),
         default=8,
@@ -225,8 +256,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.clip_range = 1e-2 if args.async_ else 1e-4
     if args.async_ and args.score_while_streaming:
         parser.error("--score-while-streaming scores with the rollout's policy: it needs sync mode")
-    if not 1 <= args.prompts <= len(PROMPTS):
-        parser.error(f"--prompts must be in [1, {len(PROMPTS)}]")
+    prompt_count = len(PROMPTS) if args.prompt_set == "scenes" else len(shapes_train_prompts())
+    if not 1 <= args.prompts <= prompt_count:
+        parser.error(f"--prompts must be in [1, {prompt_count}] for --prompt-set {args.prompt_set}")
+    if args.eval_every and args.prompt_set != "shapes":
+        parser.error("--eval-every evaluates on the shapes task: it needs --prompt-set shapes")
+    if args.cfg is not None and not args.cfg >= 1:
+        parser.error(f"--cfg must be at least 1, got {args.cfg}")
     if not 0 <= args.window <= args.steps:
         parser.error("--window must be in [0, --steps]")
     args.checkpoint = None
@@ -291,13 +327,28 @@ class Rollout:
         return self.collector.started.message.policy_version
 
 
+def shapes_train_prompts() -> tuple[str, ...]:
+    from rollout_client.rewards import shapes
+
+    return shapes.train_prompts()
+
+
+def iteration_prompts(args: argparse.Namespace, iteration: int) -> list[str]:
+    """The fixed scene prompts, or P distinct shapes train prompts drawn from the iteration's seed."""
+    if args.prompt_set == "scenes":
+        return PROMPTS[: args.prompts]
+    pool = shapes_train_prompts()
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
+    return [pool[k] for k in torch.randperm(len(pool), generator=generator)[: args.prompts].tolist()]
+
+
 def rollout_request(args: argparse.Namespace, iteration: int, min_version: int) -> rollout_pb2.RolloutRequest:
     generator = torch.Generator().manual_seed(args.seed + iteration)
     window = sde_window(args.steps, args.window, generator) if args.window else []
     samples = args.prompts * args.group_size
     return rollout_pb2.RolloutRequest(
         request_id=f"grpo-iter-{iteration}",
-        prompts=PROMPTS[: args.prompts],
+        prompts=iteration_prompts(args, iteration),
         samples_per_prompt=args.group_size,
         base_seed=args.seed + iteration * samples,  # per-sample seeds never repeat across iterations
         num_steps=args.steps,
@@ -308,6 +359,7 @@ def rollout_request(args: argparse.Namespace, iteration: int, min_version: int) 
         stochastic_steps=window,
         latents=rollout_pb2.LATENT_SELECTION_AROUND_STOCHASTIC,
         min_policy_version=min_version,
+        true_cfg_scale=args.cfg,
     )
 
 
@@ -545,6 +597,60 @@ def plot_rewards(rows: list[dict], reward: str, path: Path) -> None:
     plt.close(figure)
 
 
+def plot_accuracy(rows: list[dict], final: tuple[int, float], path: Path) -> None:
+    """The eval accuracy at every evaluated iteration and after the last."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    points = [
+        (row["iteration"], row["eval_accuracy"])
+        for row in rows
+        if not math.isnan(row.get("eval_accuracy", math.nan))
+    ]
+    points.append(final)
+    figure, axis = plt.subplots(figsize=(6, 3.5), dpi=120)
+    axis.plot(*zip(*points, strict=True), marker="o", markersize=4)
+    axis.set_xlabel("iteration (policy before its update)")
+    axis.set_ylabel("strict eval accuracy")
+    axis.set_ylim(0, 1)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def eval_grid(result: "ShapesEval", path: Path, columns: int = 8) -> None:
+    """The eval images in a contact sheet, each framed green where strictly right and red where wrong."""
+    from PIL import ImageOps
+
+    from rollout_client.images import contact_sheet
+
+    framed = [
+        ImageOps.expand(image, border=2, fill=(40, 170, 60) if correct else (220, 40, 40))
+        for image, correct in zip(result.images, result.correct, strict=True)
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    contact_sheet(framed, columns).save(path)
+
+
+def evaluate(client: RolloutClient, args: argparse.Namespace) -> "ShapesEval":
+    """The served policy's eval on the shapes task, at the training size and steps, ODE, with --cfg."""
+    from rollout_client.shapes_eval import eval_request, evaluate_policy
+
+    request = eval_request(steps=args.steps, size=args.size, seed=args.seed, true_cfg_scale=args.cfg)
+    return retrying("eval", functools.partial(evaluate_policy, client, request), args.retries, client.address)
+
+
+def record_eval(path: Path, when: str, table: dict[str, tuple[int, int]]) -> None:
+    """Writes ``table`` into eval.json as ``when``: "before" starts the file afresh, "after" is added to
+    what a run (resumed or not) wrote before."""
+    tables = json.loads(path.read_text()) if when != "before" and path.exists() else {}
+    tables[when] = {task: {"correct": correct, "total": total} for task, (correct, total) in table.items()}
+    path.write_text(json.dumps(tables, indent=2) + "\n")
+
+
 def push(
     client: RolloutClient, transformer, lora_config: LoraConfig, trained: list[str], stall_seconds: float
 ) -> int:
@@ -669,6 +775,15 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
                     f"iteration {iteration} ran on policy {rollout.policy_version}, not {version}"
                 )
 
+            result, eval_seconds = None, math.nan
+            if args.eval_every and iteration % args.eval_every == 0:
+                eval_start = time.perf_counter()
+                result = evaluate(client, args)  # the policy that rolled this iteration out
+                eval_seconds = time.perf_counter() - eval_start
+                if iteration == 0:
+                    record_eval(args.out / "eval.json", "before", result.table)
+                    eval_grid(result, args.out / "samples" / "eval-before.png")
+
             trajectories = rollout.trajectories
             rewards = reward([t.image() for t in trajectories], [t.prompt for t in trajectories])
             advantages = group_advantages(rewards, torch.tensor([t.prompt_index for t in trajectories]))
@@ -692,6 +807,8 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
                 "train_seconds": time.perf_counter() - train_start,
                 "update_seconds": push_seconds,
                 "iteration_seconds": time.perf_counter() - start,
+                "eval_accuracy": math.nan if result is None else result.accuracy,
+                "eval_seconds": eval_seconds,
             }
             writer.writerow(row)
             metrics.flush()
@@ -710,10 +827,17 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
     final_push = functools.partial(push, client, transformer, lora_config, trained, args.stall_timeout)
     try:
         retrying("the final push", final_push, args.retries, client.address)
+        if args.eval_every:
+            final = evaluate(client, args)
     except ServerFailure as failure:
         raise ServerFailure(
             f"{failure}; the run is complete, its adapter in {args.out / 'lora'}"
         ) from failure
+    if args.eval_every:
+        record_eval(args.out / "eval.json", "after", final.table)
+        eval_grid(final, args.out / "samples" / "eval-after.png")
+        plot_accuracy(rows, (args.iterations, final.accuracy), args.out / "accuracy.png")
+        say(f"eval accuracy after {args.iterations} iterations: {final.accuracy:.3f}")
     return rows
 
 

@@ -177,6 +177,31 @@ FAMILIES = {
         replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
         replay_latent_dtypes=("float32", "bfloat16"),
     ),
+    # The pretrained shapes preset: FLUX's family without a guidance embedding (guidance is None in
+    # its env), a 4x VAE and 24 text tokens.
+    "shapes": Family(
+        preset="shapes",
+        transformer="FluxTransformer2DModel",
+        pipeline="FluxPipeline",
+        prompts=("a red circle", "a blue square to the left of a yellow triangle"),
+        base_seed=51,
+        cfg_on={"true_cfg_scale": 3.0, "negative_prompt": ""},  # the preset's default
+        cfg_off={"true_cfg_scale": 1.0},
+        timestep_divisor=1000.0,
+        cfg_rule=("true_cfg", 3.0),
+        env_keys=frozenset(
+            {
+                "encoder_hidden_states",
+                "pooled_projections",
+                "guidance",
+                "txt_ids",
+                "img_ids",
+                "joint_attention_kwargs",
+                "return_dict",
+            }
+        ),
+        latent_shape=(64, 16),  # 8 x 8 packed tokens, each 2 x 2 latent pixels of 4 channels
+    ),
     # SD3: unpacked latents, the raw timestep, CFG driven by guidance_scale.
     "sd3": Family(
         preset="tiny-sd3",

@@ -13,7 +13,7 @@ from PIL import Image
 
 from rollout_client import Trajectory
 from rollout_client.cli import LATENT_DTYPES, build_request, main, parse_args
-from rollout_client.images import contact_sheet
+from rollout_client.images import LABEL_HEIGHT, contact_sheet
 from rollout_core import dtypes, noise
 
 BIN = Path(sys.executable).parent
@@ -55,9 +55,14 @@ def test_images_have_the_requested_size_and_the_sheet_one_row_per_prompt(rollout
     images = [Image.open(rollout_dir / f"sample-{k}.png") for k in range(4)]
     assert all(image.size == (64, 64) for image in images)
     sheet = Image.open(rollout_dir / "contact-sheet.png")
-    assert sheet.size == (2 * 64, 2 * 64)
+    row = LABEL_HEIGHT + 64  # each row under a strip with its prompt
+    assert sheet.size == (2 * 64, 2 * row)
     # Sample 3 is the second sample of the second prompt: bottom right.
-    assert sheet.crop((64, 64, 128, 128)).tobytes() == images[3].convert("RGB").tobytes()
+    assert sheet.crop((64, row + LABEL_HEIGHT, 128, 2 * row)).tobytes() == images[3].convert("RGB").tobytes()
+    # The label strips hold dark text on white.
+    strip = sheet.crop((0, row, 128, row + LABEL_HEIGHT)).convert("L")
+    darkest, lightest = strip.getextrema()
+    assert darkest < 64 and lightest == 255
 
 
 def test_saved_trajectories_match_the_summary_and_the_library(rollout_dir, client):
@@ -191,6 +196,11 @@ def test_contact_sheet_uses_the_largest_cell():
     assert sheet.getpixel((8, 0)) == (0, 128, 0)
     with pytest.raises(ValueError):
         contact_sheet([], columns=2)
+    labelled = contact_sheet(images, columns=2, row_labels=["a red square", "a very long prompt " * 5])
+    assert labelled.size == (16, 2 * (LABEL_HEIGHT + 10))
+    assert labelled.getpixel((8, LABEL_HEIGHT)) == (0, 128, 0)
+    with pytest.raises(ValueError, match="1 row labels for 2 rows"):
+        contact_sheet(images, columns=2, row_labels=["one"])
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,11 @@ import sys
 from helpers import ROOT
 from PIL import Image
 
+from rollout_client.images import LABEL_HEIGHT
 
-def test_demo_runs_end_to_end(tmp_path, cache_dir, tiny_flux_folder):
+
+def test_demo_runs_end_to_end(tmp_path, cache_dir, family_resources):
+    family_resources.folder("shapes")  # the demo's model, built once for the session
     out = tmp_path / "demo-output"
     result = subprocess.run(
         [sys.executable, ROOT / "examples" / "demo.py", "--out", out, "--cache-dir", cache_dir],
@@ -17,6 +20,6 @@ def test_demo_runs_end_to_end(tmp_path, cache_dir, tiny_flux_folder):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "server stopped cleanly" in result.stdout
-    # 2 prompts x 4 samples at the preset's 128 x 128 default: 2 rows of 4.
-    assert Image.open(out / "contact-sheet.png").size == (4 * 128, 2 * 128)
+    # 2 prompts x 4 samples at the shapes preset's 64 x 64 default: 2 labelled rows of 4.
+    assert Image.open(out / "contact-sheet.png").size == (4 * 64, 2 * (LABEL_HEIGHT + 64))
     assert len(list(out.glob("sample-*.safetensors"))) == 8

@@ -10,6 +10,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from helpers import FAMILIES, family_request, field_violations
 
+from rollout_client.images import LABEL_HEIGHT
+
 BOTH = pytest.mark.parametrize("family", ["wan", "wan2.2"])
 
 
@@ -124,7 +126,8 @@ def test_the_cli_writes_an_animated_preview_and_a_sheet_of_first_frames(family_r
     for k in range(4):
         with Image.open(out / f"sample-{k}.gif") as preview:
             assert (preview.n_frames, preview.size) == (9, (64, 64))
-    assert Image.open(out / "contact-sheet.png").size == (2 * 64, 2 * 64)  # first frames, a row per prompt
+    # First frames, a row per prompt under its label.
+    assert Image.open(out / "contact-sheet.png").size == (2 * 64, 2 * (LABEL_HEIGHT + 64))
 
 
 @pytest.mark.parametrize("family", ["wan"])

@@ -241,3 +241,22 @@ def test_wan_sp2_splits_video_tokens_and_matches_sp1(cache_dir, tmp_path):
         name: WanTransformer3DModel.from_pretrained(f"{model_path}/{name}").eval() for name in set(experts)
     }
     assert_replays(transformers, runs[2].trajectories())
+
+
+def test_shapes_sp2_matches_sp1(family_resources, cache_dir, tmp_path):
+    """The pretrained shapes preset (4 heads, 64 image and 24 text tokens, no guidance embedding) at
+    SP=2 with true CFG: bitwise the noise and log-probs of the SP=1 server, and replayable."""
+    from diffusers import FluxTransformer2DModel
+
+    scenes = request(prompts=["a red circle", "two blue squares"], true_cfg_scale=3.0, negative_prompt="")
+    runs = {1: split_events(family_resources.client("shapes").stream(scenes))}
+    server = start_server(cache_dir, tmp_path / "shapes-sp2.log", "--model", "shapes", "--sp", "2")
+    try:
+        with RolloutClient(server.address, timeout=300) as shapes_client:
+            runs[2] = split_events(shapes_client.stream(scenes))
+    finally:
+        assert server.stop() == 0
+    assert runs[2].started.message.sp_degree == 2
+    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True)
+    transformer = FluxTransformer2DModel.from_pretrained(family_resources.folder("shapes") / "transformer")
+    assert_replays(transformer.eval(), runs[2].trajectories())

@@ -94,7 +94,7 @@ def summary(started: Started, finished: Finished, trajectories: list[Trajectory]
 
 def save_rollout(out: Path, events: list[Event]) -> list[Trajectory]:
     """Write images (a video's first frame), animated previews of videos, trajectories, the contact
-    sheet and rollout.json into ``out``."""
+    sheet (a row per prompt, labelled with it) and rollout.json into ``out``."""
     trajectories = collect(events)
     started = next(e for e in events if isinstance(e, Started))
     finished = next(e for e in events if isinstance(e, Finished))
@@ -112,7 +112,8 @@ def save_rollout(out: Path, events: list[Event]) -> list[Trajectory]:
                 preview, save_all=True, append_images=frames[1:], duration=PREVIEW_FRAME_MS, loop=0
             )
     if images:
-        sheet = contact_sheet(images, columns=started.message.resolved.samples_per_prompt)
+        resolved = started.message.resolved
+        sheet = contact_sheet(images, columns=resolved.samples_per_prompt, row_labels=resolved.prompts)
         sheet.save(out / "contact-sheet.png")
     document = summary(started, finished, trajectories)
     (out / "rollout.json").write_text(json.dumps(document, indent=2) + "\n")

@@ -31,9 +31,20 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "tiny-qwen-image": ("qwen_image", "build_qwen_image_preset", "tiny"),
     "tiny-wan": ("wan", "build_wan_preset", "tiny"),
     "tiny-wan2.2": ("wan", "build_wan_preset", "tiny-2.2"),
+    "shapes": ("shapes", "build_shapes_preset", "pretrained"),
 }
 
-_BUILDER_SOURCES = ("flux.py", "sd3.py", "qwen_image.py", "wan.py", "tokenizers.py", "components.py")
+_BUILDER_SOURCES = (
+    "flux.py",
+    "sd3.py",
+    "qwen_image.py",
+    "wan.py",
+    "shapes.py",
+    "tokenizers.py",
+    "components.py",
+)
+# Pretrained weights a builder loads: part of the fingerprint like the sources.
+_BUILDER_DATA = ("shapes_weights",)
 _FINGERPRINTED_PACKAGES = ("diffusers", "transformers", "tokenizers", "sentencepiece", "torch")
 
 
@@ -46,10 +57,15 @@ def default_cache_dir() -> Path:
 
 @functools.cache
 def preset_fingerprint() -> str:
-    """Short hash of the preset builders' source and the versions of the libraries they call."""
+    """Short hash of the preset builders' source, the weights they load and the versions of the libraries
+    they call."""
     digest = hashlib.sha256()
+    here = Path(__file__).parent
     for name in _BUILDER_SOURCES:
-        digest.update((Path(__file__).parent / name).read_bytes())
+        digest.update((here / name).read_bytes())
+    for folder in _BUILDER_DATA:
+        for path in sorted((here / folder).iterdir()):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
     for package in _FINGERPRINTED_PACKAGES:
         digest.update(f"{package}=={version(package)}\n".encode())
     return digest.hexdigest()[:12]
@@ -102,13 +118,15 @@ def _build_preset_once(name: str, cache_dir: Path) -> Path:
 
 
 # Tiny presets run on a laptop CPU: small images and few steps unless the request says otherwise.
-PRESET_DEFAULTS: dict[str, dict[str, int]] = {
+PRESET_DEFAULTS: dict[str, dict[str, int | float]] = {
     "tiny-flux": {"height": 128, "width": 128, "num_steps": 10},
     "small-flux": {"height": 256, "width": 256, "num_steps": 10},
     "tiny-sd3": {"height": 128, "width": 128, "num_steps": 10},
     "tiny-qwen-image": {"height": 128, "width": 128, "num_steps": 10},
     "tiny-wan": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
     "tiny-wan2.2": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
+    # The size it was pretrained at, and true CFG against the empty caption it was also trained on.
+    "shapes": {"height": 64, "width": 64, "num_steps": 20, "true_cfg_scale": 3.0},
 }
 
 

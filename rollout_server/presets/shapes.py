@@ -9,10 +9,14 @@ classifier-free guidance is the true-CFG path). The tokenizers are trained on th
 every caption of the grammar, so each word of a caption is a token or two.
 
 The text encoders and tokenizers are built here, seeded, and stay as initialised; the VAE and the
-transformer are trained by `examples/pretrain_shapes.py` (`make pretrain-shapes`).
+transformer are trained by `examples/pretrain_shapes.py`, whose weights, command, seed and sha256 are
+committed in `shapes_weights/` next to this file.
 """
 
+import json
 from pathlib import Path
+
+from safetensors.torch import load_file
 
 from .flux import FluxPresetConfig, flux_pipeline
 from .tokenizers import CORPUS
@@ -37,6 +41,9 @@ SHAPES_CONFIG = FluxPresetConfig(
     t5_vocab_size=256,
 )
 TEXT_TOKENS = 24  # the longest caption is 18 T5 tokens with its end token
+WEIGHTS = Path(__file__).with_name("shapes_weights")
+# What examples/pretrain_shapes.py trains; the rest of the pipeline is the seeded build.
+TRAINED_COMPONENTS = ("vae", "transformer")
 
 
 def shapes_corpus() -> str:
@@ -49,3 +56,18 @@ def shapes_corpus() -> str:
 def untrained_shapes_pipeline(folder: Path):
     """The seeded pipeline before pretraining; its tokenizers are written into `folder`."""
     return flux_pipeline(folder, SHAPES_CONFIG, shapes_corpus(), TEXT_TOKENS, guidance=False)
+
+
+def load_pretrained(pipe, weights: Path = WEIGHTS) -> None:
+    """Loads the trained components (and the VAE's latent scaling and shift) into `pipe`."""
+    latents = json.loads((weights / "latents.json").read_text())
+    pipe.vae.register_to_config(**latents)
+    for name in TRAINED_COMPONENTS:
+        getattr(pipe, name).load_state_dict(load_file(weights / f"{name}.safetensors"), strict=True)
+
+
+def build_shapes_preset(folder: Path, size: str) -> None:
+    """Builds the pretrained `shapes` preset (`size`: "pretrained") as a float32 FluxPipeline in `folder`."""
+    pipe = untrained_shapes_pipeline(folder)
+    load_pretrained(pipe)
+    pipe.save_pretrained(folder, safe_serialization=True)
