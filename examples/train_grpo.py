@@ -182,6 +182,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the fixed scene prompts, or P of the shapes task's train prompts drawn per iteration",
     )
     parser.add_argument(
+        "--prompt-pool",
+        type=int_at_least(0),
+        default=0,
+        help="with --prompt-set shapes: draw from the first this many train prompts only (0: all)",
+    )
+    parser.add_argument(
         "--eval-every",
         type=int_at_least(0),
         default=0,
@@ -256,11 +262,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.clip_range = 1e-2 if args.async_ else 1e-4
     if args.async_ and args.score_while_streaming:
         parser.error("--score-while-streaming scores with the rollout's policy: it needs sync mode")
-    prompt_count = len(PROMPTS) if args.prompt_set == "scenes" else len(shapes_train_prompts())
+    prompt_count = len(PROMPTS) if args.prompt_set == "scenes" else len(prompt_pool(args))
     if not 1 <= args.prompts <= prompt_count:
         parser.error(f"--prompts must be in [1, {prompt_count}] for --prompt-set {args.prompt_set}")
-    if args.eval_every and args.prompt_set != "shapes":
-        parser.error("--eval-every evaluates on the shapes task: it needs --prompt-set shapes")
+    for flag in ("prompt_pool", "eval_every"):
+        if getattr(args, flag) and args.prompt_set != "shapes":
+            parser.error(f"--{flag.replace('_', '-')} is for the shapes task: it needs --prompt-set shapes")
     if args.cfg is not None and not args.cfg >= 1:
         parser.error(f"--cfg must be at least 1, got {args.cfg}")
     if not 0 <= args.window <= args.steps:
@@ -333,11 +340,16 @@ def shapes_train_prompts() -> tuple[str, ...]:
     return shapes.train_prompts()
 
 
+def prompt_pool(args: argparse.Namespace) -> tuple[str, ...]:
+    """The shapes train prompts an iteration draws from: all, or the first --prompt-pool."""
+    return shapes_train_prompts()[: args.prompt_pool or None]
+
+
 def iteration_prompts(args: argparse.Namespace, iteration: int) -> list[str]:
     """The fixed scene prompts, or P distinct shapes train prompts drawn from the iteration's seed."""
     if args.prompt_set == "scenes":
         return PROMPTS[: args.prompts]
-    pool = shapes_train_prompts()
+    pool = prompt_pool(args)
     generator = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
     return [pool[k] for k in torch.randperm(len(pool), generator=generator)[: args.prompts].tolist()]
 
