@@ -336,17 +336,19 @@ def assert_same_env(a: dict[str, list[dict]], b: dict[str, list[dict]]) -> None:
             assert_same_kwargs(kwargs_a, kwargs_b)
 
 
-def assert_same_numbers(a: Rollout, b: Rollout, bitwise_log_probs: bool) -> None:
+def assert_same_numbers(
+    a: Rollout, b: Rollout, bitwise_log_probs: bool, tolerance: float = TOLERANCE
+) -> None:
     """Two runs of one request (another SP degree, alone or batched with other rollouts): x_0 and every
-    eps bitwise, latents and (when streamed) velocities within TOLERANCE, log-probs bitwise or within
-    TOLERANCE."""
+    eps bitwise, latents and (when streamed) velocities within ``tolerance``, log-probs bitwise or
+    within TOLERANCE."""
     assert torch.equal(a.started.x0, b.started.x0)
     assert [step.index for step in a.steps] == [step.index for step in b.steps]
     for one, two in zip(a.steps, b.steps, strict=True):
         assert one.stochastic == two.stochastic
-        torch.testing.assert_close(one.x_next, two.x_next, atol=TOLERANCE, rtol=0)
+        torch.testing.assert_close(one.x_next, two.x_next, atol=tolerance, rtol=0)
         if "velocity" in one.debug:
-            torch.testing.assert_close(one.debug["velocity"], two.debug["velocity"], atol=TOLERANCE, rtol=0)
+            torch.testing.assert_close(one.debug["velocity"], two.debug["velocity"], atol=tolerance, rtol=0)
         if one.stochastic:
             assert torch.equal(one.debug["eps"], two.debug["eps"])
             if bitwise_log_probs:

@@ -14,6 +14,7 @@ import grpc
 import pytest
 import torch
 from helpers import (
+    TOLERANCE,
     assert_replays,
     assert_same_numbers,
     make_request,
@@ -257,6 +258,10 @@ def test_shapes_sp2_matches_sp1(family_resources, cache_dir, tmp_path):
     finally:
         assert server.stop() == 0
     assert runs[2].started.message.sp_degree == 2
-    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True)
+    # The split attention rounds differently from the whole one. Guided v = (1 - s) v_uncond + s v_cond
+    # takes each branch's difference up to 2 + 3 times at s = 3, and a trained network carries a
+    # difference in its input on to the next steps: up to 6.1e-5 here, against 1e-5 for the random
+    # tiny presets. Noise and log-probs stay bitwise, and replay stays within TOLERANCE.
+    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True, tolerance=10 * TOLERANCE)
     transformer = FluxTransformer2DModel.from_pretrained(family_resources.folder("shapes") / "transformer")
     assert_replays(transformer.eval(), runs[2].trajectories())

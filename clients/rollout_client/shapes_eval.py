@@ -26,7 +26,6 @@ class ShapesEval:
     prompts: list[str]
     images: "list[Image.Image]"
     correct: list[bool]
-    policy_version: int
 
     @property
     def accuracy(self) -> float:
@@ -60,5 +59,4 @@ def evaluate_policy(client: "RolloutClient", request: rollout_pb2.RolloutRequest
     images = [trajectory.image() for trajectory in trajectories]
     prompts = [trajectory.prompt for trajectory in trajectories]
     correct = shapes.strict_accuracy(images, prompts).bool().tolist()
-    version = trajectories[0].policy_version if trajectories else 0
-    return ShapesEval(shapes.accuracy_table(prompts, correct), prompts, images, correct, version)
+    return ShapesEval(shapes.accuracy_table(prompts, correct), prompts, images, correct)
