@@ -433,6 +433,7 @@ def test_help_is_quiet_and_lists_every_preset():
     squeezed = "".join(result.stdout.split())  # argparse wraps lines, even inside a preset name
     assert f"presetname({','.join(PRESETS)})" in squeezed
     assert set(PRESETS) == {
+        "shapes",
         "tiny-flux",
         "small-flux",
         "tiny-sd3",
