@@ -3,6 +3,7 @@ replay parity, weight-update helpers and grpcurl. The fixtures built from these 
 
 import copy
 import dataclasses
+import importlib.util
 import json
 import re
 import shutil
@@ -56,6 +57,14 @@ LATENT_DTYPES = {"float32": rollout_pb2.TENSOR_DTYPE_FLOAT32, "bfloat16": rollou
 def start_server(cache_dir: Path, log_path: Path, *args: str) -> LocalServer:
     """A real ``rollout-server serve`` on a free loopback port, sharing the session's preset cache."""
     return LocalServer.start(log_path, "--cache-dir", str(cache_dir), "--threads", "1", *args)
+
+
+def example_module(name: str):
+    """``examples/{name}.py`` as a module: its functions and its argument parser."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def command_line_exit(*argv: str) -> str:
@@ -132,6 +141,18 @@ class Family:
     step_transformers: tuple[str, ...] = ("transformer",) * 4
 
 
+# FluxTransformer2DModel's kwargs besides hidden_states and timestep (guidance is None without an embedding).
+FLUX_ENV_KEYS = frozenset(
+    {
+        "encoder_hidden_states",
+        "pooled_projections",
+        "guidance",
+        "txt_ids",
+        "img_ids",
+        "joint_attention_kwargs",
+        "return_dict",
+    }
+)
 SHORT_PROMPT = "a fox"
 LONG_PROMPT = "A cozy cabin in the mountains covered with fresh snow, warm light in the windows."
 # Wan 2.1: video latents, the raw integer timestep, classic CFG on guidance_scale.
@@ -162,17 +183,7 @@ FAMILIES = {
         cfg_off={},
         timestep_divisor=1000.0,
         cfg_rule=("true_cfg", 3.0),
-        env_keys=frozenset(
-            {
-                "encoder_hidden_states",
-                "pooled_projections",
-                "guidance",
-                "txt_ids",
-                "img_ids",
-                "joint_attention_kwargs",
-                "return_dict",
-            }
-        ),
+        env_keys=FLUX_ENV_KEYS,
         latent_shape=(16, 16),  # 4 x 4 packed tokens of 4 x 4 channels
         replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
         replay_latent_dtypes=("float32", "bfloat16"),
@@ -189,17 +200,7 @@ FAMILIES = {
         cfg_off={"true_cfg_scale": 1.0},
         timestep_divisor=1000.0,
         cfg_rule=("true_cfg", 3.0),
-        env_keys=frozenset(
-            {
-                "encoder_hidden_states",
-                "pooled_projections",
-                "guidance",
-                "txt_ids",
-                "img_ids",
-                "joint_attention_kwargs",
-                "return_dict",
-            }
-        ),
+        env_keys=FLUX_ENV_KEYS,
         latent_shape=(64, 16),  # 8 x 8 packed tokens, each 2 x 2 latent pixels of 4 channels
     ),
     # SD3: unpacked latents, the raw timestep, CFG driven by guidance_scale.

@@ -5,13 +5,12 @@ examples/eval_shapes.py prints the GenEval-style table of the policy a LoRA fold
 parity is in test_replay.py and SP=2 parity in test_sp.py, with the other presets."""
 
 import csv
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, TOLERANCE, start_server
+from helpers import ROOT, TOLERANCE, example_module, start_server
 from PIL import Image
 
 from rollout_client.rewards import shapes
@@ -29,14 +28,6 @@ TRAINING = [
 ]  # fmt: skip
 WAIT_SECONDS = 600  # a safety net against a trainer that hangs, not a timing assertion
 TRAINER = ROOT / "examples" / "train_grpo.py"
-
-
-def trainer_module():
-    """examples/train_grpo.py as a module: the prompts it draws for each iteration."""
-    spec = importlib.util.spec_from_file_location("train_grpo", TRAINER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +83,6 @@ def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lor
 @pytest.mark.parametrize("flag", ["--eval-every", "--prompt-pool"])
 def test_the_shapes_flags_need_the_shapes_prompt_set(flag, capsys):
     with pytest.raises(SystemExit) as refused:
-        trainer_module().parse_args([flag, "2"])
+        example_module("train_grpo").parse_args([flag, "2"])
     assert refused.value.code == 2
     assert f"{flag} is for the shapes task: it needs --prompt-set shapes" in capsys.readouterr().err

@@ -7,7 +7,6 @@ finished iterations checkpointed."""
 
 import copy
 import csv
-import importlib.util
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from helpers import (
     ROOT,
     TOLERANCE,
     assert_replays,
+    example_module,
     make_request,
     next_version,
     start_server,
@@ -122,10 +122,7 @@ def train_client(cache_dir, tiny_flux_folder, tmp_path_factory):
 @pytest.fixture(scope="module")
 def trainer():
     """examples/train_grpo.py as a module (its argument parser)."""
-    spec = importlib.util.spec_from_file_location("train_grpo", TRAINER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return example_module("train_grpo")
 
 
 def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
