@@ -1,4 +1,4 @@
-"""FlowGRPO on the rollout stream: a small, real trainer to copy from.
+"""FlowGRPO (or DiffusionNFT) on the rollout stream: a small, real trainer to copy from.
 
 Each iteration samples P prompts x G images on a rollout server, scores the images with a reward
 (JPEG compressibility by default: no download), standardises the rewards within each prompt's group,
@@ -34,6 +34,13 @@ evaluated GenEval-style on the disjoint eval prompts (``rollout_client.shapes_ev
 iterations 0, N, 2N ... and once more after the last: metrics.csv gains ``eval_accuracy``, and the
 run writes accuracy.png, eval.json (the tables before and after) and samples/eval-before.png and
 samples/eval-after.png (the eval images, framed green where strictly right, red where wrong).
+``--prompt TEXT`` (repeatable) trains on those prompts every iteration instead.
+
+``--algorithm nft`` swaps the update for DiffusionNFT's (``rollout_client.nft``): the rollouts stream
+only their final latents, and each iteration takes --nft-draws optimizer steps of its flow-matching
+style loss on them, noised afresh for each step, against the rollout policy's own velocities. No
+step's log-prob enters it, so ``ratio_max_dev`` is empty; the rollouts still ask for the pushed
+version, so every update starts from the policy that sampled its data.
 """
 
 import argparse
@@ -69,9 +76,11 @@ from rollout_client.grpo import (
     group_advantages,
     kl_to_reference,
     micro_batches,
+    row_batches,
     sde_window,
     step_transitions,
 )
+from rollout_client.nft import final_latents, nft_loss, noise_levels, noised, optimality, velocities
 from rollout_server.local import LocalServer
 
 if TYPE_CHECKING:
@@ -91,6 +100,7 @@ PROMPTS = [
     "a city street at night",
 ]
 PROMPT_SETS = ("scenes", "shapes")  # PROMPTS above, or the shapes task's train prompts
+ALGORITHMS = ("flowgrpo", "nft")
 # FLUX's attention and feed-forward layers, with the latent projections in and out.
 FLUX_TARGETS = ["x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
 COLUMNS = [
@@ -182,6 +192,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the fixed scene prompts, or P of the shapes task's train prompts drawn per iteration",
     )
     parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="train on this prompt every iteration (repeatable; instead of --prompt-set's prompts)",
+    )
+    parser.add_argument(
         "--prompt-pool",
         type=int_at_least(0),
         default=0,
@@ -215,6 +231,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--window", type=int, default=0, help="Flow-GRPO-Fast: this many consecutive SDE steps (0: all)"
     )
     parser.add_argument("--lr", type=float, default=1e-2, help="peak; a cosine takes it to lr / 10")
+    parser.add_argument(
+        "--algorithm",
+        choices=ALGORITHMS,
+        default="flowgrpo",
+        help="FlowGRPO's clipped policy loss on the stochastic steps, or DiffusionNFT's on the final latents",
+    )
+    parser.add_argument(
+        "--nft-beta", type=float_above_zero(), default=1.0, help="nft: the implicit policies' step beta"
+    )
+    parser.add_argument(
+        "--nft-draws",
+        type=int_at_least(1),
+        default=4,
+        help="nft: optimizer steps per iteration, each on a fresh noise and level of every sample",
+    )
     parser.add_argument(
         "--clip-range",
         type=float,
@@ -262,9 +293,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.clip_range = 1e-2 if args.async_ else 1e-4
     if args.async_ and args.score_while_streaming:
         parser.error("--score-while-streaming scores with the rollout's policy: it needs sync mode")
+    if args.prompt:
+        if args.prompt_pool:
+            parser.error("--prompt-pool draws from a prompt set: it does not go with --prompt")
+        args.prompts = len(args.prompt)
     prompt_count = len(PROMPTS) if args.prompt_set == "scenes" else len(prompt_pool(args))
-    if not 1 <= args.prompts <= prompt_count:
+    if not args.prompt and not 1 <= args.prompts <= prompt_count:
         parser.error(f"--prompts must be in [1, {prompt_count}] for --prompt-set {args.prompt_set}")
+    if args.algorithm == "nft":
+        # NFT scores no step: nothing to window or to score early, no step Gaussians for the KL, and
+        # its old velocities must be the rollout policy's, which a stale rollout is not.
+        for flag in ("window", "kl_beta", "async_", "score_while_streaming"):
+            if getattr(args, flag):
+                name = flag.rstrip("_").replace("_", "-")
+                parser.error(f"--{name} is for FlowGRPO: --algorithm nft scores no step")
     for flag in ("prompt_pool", "eval_every"):
         if getattr(args, flag) and args.prompt_set != "shapes":
             parser.error(f"--{flag.replace('_', '-')} is for the shapes task: it needs --prompt-set shapes")
@@ -346,7 +388,10 @@ def prompt_pool(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def iteration_prompts(args: argparse.Namespace, iteration: int) -> list[str]:
-    """The fixed scene prompts, or P distinct shapes train prompts drawn from the iteration's seed."""
+    """--prompt's, the fixed scene prompts, or P distinct shapes train prompts drawn from the
+    iteration's seed."""
+    if args.prompt:
+        return list(args.prompt)
     if args.prompt_set == "scenes":
         return PROMPTS[: args.prompts]
     pool = prompt_pool(args)
@@ -369,7 +414,9 @@ def rollout_request(args: argparse.Namespace, iteration: int, min_version: int) 
         sampler=rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
         noise_level=args.noise_level,
         stochastic_steps=window,
-        latents=rollout_pb2.LATENT_SELECTION_AROUND_STOCHASTIC,
+        latents=rollout_pb2.LATENT_SELECTION_FINAL_ONLY
+        if args.algorithm == "nft"
+        else rollout_pb2.LATENT_SELECTION_AROUND_STOCHASTIC,
         min_policy_version=min_version,
         true_cfg_scale=args.cfg,
     )
@@ -554,6 +601,43 @@ class PolicyUpdate:
             loss = loss + self.args.kl_beta * kl
         (loss * len(rows) * self.weight).backward()
         self.loss += loss.item() * len(rows) * self.weight
+
+
+def nft_update(
+    transformer, optimizer, trajectories: list[Trajectory], advantages, args, iteration: int
+) -> float:
+    """DiffusionNFT's update (``rollout_client.nft``): --nft-draws optimizer steps, each on every
+    sample's final latent noised afresh, against the velocities of the policy that rolled them out
+    (computed at every draw's points before the first step). Returns the mean loss."""
+    generator = torch.Generator().manual_seed(args.seed * 1_000_033 + iteration)  # a resumed run draws alike
+    x = final_latents(trajectories).to(args.device)
+    r = optimality(advantages)
+    pieces = row_batches(trajectories, args.micro_batch)
+    draws = []
+    with torch.no_grad():
+        for _ in range(args.nft_draws):
+            levels = noise_levels(len(trajectories), generator)
+            x_s, target = noised(x, torch.randn(x.shape, generator=generator).to(args.device), levels)
+            v_old = torch.empty_like(x_s)
+            for rows in pieces:
+                v_old[rows] = velocities(
+                    transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows]
+                )
+            draws.append((x_s, target, levels, v_old))
+    parameters = [p for p in transformer.parameters() if p.requires_grad]
+    total = 0.0
+    for x_s, target, levels, v_old in draws:
+        optimizer.zero_grad(set_to_none=True)
+        for rows in pieces:
+            v = velocities(transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows])
+            loss = (
+                nft_loss(v, v_old[rows], target[rows], r[rows], args.nft_beta) * len(rows) / len(trajectories)
+            )
+            loss.backward()
+            total += loss.item() / args.nft_draws
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+    return total
 
 
 def step_arrived(collector: Collector, bar: tqdm, update: PolicyUpdate | None) -> None:
@@ -800,9 +884,13 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
             rewards = reward([t.image() for t in trajectories], [t.prompt for t in trajectories])
             advantages = group_advantages(rewards, torch.tensor([t.prompt_index for t in trajectories]))
             train_start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            update.finish(rollout.collector, advantages)
-            optimizer.step()
+            if args.algorithm == "nft":
+                loss = nft_update(transformer, optimizer, trajectories, advantages, args, iteration)
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                update.finish(rollout.collector, advantages)
+                optimizer.step()
+                loss = update.loss
             schedule.step()
             bar.update(1)
             row = {
@@ -811,10 +899,12 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
                 "pushed_version": version,
                 "reward_mean": rewards.mean().item(),
                 "reward_std": rewards.std(correction=0).item(),
-                "loss": update.loss,
-                "ratio_max_dev": update.ratio_max_dev,
+                "loss": loss,
+                "ratio_max_dev": math.nan if args.algorithm == "nft" else update.ratio_max_dev,
                 "kl": update.kl if args.kl_beta > 0 else math.nan,
-                "scored_steps": " ".join(map(str, stochastic_steps(rollout.collector))),
+                "scored_steps": ""
+                if args.algorithm == "nft"
+                else " ".join(map(str, stochastic_steps(rollout.collector))),
                 "rollout_seconds": rollout.seconds,
                 "train_seconds": time.perf_counter() - train_start,
                 "update_seconds": push_seconds,
@@ -825,7 +915,7 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
             writer.writerow(row)
             metrics.flush()
             rows.append(row)
-            bar.set_postfix(reward=f"{row['reward_mean']:.5f}", ratio_dev=f"{update.ratio_max_dev:.1e}")
+            bar.set_postfix(reward=f"{row['reward_mean']:.5f}", ratio_dev=f"{row['ratio_max_dev']:.1e}")
             bar.close()
             if iteration in (0, args.iterations - 1):
                 save_images(trajectories, args.out / "samples" / f"iter-{iteration:04d}")
@@ -877,10 +967,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if server is not None:
             server.stop()
     first, last = rows[0]["reward_mean"], rows[-1]["reward_mean"]
+    on_policy = (
+        ""
+        if args.algorithm == "nft"
+        else f", max ratio deviation {max(r['ratio_max_dev'] for r in rows):.1e}"
+    )
     print(
-        f"{len(rows)} iterations in {seconds:.0f} s ({'async' if args.async_ else 'sync'}): reward "
-        f"{first:.5f} -> {last:.5f}, max ratio deviation {max(r['ratio_max_dev'] for r in rows):.1e}; "
-        f"results in {args.out}/"
+        f"{len(rows)} iterations in {seconds:.0f} s ({'async' if args.async_ else 'sync'}, "
+        f"{args.algorithm}): reward {first:.5f} -> {last:.5f}{on_policy}; results in {args.out}/"
     )
     return rows
 

@@ -1,8 +1,9 @@
 """The pretrained shapes preset through real servers. It draws the scenes it is asked for often enough
 to be a useful base model, and not so often that RL has nothing to lift (GenEval's regime); a
-training run on its train prompts evaluates the policy on the eval prompts before and after; and
-examples/eval_shapes.py prints the GenEval-style table of the policy a LoRA folder holds. Replay
-parity is in test_replay.py and SP=2 parity in test_sp.py, with the other presets."""
+training run on its train prompts evaluates the policy on the eval prompts before and after;
+examples/eval_shapes.py prints the GenEval-style table of the policy a LoRA folder holds; and a few
+iterations of DiffusionNFT on one prompt raise that prompt's dense reward. Replay parity is in
+test_replay.py and SP=2 parity in test_sp.py, with the other presets."""
 
 import csv
 import json
@@ -10,9 +11,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import ROOT, TOLERANCE, example_module, start_server
 from PIL import Image
 
+from rollout.v1 import rollout_pb2
+from rollout_client import RolloutClient
 from rollout_client.rewards import shapes
 from rollout_client.shapes_eval import eval_request, evaluate_policy
 
@@ -26,6 +30,26 @@ TRAINING = [
     "--iterations", "2", "--prompts", "2", "--group-size", "4", "--steps", "4", "--size", "64",
     "--window", "2", "--eval-every", "2",
 ]  # fmt: skip
+# One prompt the base model often draws twice (two objects score 0.5), DiffusionNFT's fix of it, and
+# the held fixed rollout that measures the policy before and after: the trainer's own rollout shape.
+NFT_PROMPT = "a purple circle"
+NFT_TRAINING = [
+    "--prompt", NFT_PROMPT,
+    "--reward", "rollout_client.rewards.shapes:geneval_reward",
+    "--algorithm", "nft", "--lr", "3e-4",
+    "--iterations", "8", "--group-size", "32", "--steps", "8", "--size", "64",
+]  # fmt: skip
+MEASURE = rollout_pb2.RolloutRequest(
+    prompts=[NFT_PROMPT],
+    samples_per_prompt=64,
+    base_seed=7,
+    num_steps=8,
+    height=64,
+    width=64,
+    sampler=rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
+    noise_level=1.0,
+    latents=rollout_pb2.LATENT_SELECTION_NONE,
+)
 WAIT_SECONDS = 600  # a safety net against a trainer that hangs, not a timing assertion
 TRAINER = ROOT / "examples" / "train_grpo.py"
 
@@ -80,9 +104,51 @@ def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lor
     assert json.loads(table_path.read_text()) == tables["after"]
 
 
+@pytest.mark.parametrize("flag", ["--window", "--kl-beta", "--async", "--score-while-streaming"])
+def test_nft_refuses_the_flowgrpo_flags(flag, capsys):
+    value = {"--window": ["2"], "--kl-beta": ["0.1"]}.get(flag, [])
+    with pytest.raises(SystemExit) as refused:
+        example_module("train_grpo").parse_args(["--algorithm", "nft", flag, *value])
+    assert refused.value.code == 2
+    assert f"{flag} is for FlowGRPO: --algorithm nft scores no step" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--eval-every", "--prompt-pool"])
 def test_the_shapes_flags_need_the_shapes_prompt_set(flag, capsys):
     with pytest.raises(SystemExit) as refused:
         example_module("train_grpo").parse_args([flag, "2"])
     assert refused.value.code == 2
     assert f"{flag} is for the shapes task: it needs --prompt-set shapes" in capsys.readouterr().err
+
+
+def mean_dense_reward(client) -> float:
+    trajectories = client.rollout(MEASURE)
+    return (
+        shapes.geneval_reward([t.image() for t in trajectories], [t.prompt for t in trajectories])
+        .mean()
+        .item()
+    )
+
+
+def test_diffusion_nft_on_one_prompt_raises_its_dense_reward(training_server, family_resources, tmp_path):
+    """A short run of the trainer's DiffusionNFT update: the dense reward rises on the trainer's own
+    rollouts and on 64 held fixed seeds, measured on the base model (the family server) and on the
+    final policy (the training server ends on it)."""
+    out = tmp_path / "nft"
+    command = [sys.executable, TRAINER, "--server", training_server.address, *NFT_TRAINING, "--out", out]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_SECONDS)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    with open(out / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert all(
+        row["ratio_max_dev"] == "nan" and row["scored_steps"] == "" for row in rows
+    )  # no step is scored
+    assert [int(row["policy_version"]) for row in rows] == [int(row["pushed_version"]) for row in rows]
+    rewards = torch.tensor([float(row["reward_mean"]) for row in rows])
+    assert rewards[-3:].mean() > rewards[:3].mean() + 0.05, rewards
+
+    before = mean_dense_reward(family_resources.client("shapes"))
+    with RolloutClient(training_server.address, timeout=300) as client:
+        after = mean_dense_reward(client)
+    assert after > before + 0.1, (before, after)

@@ -8,7 +8,8 @@ advantages, the clipped policy loss, the KL penalty and the Flow-GRPO-Fast step 
   scored exactly as the server scored it: at the policy the rollout ran on, the log-prob equals the
   streamed one up to the model's float rounding. ``step_log_probs`` is its log-prob alone.
 * ``micro_batches(trajectories, steps, size)``: the (step, rows) pieces to score, at most ``size``
-  rows each: memory is bounded by what one piece's forward and backward hold.
+  rows each: memory is bounded by what one piece's forward and backward hold (``row_batches``: the
+  pieces of rows alone).
 * ``group_advantages(rewards, groups)``: per prompt group,
   ``A = (r - mean_group(r)) / (std_group(r) + eps)``, the population std, eps = 1e-4 (FlowGRPO's
   per-prompt stat tracking).
@@ -142,21 +143,27 @@ def step_log_probs(
     return step_transitions(transformer, trajectories, i, device).log_probs
 
 
-def micro_batches(
-    trajectories: Sequence["Trajectory"], step_indices: Iterable[int], size: int
-) -> Iterator[tuple[int, list[int]]]:
-    """(step, row indices into ``trajectories``) pieces covering every trajectory at every given step,
-    at most ``size`` rows each; a piece holds rows of one transformer call and env shapes only, so it
-    can go to ``step_transitions`` as one batch."""
+def row_batches(trajectories: Sequence["Trajectory"], size: int) -> list[list[int]]:
+    """Row indices into ``trajectories`` in pieces of at most ``size``, each of one transformer call
+    and env shapes (one batched forward each), covering every row once."""
     if size < 1:
         raise ValueError("a micro-batch holds at least one row")
     kinds: dict[tuple, list[int]] = {}
     for row, trajectory in enumerate(trajectories):
         kinds.setdefault(_call_key(trajectory), []).append(row)
+    return [rows[start : start + size] for rows in kinds.values() for start in range(0, len(rows), size)]
+
+
+def micro_batches(
+    trajectories: Sequence["Trajectory"], step_indices: Iterable[int], size: int
+) -> Iterator[tuple[int, list[int]]]:
+    """(step, row indices into ``trajectories``) pieces covering every trajectory at every given step,
+    at most ``size`` rows each: ``row_batches`` at each step, so each piece can go to
+    ``step_transitions`` as one batch."""
+    pieces = row_batches(trajectories, size)
     for i in step_indices:
-        for rows in kinds.values():
-            for start in range(0, len(rows), size):
-                yield i, rows[start : start + size]
+        for rows in pieces:
+            yield i, rows
 
 
 def sde_window(
