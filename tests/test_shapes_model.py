@@ -66,6 +66,15 @@ def training_server(cache_dir, family_resources, tmp_path_factory):
         server.stop()
 
 
+def run_trainer(server, flags: list[str], out) -> list[dict]:
+    """examples/train_grpo.py against ``server``, writing to ``out``: its metrics.csv rows."""
+    command = [sys.executable, TRAINER, "--server", server.address, *flags, "--out", out]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_SECONDS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with open(out / "metrics.csv") as file:
+        return list(csv.DictReader(file))
+
+
 def test_the_base_model_is_right_on_some_scenes_and_wrong_on_others(family_resources):
     result = evaluate_policy(family_resources.client("shapes"), eval_request(steps=EVAL_STEPS))
     correct, total = result.table["overall"]
@@ -80,12 +89,7 @@ def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lor
     and after, and the final adapter pushed by eval_shapes.py scores exactly as the trainer's own
     final eval did (the same request on the same weights)."""
     out = tmp_path / "train"
-    command = [sys.executable, TRAINER, "--server", training_server.address, *TRAINING, "--out", out]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_SECONDS)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-    with open(out / "metrics.csv") as file:
-        rows = list(csv.DictReader(file))
+    rows = run_trainer(training_server, TRAINING, out)
     assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)
     assert [row["eval_accuracy"] != "nan" for row in rows] == [True, False]
     tables = json.loads((out / "eval.json").read_text())
@@ -134,13 +138,7 @@ def test_diffusion_nft_on_one_prompt_raises_its_dense_reward(training_server, fa
     """A short run of the trainer's DiffusionNFT update: the dense reward rises on the trainer's own
     rollouts and on 64 held fixed seeds, measured on the base model (the family server) and on the
     final policy (the training server ends on it)."""
-    out = tmp_path / "nft"
-    command = [sys.executable, TRAINER, "--server", training_server.address, *NFT_TRAINING, "--out", out]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_SECONDS)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-    with open(out / "metrics.csv") as file:
-        rows = list(csv.DictReader(file))
+    rows = run_trainer(training_server, NFT_TRAINING, tmp_path / "nft")
     assert all(
         row["ratio_max_dev"] == "nan" and row["scored_steps"] == "" for row in rows
     )  # no step is scored
