@@ -36,6 +36,12 @@ run writes accuracy.png, eval.json (the tables before and after) and samples/eva
 samples/eval-after.png (the eval images, framed green where strictly right, red where wrong).
 ``--prompt TEXT`` (repeatable) trains on those prompts every iteration instead.
 
+``--tree 0:2,3:2,6:2`` samples trees instead of flat groups (BranchGRPO, TreeGRPO): each of a
+prompt's --group-size roots forks at those steps (``step:factor``, or ``step:factor:noise_level``),
+the leaves are scored, and every edge (a node's transition) is trained once with its node's
+advantage (``--tree-advantages``: BranchGRPO's depth-normalised fused rewards, mean or
+log-prob-weighted, or TreeGRPO's backed-up leaf advantages; ``rollout_client.grpo``).
+
 ``--algorithm nft`` swaps the update for DiffusionNFT's (``rollout_client.nft``): the rollouts stream
 only their final latents, and each iteration takes --nft-draws optimizer steps of its flow-matching
 style loss on them, noised afresh for each step, against the rollout policy's own velocities. No
@@ -72,6 +78,8 @@ from rollout.v1 import rollout_pb2
 from rollout_client import Collector, RolloutClient, Step, Trajectory, read_token
 from rollout_client.events import decode_stream
 from rollout_client.grpo import (
+    backed_up_advantages,
+    branch_advantages,
     clipped_policy_loss,
     group_advantages,
     kl_to_reference,
@@ -79,6 +87,7 @@ from rollout_client.grpo import (
     row_batches,
     sde_window,
     step_transitions,
+    tree_edges,
 )
 from rollout_client.nft import final_latents, nft_loss, noise_levels, noised, optimality, velocities
 from rollout_server.local import LocalServer
@@ -101,6 +110,7 @@ PROMPTS = [
 ]
 PROMPT_SETS = ("scenes", "shapes")  # PROMPTS above, or the shapes task's train prompts
 ALGORITHMS = ("flowgrpo", "nft")
+TREE_ADVANTAGES = ("branch-mean", "branch-log-prob", "backed-up")
 # FLUX's attention and feed-forward layers, with the latent projections in and out.
 FLUX_TARGETS = ["x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
 COLUMNS = [
@@ -216,9 +226,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--group-size",
-        type=int_at_least(2, " (advantages are standardised within a prompt's group: one sample has none)"),
+        type=int_at_least(1),
         default=8,
-        help="samples per prompt (G)",
+        help="samples per prompt (G); with --tree, the roots per prompt",
+    )
+    parser.add_argument(
+        "--tree",
+        default="",
+        help="tree rollouts: branch points step:factor[:noise_level], comma-separated (e.g. 0:2,3:2,6:2)",
+    )
+    parser.add_argument(
+        "--tree-advantages",
+        choices=TREE_ADVANTAGES,
+        default="branch-mean",
+        help="with --tree: BranchGRPO's fused rewards (mean or log-prob weighted), or TreeGRPO's backed-up",
     )
     parser.add_argument("--steps", type=int, default=6, help="denoising steps")
     parser.add_argument("--size", type=int, default=128, help="image height and width")
@@ -300,6 +321,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     prompt_count = len(PROMPTS) if args.prompt_set == "scenes" else len(prompt_pool(args))
     if not args.prompt and not 1 <= args.prompts <= prompt_count:
         parser.error(f"--prompts must be in [1, {prompt_count}] for --prompt-set {args.prompt_set}")
+    try:
+        branches = branch_points(args.tree)
+    except ValueError as error:
+        parser.error(f"--tree: {error}")
+    leaves_per_prompt = args.group_size * math.prod(branch.factor for branch in branches)
+    if leaves_per_prompt < 2:
+        parser.error(
+            "argument --group-size: must be at least 2 (advantages are standardised within a prompt's "
+            "group: one sample has none), or 1 with a --tree that forks"
+        )
+    if args.tree:
+        # Edges are trained once each with their node's advantage: FlowGRPO's clipped loss only, on
+        # the whole tree once it has arrived, with every step stochastic.
+        for flag in ("window", "score_while_streaming"):
+            if getattr(args, flag):
+                parser.error(f"--{flag.replace('_', '-')} does not go with --tree")
+        if args.algorithm == "nft":
+            parser.error("--tree trains edges with FlowGRPO's loss: it does not go with --algorithm nft")
+        if any(not 0 <= branch.step < args.steps or branch.factor < 1 for branch in branches):
+            parser.error("--tree: every branch step must be in [0, --steps), every factor at least 1")
     if args.algorithm == "nft":
         # NFT scores no step: nothing to window or to score early, no step Gaussians for the KL, and
         # its old velocities must be the rollout policy's, which a stale rollout is not.
@@ -328,6 +369,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if changed:
             parser.error(f"--resume: this command sets {', '.join(changed)}")
     return args
+
+
+def branch_points(text: str) -> list[rollout_pb2.Branch]:
+    """--tree's ``step:factor[:noise_level],...`` as a request's branches (none for ""); ValueError
+    naming an item that is not one."""
+    points = []
+    for item in filter(None, text.split(",")):
+        fields = item.split(":")
+        try:
+            if len(fields) not in (2, 3):
+                raise ValueError(item)
+            branch = rollout_pb2.Branch(step=int(fields[0]), factor=int(fields[1]))
+            if len(fields) == 3:
+                branch.noise_level = float(fields[2])
+        except ValueError:
+            raise ValueError(f"not step:factor[:noise_level]: {item!r}") from None
+        points.append(branch)
+    return points
 
 
 def run_settings(args: argparse.Namespace) -> dict:
@@ -419,6 +478,7 @@ def rollout_request(args: argparse.Namespace, iteration: int, min_version: int) 
         else rollout_pb2.LATENT_SELECTION_AROUND_STOCHASTIC,
         min_policy_version=min_version,
         true_cfg_scale=args.cfg,
+        branches=branch_points(args.tree),
     )
 
 
@@ -566,14 +626,27 @@ class PolicyUpdate:
         self.scored_steps.update(steps)
 
     def finish(self, collector: Collector, advantages: torch.Tensor) -> None:
-        """Backpropagate every scored step with the advantages, scoring the steps not scored yet."""
+        """Backpropagate every scored step with the per-sample advantages, scoring the steps not
+        scored yet."""
         steps, trajectories = stochastic_steps(collector), collector.trajectories()
         self.weight = 1.0 / (len(steps) * len(trajectories))  # the loss is a mean over steps and samples
         for i, rows, scored in self.pending:
-            self._backward(trajectories, advantages, i, rows, scored)
+            self._backward(trajectories, advantages[rows], i, rows, scored)
         todo = [i for i in steps if i not in self.scored_steps]
         for i, rows in micro_batches(trajectories, todo, self.args.micro_batch):
-            self._backward(trajectories, advantages, i, rows, self._score(trajectories, i, rows))
+            self._backward(trajectories, advantages[rows], i, rows, self._score(trajectories, i, rows))
+
+    def finish_tree(self, leaves: list[Trajectory], node_advantages: torch.Tensor) -> None:
+        """Backpropagate every edge of the tree once, on a leaf below it, with its node's advantage."""
+        edges = tree_edges(leaves)
+        self.weight = 1.0 / len(edges)  # the loss is a mean over edges
+        for i in sorted({edge.step for edge in edges}):
+            at_step = [edge for edge in edges if edge.step == i]
+            holders = [leaves[edge.row] for edge in at_step]
+            for piece in row_batches(holders, self.args.micro_batch):
+                rows = [at_step[k].row for k in piece]
+                edge_advantages = node_advantages[[at_step[k].node for k in piece]]
+                self._backward(leaves, edge_advantages, i, rows, self._score(leaves, i, rows))
 
     def _score(self, trajectories, i, rows):
         pieces = [trajectories[r] for r in rows]
@@ -588,12 +661,12 @@ class PolicyUpdate:
                     self.transformer.enable_adapters()
         return transition, reference
 
-    def _backward(self, trajectories, advantages, i, rows, scored) -> None:
+    def _backward(self, trajectories, piece_advantages, i, rows, scored) -> None:
         transition, reference = scored
         old = torch.stack([trajectories[r].log_probs[i] for r in rows]).to(transition.log_probs.device)
         ratio = torch.exp(transition.log_probs.detach() - old)
         self.ratio_max_dev = max(self.ratio_max_dev, (ratio - 1).abs().max().item())
-        piece_advantages = advantages[rows].to(old.device)
+        piece_advantages = piece_advantages.to(old.device)
         loss = clipped_policy_loss(transition.log_probs, old, piece_advantages, self.args.clip_range)
         if reference is not None:
             kl = kl_to_reference(transition.means, reference, transition.stds).mean()
@@ -601,6 +674,23 @@ class PolicyUpdate:
             loss = loss + self.args.kl_beta * kl
         (loss * len(rows) * self.weight).backward()
         self.loss += loss.item() * len(rows) * self.weight
+
+
+def tree_advantages(leaves: list[Trajectory], rewards: torch.Tensor, rule: str) -> torch.Tensor:
+    """The advantage of every node of the leaves' tree, float32 [nodes], by --tree-advantages."""
+    tree = leaves[0].tree
+    leaf_rewards = {leaf.sample_index: reward for leaf, reward in zip(leaves, rewards.tolist(), strict=True)}
+    if rule == "backed-up":
+        return backed_up_advantages(tree, leaf_rewards)
+    if rule == "branch-mean":
+        return branch_advantages(tree, leaf_rewards)
+    # Each node's own steps' log-probs, summed: read on a leaf below it.
+    own = torch.zeros(len(tree), dtype=torch.float64)
+    for leaf in leaves:
+        for node_id in leaf.node_path:
+            node = tree[node_id]
+            own[node_id] = leaf.log_probs[node.start_step : node.end_step].nan_to_num().double().sum()
+    return branch_advantages(tree, leaf_rewards, fusion="log_prob", node_log_probs=own)
 
 
 def nft_update(
@@ -882,11 +972,17 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
 
             trajectories = rollout.trajectories
             rewards = reward([t.image() for t in trajectories], [t.prompt for t in trajectories])
-            advantages = group_advantages(rewards, torch.tensor([t.prompt_index for t in trajectories]))
             train_start = time.perf_counter()
-            if args.algorithm == "nft":
+            if args.tree:
+                optimizer.zero_grad(set_to_none=True)
+                update.finish_tree(trajectories, tree_advantages(trajectories, rewards, args.tree_advantages))
+                optimizer.step()
+                loss = update.loss
+            elif args.algorithm == "nft":
+                advantages = group_advantages(rewards, torch.tensor([t.prompt_index for t in trajectories]))
                 loss = nft_update(transformer, optimizer, trajectories, advantages, args, iteration)
             else:
+                advantages = group_advantages(rewards, torch.tensor([t.prompt_index for t in trajectories]))
                 optimizer.zero_grad(set_to_none=True)
                 update.finish(rollout.collector, advantages)
                 optimizer.step()

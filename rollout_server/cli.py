@@ -59,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="samples of the rollouts stepping together (a larger rollout runs alone)",
     )
     s.add_argument(
+        "--max-tree-nodes",
+        type=int,
+        default=Limits.max_tree_nodes,
+        help="nodes of a tree rollout (its leaves are bounded by --max-running-samples)",
+    )
+    s.add_argument(
         "--max-latent-elements",
         type=int,
         default=Limits.max_latent_elements,
@@ -191,6 +197,7 @@ def main(argv=None) -> None:
         max_waiting_requests=args.max_waiting,
         stall_seconds=args.stall_seconds,
         memory_budget=args.memory_budget,
+        max_tree_nodes=args.max_tree_nodes,
     )
     try:
         limits.check()

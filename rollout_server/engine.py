@@ -36,7 +36,7 @@ from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import HEARTBEAT, ROUND, STOP, UPDATE, SequenceParallel
 from rollout_server.policy import Policy
-from rollout_server.runner import Rollout, Runner
+from rollout_server.runner import Rollout, Runner, tree_of
 from rollout_server.sampler import advance
 from rollout_server.scheduler import STREAM_BUFFER, Outbox, RolloutJob, Round, Scheduler, UpdateJob
 from rollout_server.stream import StreamEncoder, latents_sent, started_event
@@ -54,20 +54,23 @@ def encode_round(planned: Round) -> bytes:
     header = {
         "drop": planned.drop,
         "join": [[job.key, len(data)] for job, data in zip(planned.join, requests, strict=True)],
+        "prune": [[key, nodes] for key, nodes in planned.prune.items()],
         "step": planned.step,
     }
     return json.dumps(header).encode() + b"\n" + b"".join(requests)
 
 
-def decode_round(payload: bytes) -> tuple[list[int], list[tuple[int, rollout_pb2.RolloutRequest]], list[int]]:
-    """(drop, join as (key, request), step) of an encoded round."""
+def decode_round(
+    payload: bytes,
+) -> tuple[list[int], list[tuple[int, rollout_pb2.RolloutRequest]], dict[int, list[int]], list[int]]:
+    """(drop, join as (key, request), prune, step) of an encoded round."""
     header_bytes, _, data = payload.partition(b"\n")
     header = json.loads(header_bytes)
     join, offset = [], 0
     for key, size in header["join"]:
         join.append((key, rollout_pb2.RolloutRequest.FromString(data[offset : offset + size])))
         offset += size
-    return header["drop"], join, header["step"]
+    return header["drop"], join, dict(header["prune"]), header["step"]
 
 
 @dataclass(frozen=True)
@@ -158,8 +161,15 @@ class Engine:
         cannot fit the memory budget, Overloaded if the queue is full."""
         estimate = self.check_fits(resolved)
         stream = Outbox(asyncio.get_running_loop(), self.scheduler.wake)
-        self.scheduler.submit(RolloutJob(resolved, stream, time.perf_counter(), estimate))
+        job = RolloutJob(resolved, stream, time.perf_counter(), estimate)
+        if resolved.branches:
+            job.tree = tree_of(resolved)
+        self.scheduler.submit(job)
         return stream
+
+    def prune(self, request_id: str, nodes: list[int]) -> list[int]:
+        """Stop nodes of a tree rollout at its next step (see ``Scheduler.prune``)."""
+        return self.scheduler.prune(request_id, nodes)
 
     def check_update(self, update: "WeightUpdate") -> None:
         """StaleUpdate or InvalidRequest unless ``update`` applies to the current weights; it changes
@@ -214,7 +224,8 @@ class Engine:
                 else:
                     self.parallel.broadcast_command(ROUND, encode_round(planned))
                     joining = [(job.key, job.request) for job in planned.join]
-                    self.scheduler.update(self._run_round(planned.drop, joining, planned.step))
+                    ended = self._run_round(planned.drop, joining, planned.prune, planned.step)
+                    self.scheduler.update(ended)
         except RankFailure as error:
             self._end_all(error)
             self._on_fatal(error)
@@ -252,16 +263,23 @@ class Engine:
                 self.policy.follow(payload)
 
     def _run_round(
-        self, drop: list[int], join: list[tuple[int, rollout_pb2.RolloutRequest]], step: list[int]
+        self,
+        drop: list[int],
+        join: list[tuple[int, rollout_pb2.RolloutRequest]],
+        prune: dict[int, list[int]],
+        step: list[int],
     ) -> dict[int, BaseException | None]:
-        """One round, alike on every rank (only rank 0 streams): the rollouts still denoising take a
-        step, those decoding (rank 0) decode their next piece. Returns the rollouts that ended in it,
-        each with its failure (None: it finished)."""
+        """One round, alike on every rank (only rank 0 streams): tree rollouts drop their pruned
+        nodes, the rollouts still denoising take a step, those decoding (rank 0) decode their next
+        piece. Returns the rollouts that ended in it, each with its failure (None: it finished)."""
         self._ended = {}
         for key in drop:
             self._rollouts.pop(key, None)
         for key, request in join:
             self._join(key, request)
+        for key, nodes in prune.items():
+            if (rollout := self._rollouts.get(key)) is not None:
+                self._prune(rollout, nodes)
         stepping = [self._rollouts[key] for key in step if key in self._rollouts]
         denoising = [rollout for rollout in stepping if rollout.pieces is None]
         if denoising:
@@ -270,6 +288,19 @@ class Engine:
             if rollout.pieces is not None:
                 self._decode_piece(rollout)
         return self._ended
+
+    def _prune(self, rollout: Rollout, nodes: list[int]) -> None:
+        """Stop ``nodes`` of a tree rollout that is still denoising; with no node left, it is done."""
+        if rollout.pieces is not None or rollout.done:
+            return  # its steps are over: nothing left to stop
+        pruned = rollout.prune(nodes)
+        try:
+            if rollout.stream is not None and pruned:
+                rollout.stream.on_pruned(pruned, rollout.state.step)
+            if rollout.done:
+                self._denoised(rollout)
+        except Exception as error:  # noqa: BLE001 - it fails this rollout only
+            self._end(rollout.key, error)
 
     def _step(self, rollouts: list[Rollout]) -> None:
         began = time.perf_counter()
@@ -281,10 +312,12 @@ class Engine:
             if rollout.key in velocities.cancelled:
                 continue  # dropped: the next round removes it
             rollout.shared_steps += rollout.key in velocities.shared
+            rollout.transformer_rows += len(rollout.rows)
             try:
-                record = advance(rollout.plan, rollout.state, velocities.guided[rollout.key])
+                v = rollout.fork(velocities.guided[rollout.key])
+                record = advance(rollout.plan, rollout.state, v)
                 if rollout.stream is not None:
-                    rollout.stream.on_step(record)
+                    rollout.stream.on_step(record, rollout.live)
                 if rollout.done:
                     self._denoised(rollout)
             except Exception as error:  # noqa: BLE001 - it fails this rollout only
@@ -347,9 +380,9 @@ class Engine:
             if piece is None:
                 self._finish(rollout)
                 return
-            sample, first_frame, frames = piece
+            row, first_frame, frames = piece
             for f, frame in enumerate(frames, start=first_frame):
-                rollout.stream.on_image(sample, f, frame)
+                rollout.stream.on_image(rollout.live[row], f, frame)
         except Exception as error:  # noqa: BLE001 - it fails this rollout only
             self._end(rollout.key, error)
 
@@ -369,6 +402,7 @@ class Engine:
                     prompt_cache_hits=rollout.prompt_cache_hits,
                     prompts_encoded=rollout.prompts_encoded,
                     shared_steps=rollout.shared_steps,
+                    transformer_rows=rollout.transformer_rows,
                     parked_rounds=job.parked_rounds,
                 )
             )

@@ -24,6 +24,10 @@ class InvalidRequest(Exception):
         )
 
 
+class UnknownRollout(Exception):
+    """No running or queued rollout has the request id a call names."""
+
+
 class Overloaded(Exception):
     """Too many rollouts are queued or running."""
 

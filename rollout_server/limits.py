@@ -14,6 +14,8 @@ MAX_POLICY_VERSION = 2**63 - 1
 # Room in a started event for everything but its prompts and tensor bytes (schedule, layout, env
 # JSON, framing).
 _STARTED_EVENT_ALLOWANCE = 64 * 1024
+# Bytes a tree node may take in a started event, at most.
+_TREE_NODE_BYTES = 48
 # Bytes a prompt character may take in UTF-8.
 _UTF8_MAX_BYTES = 4
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -52,13 +54,16 @@ class Limits:
     # Bytes the running rollouts may take above the loaded model (see memory.py); None: a share of
     # what the device has left once the model is loaded.
     memory_budget: int | None = None
+    # Nodes of one tree rollout (its widest point is bounded by max_running_samples).
+    max_tree_nodes: int = 1024
 
     @property
     def min_message_bytes(self) -> int:
         """The smallest message limit that fits a started event of the largest request: its resolved
-        request echoes every prompt and the negative prompt (payloads are chunked, this is not)."""
+        request echoes every prompt and the negative prompt, and lists a tree's nodes (payloads are
+        chunked, this is not)."""
         prompt_bytes = (self.max_samples + 1) * self.max_prompt_chars * _UTF8_MAX_BYTES
-        return prompt_bytes + _STARTED_EVENT_ALLOWANCE
+        return prompt_bytes + self.max_tree_nodes * _TREE_NODE_BYTES + _STARTED_EVENT_ALLOWANCE
 
     def check(self) -> None:
         """ValueError naming the option whose value leaves a server that cannot work."""
@@ -76,6 +81,7 @@ class Limits:
             ("--max-latent-elements", self.max_latent_elements),
             ("--max-waiting", self.max_waiting_requests),
             ("--stall-seconds", self.stall_seconds),
+            ("--max-tree-nodes", self.max_tree_nodes),
         ):
             if not value > 0:
                 raise ValueError(f"{option} must be positive, got {value}")
@@ -102,4 +108,5 @@ class Limits:
             max_noise_levels={name: sampler.max_noise_level for name, sampler in steps.SAMPLERS.items()},
             max_waiting_requests=self.max_waiting_requests,
             stall_seconds=self.stall_seconds,
+            max_tree_nodes=self.max_tree_nodes,
         )

@@ -23,6 +23,7 @@ import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes
+from rollout_core.tree import widest
 from rollout_server.families.base import DecodeProfile, FamilyAdapter, MediaShape
 
 # Live tensors at a forward's peak, per element of its widest activation (tokens x width), and at a
@@ -106,7 +107,7 @@ def estimate(
     """The memory of a resolved request on ``adapter``'s model, whose decoder ``decode`` profiles;
     ``backlog_bytes`` bounds the messages its outbox holds from earlier events."""
     shape = MediaShape.of(request)
-    samples = len(request.seeds)
+    samples = widest(request)  # a tree rollout holds its leaves' latents at the end
     branches = 2 if getattr(request, adapter.cfg_scale_field) > 1.0 else 1
     model_bytes = adapter.dtype.itemsize
     latent = math.prod(adapter.latent_shape(shape)) * samples  # elements of the rollout's latents
@@ -151,7 +152,7 @@ def refusal(
         f"the rollout's estimated peak memory, {format_bytes(peak)}, is above the server's memory "
         f"budget of {format_bytes(budget.limit)} (--memory-budget)"
     )
-    samples = len(request.seeds)
+    samples = widest(request)
     holds = "its 1 sample holds" if samples == 1 else f"its {samples} samples hold"
     rows = min(budget.max_batch_size, memory.rows)
     size = f"{request.height} x {request.width} pixels" + (f" x {request.num_frames} frames" if video else "")

@@ -1,17 +1,19 @@
 """The model side of the engine: a request's conditioning and plan, and one batched velocity per round.
 
-Rows: every sample of a rollout has one transformer row per env branch (``positive``, and
-``negative`` with true CFG). Rows of any rollouts run in the same forward when they are compatible:
-the same transformer at their current steps (Wan 2.2's two experts run apart), the same latent shape
-and the same env signature (the shapes of the batched env tensors, and equal
-shared entries such as Flux's ``txt_ids``; the model dtype is the server's one). They may sit at
-different steps, with different schedules, samplers, noise levels, guidance and CFG scales: each
+Rows: every live sample of a rollout (a tree rollout's node that owns the current latent) has one
+transformer row per env branch (``positive``, and ``negative`` with true CFG). A tree rollout forks
+after the forward of a branch step: each node's row becomes one row per child, and prunes drop rows
+before a step (``Rollout.fork``, ``Rollout.prune``). Rows of any rollouts run in the same forward
+when they are compatible: the same transformer at their current steps (Wan 2.2's two experts run
+apart), the same latent shape and the same env signature (the shapes of the batched env tensors, and
+equal shared entries such as Flux's ``txt_ids``; the model dtype is the server's one). They may sit
+at different steps, with different schedules, samplers, noise levels, guidance and CFG scales: each
 row is fed its own timestep. A compatible group is cut into the fewest forwards of at most
 ``max_batch_size`` rows and at most ``max_forward_elements`` latent elements (the largest admitted
 row, so no forward takes longer than one row at the largest admitted shape), of even sizes. Each
 rollout's branches are then combined by its own guidance rule in float32, and the step math runs per
-rollout (``sampler.advance``): a row's numbers depend on its neighbours in a forward only through the
-model's float rounding at another batch size.
+rollout (``sampler.advance``): a row's numbers depend on its neighbours in a forward only through
+the model's float rounding at another batch size.
 
 The runner is all that the other sequence-parallel ranks run: given the same rollouts in the same
 order, every rank forms the same forwards.
@@ -28,9 +30,11 @@ import torch
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, steps
 from rollout_core.transformer_call import apply_guidance, call_transformer, stack_envs
+from rollout_core.tree import Tree
+from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.prompt_cache import Conditioning, PromptCache
-from rollout_server.sampler import SamplerPlan, SamplerState, init, stochastic_steps
+from rollout_server.sampler import SamplerPlan, SamplerState, init, regroup, stochastic_steps
 from rollout_server.validation import check_prompt_tokens
 
 if TYPE_CHECKING:
@@ -40,9 +44,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Row:
-    """One transformer row: sample ``sample`` of a rollout, in env branch ``branch``."""
+    """One transformer row: row ``sample`` of a rollout's latents, the node ``node``, in env branch
+    ``branch``."""
 
     sample: int
+    node: int
     branch: str
     env: dict[str, Any]  # batched entries with a leading dimension of 1
     signature: tuple  # rows with equal latent shape and signature may share a forward
@@ -62,17 +68,62 @@ class Rollout:
     cfg_scale: float
     conditioning: Conditioning
     prompt_indices: list[int]
-    rows: list[Row]
+    tree: Tree  # a flat rollout's has its samples as roots only
+    envs: dict[tuple[str, int], tuple[dict[str, Any], tuple]]  # (branch, prompt) -> env, signature
     prompt_cache_hits: int  # distinct texts whose conditioning came from the prompt cache
     prompts_encoded: int  # distinct texts encoded for this rollout
     stream: Any = None  # rank 0: the StreamEncoder of its gRPC stream
     pieces: Iterator | None = None  # rank 0, once its steps are done: its decode, a piece at a time
     shared_steps: int = 0  # steps whose forwards carried other rollouts' rows too
+    transformer_rows: int = 0  # rows of the forwards it took
     times: dict[str, float] = field(default_factory=dict)  # perf_counter stamps, for the timings
+    live: list[int] = field(default_factory=list)  # the node of each row of the latents
+    rows: list[Row] = field(default_factory=list)
+    pruned: set[int] = field(default_factory=set)  # nodes stopped by a prune, and those below them
+
+    def __post_init__(self):
+        self._set_rows([root.id for root in self.tree.roots])
 
     @property
     def done(self) -> bool:
-        return self.state.step == self.plan.num_steps
+        return self.state.step == self.plan.num_steps or not self.live
+
+    def _set_rows(self, nodes: list[int]) -> None:
+        self.live = nodes
+        self.rows = [
+            Row(b, node, branch, *self.envs[branch, self.tree[node].prompt_index])
+            for branch in self.conditioning.envs
+            for b, node in enumerate(nodes)
+        ]
+
+    def _regroup(self, rows: list[int], nodes: list[int]) -> None:
+        regroup(self.state, rows, [self.tree[node].seed for node in nodes])
+        self._set_rows(nodes)
+
+    def fork(self, v: torch.Tensor) -> torch.Tensor:
+        """After the forward of step i: at a branch step, each row becomes one row per child that is
+        not pruned (the velocity copied with it); returns the velocity of the rows now."""
+        if self.state.step not in self.tree.branch_steps:
+            return v
+        pairs = [
+            (b, child)
+            for b, node in enumerate(self.live)
+            for child in self.tree[node].children
+            if child not in self.pruned
+        ]
+        rows = [b for b, _ in pairs]
+        self._regroup(rows, [child for _, child in pairs])
+        return v[torch.tensor(rows, dtype=torch.long, device=v.device)]
+
+    def prune(self, nodes: list[int]) -> list[int]:
+        """Stop ``nodes`` from the next step on, with what ``Tree.pruned_by`` adds: their rows leave,
+        and they fork no children. Returns the nodes newly pruned, in id order."""
+        newly = self.tree.pruned_by(nodes, self.pruned) - self.pruned
+        self.pruned |= newly
+        kept = [(b, node) for b, node in enumerate(self.live) if node not in self.pruned]
+        if len(kept) < len(self.live):
+            self._regroup([b for b, _ in kept], [node for _, node in kept])
+        return sorted(newly)
 
 
 @dataclass(frozen=True)
@@ -101,6 +152,14 @@ def env_signature(env: dict[str, Any], batched_keys: tuple[str, ...]) -> tuple:
         else:
             signature.append((key, repr(value)))
     return tuple(signature)
+
+
+def tree_of(request: rollout_pb2.RolloutRequest) -> Tree:
+    """The tree of a resolved request (a flat one's: its samples as roots)."""
+    group = request.samples_per_prompt
+    prompt_indices = [k // group for k in range(len(request.seeds))]
+    branches = [(branch.step, branch.factor) for branch in request.branches]
+    return Tree.grow(request.seeds, prompt_indices, branches, request.num_steps)
 
 
 class Runner:
@@ -144,13 +203,25 @@ class Runner:
         sampler_type = steps.SAMPLERS_BY_ENUM[request.sampler].name
         latent_shape = adapter.latent_shape(shape)
         check_prompt_tokens(self.parallel.dims, adapter, conditioning.envs)
+        noise_levels = [request.noise_level] * request.num_steps
+        for branch in request.branches:
+            if branch.HasField("noise_level"):
+                noise_levels[branch.step] = branch.noise_level
+        stochastic = stochastic_steps(sampler_type, sigmas, noise_levels, list(request.stochastic_steps))
+        if forks_in_vain := [
+            f"branches[{k}].step"
+            for k, branch in enumerate(request.branches)
+            if branch.factor > 1 and not stochastic[branch.step]
+        ]:
+            # CPS into sigma = 0: its last step has no noise.
+            raise InvalidRequest(
+                [(name, "the step draws no noise: its children would be equal") for name in forks_in_vain]
+            )
         plan = SamplerPlan(
             sampler_type=sampler_type,
             sigmas=sigmas,
-            stochastic=stochastic_steps(
-                sampler_type, sigmas, request.noise_level, list(request.stochastic_steps)
-            ),
-            noise_level=request.noise_level,
+            stochastic=stochastic,
+            noise_levels=noise_levels,
             log_prob_constants=request.log_prob_constants,
             latent_dtype=dtypes.LATENT[request.latent_dtype],
             seeds=list(request.seeds),
@@ -158,13 +229,12 @@ class Runner:
             device=adapter.device,
         )
         signatures: dict[int, tuple] = {}  # equal texts share one env dict: sign it once
-        rows = []
+        envs = {}
         for branch, per_prompt in conditioning.envs.items():
-            for k, p in enumerate(prompt_indices):
-                env = per_prompt[p]
+            for p, env in enumerate(per_prompt):
                 if id(env) not in signatures:
                     signatures[id(env)] = env_signature(env, conditioning.batched_keys)
-                rows.append(Row(k, branch, env, signatures[id(env)]))
+                envs[branch, p] = (env, signatures[id(env)])
         return Rollout(
             key=key,
             request=request,
@@ -176,7 +246,8 @@ class Runner:
             cfg_scale=cfg_scale,
             conditioning=conditioning,
             prompt_indices=prompt_indices,
-            rows=rows,
+            tree=tree_of(request),
+            envs=envs,
             prompt_cache_hits=encoded.hits,
             prompts_encoded=encoded.misses,
         )
@@ -240,7 +311,7 @@ class Runner:
         """One call of the transformer ``expert`` on ``batch``'s rows, each at its rollout's current
         step."""
         adapter = self.adapter
-        members = tuple((r.key, row.sample, row.branch) for r, row in batch)
+        members = tuple((r.key, row.node, row.branch) for r, row in batch)
         env = self._stacked.get(members)
         if env is None:
             env = stack_envs([row.env for _, row in batch], adapter.batched_env_keys)

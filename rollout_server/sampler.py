@@ -2,9 +2,11 @@
 
 ``init(plan)`` gives a rollout's state at x_0, and ``advance(plan, state, v)`` takes its next step
 with a velocity computed elsewhere (the runner's batched transformer call with guidance) and says
-what happened in a ``StepRecord``. Only the plan and the state enter a step, so the engine may step
-many rollouts, each at its own step, in any interleaving. The sampler owns the noise
-(``rollout_core.noise``) and the step math (``rollout_core.steps``) and knows no model.
+what happened in a ``StepRecord``. A state's rows are its live samples, each with the seed its noise
+comes from: ``regroup`` re-forms them, for a tree rollout's forks (a row repeated once per child,
+with the children's seeds) and prunes (rows dropped). Only the plan and the state enter a step, so
+the engine may step many rollouts, each at its own step, in any interleaving. The sampler owns the
+noise (``rollout_core.noise``) and the step math (``rollout_core.steps``) and knows no model.
 
 The streamed log-prob scores exactly the streamed x_{i+1}: when latents are kept in float32,
 x_{i+1} = mean + sd * eps and the residual is sd * eps, computed from the full noise tensor; when the
@@ -38,10 +40,10 @@ class SamplerPlan:
     sampler_type: str
     sigmas: torch.Tensor  # float32 [T + 1], terminal 0 included
     stochastic: Sequence[bool]  # [T]: the step draws noise and is scored
-    noise_level: float
+    noise_levels: Sequence[float]  # [T]: the noise level of each step
     log_prob_constants: bool
     latent_dtype: torch.dtype  # the sampler state is rounded to it after every step
-    seeds: Sequence[int]
+    seeds: Sequence[int]  # the rows' seeds at x_0
     latent_shape: Sequence[int]  # one sample's latent as the transformer consumes it
     device: torch.device
 
@@ -64,12 +66,14 @@ class StepRecord:
     velocity: torch.Tensor
 
 
-def stochastic_steps(sampler_type: str, sigmas: torch.Tensor, noise_level: float, requested) -> list[bool]:
+def stochastic_steps(
+    sampler_type: str, sigmas: torch.Tensor, noise_levels: Sequence[float], requested
+) -> list[bool]:
     """Which steps draw noise: the requested ones (all when ``requested`` is empty) whose sd > 0."""
     num_steps = len(sigmas) - 1
     chosen = set(requested) if requested else set(range(num_steps))
     return [
-        i in chosen and steps.noise_std(sampler_type, sigmas, i, noise_level).item() > 0
+        i in chosen and steps.noise_std(sampler_type, sigmas, i, noise_levels[i]).item() > 0
         for i in range(num_steps)
     ]
 
@@ -80,17 +84,25 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass
 class SamplerState:
-    """Where one rollout stands: ``x`` is x_i [B, ...], the latent that step ``step`` = i denoises."""
+    """Where one rollout stands: ``x`` is x_i [B, ...], the latent that step ``step`` = i denoises,
+    and row b draws its noise from ``seeds[b]``."""
 
     x: torch.Tensor
+    seeds: list[int]
     step: int = 0
 
 
 def init(plan: SamplerPlan) -> SamplerState:
     """x_0 from the per-sample seeds, rounded to the latent dtype, on the plan's device."""
-    return SamplerState(
-        _round(noise.initial_noise(plan.seeds, plan.latent_shape), plan.latent_dtype).to(plan.device)
-    )
+    x0 = _round(noise.initial_noise(plan.seeds, plan.latent_shape), plan.latent_dtype).to(plan.device)
+    return SamplerState(x0, list(plan.seeds))
+
+
+def regroup(state: SamplerState, rows: Sequence[int], seeds: Sequence[int]) -> None:
+    """Re-form the state's rows before its step: new row b is old row ``rows[b]``, drawing its noise
+    from ``seeds[b]`` from this step on (a row listed twice is copied bitwise)."""
+    state.x = state.x[torch.tensor(rows, dtype=torch.long, device=state.x.device)]
+    state.seeds = list(seeds)
 
 
 def advance(plan: SamplerPlan, state: SamplerState, v: torch.Tensor) -> StepRecord:
@@ -101,11 +113,12 @@ def advance(plan: SamplerPlan, state: SamplerState, v: torch.Tensor) -> StepReco
     check_finite("velocity", i, v)
     stochastic = plan.stochastic[i]
     kind = plan.sampler_type if stochastic else "ODE"
-    mean = steps.transition_mean(kind, x, v, plan.sigmas, i, plan.noise_level)
-    sd = steps.noise_std(kind, plan.sigmas, i, plan.noise_level)
+    level = plan.noise_levels[i]
+    mean = steps.transition_mean(kind, x, v, plan.sigmas, i, level)
+    sd = steps.noise_std(kind, plan.sigmas, i, level)
     eps = log_probs = None
     if stochastic:
-        eps = noise.step_noise(plan.seeds, i, plan.latent_shape).to(plan.device)
+        eps = noise.step_noise(state.seeds, i, plan.latent_shape).to(plan.device)
         scaled_noise = sd.to(plan.device) * eps
         x_next = _round(mean + scaled_noise, plan.latent_dtype)
         residual = scaled_noise if plan.latent_dtype == torch.float32 else x_next - mean

@@ -13,6 +13,7 @@ Rollouts and weight updates wait in one queue, in arrival order. The engine's wo
 * **barrier**: a weight update at the head of the queue stops later rollouts from joining; once the
   running rollouts (all started on the old weights) have finished, the update is applied alone, and
   the rollouts behind it start on the new weights. No rollout ever mixes two policy versions.
+* **prune**: nodes of tree rollouts that a PruneRollout stopped since the last round;
 * **step**: every running rollout takes its next step together, except the parked ones: a rollout
   whose client has not yet taken its buffered messages (``Outbox.full``) stays out of the batch,
   its state kept, until the client reads again (or the stream's stall limit ends it).
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rollout.v1 import rollout_pb2
-from rollout_server.errors import Overloaded
+from rollout_core.tree import Tree, widest
+from rollout_server.errors import InvalidRequest, Overloaded, UnknownRollout
 from rollout_server.memory import MemoryBudget, RolloutMemory
 
 if TYPE_CHECKING:
@@ -119,10 +121,14 @@ class RolloutJob:
     memory: RolloutMemory = RolloutMemory()  # its estimate (see memory.py)
     key: int = -1  # set by the scheduler: the rollout's id in the engine, on every rank
     parked_rounds: int = 0  # rounds it sat out while its client was slow to read
+    tree: Tree | None = None  # a tree rollout's, for checking prunes
+    pruned: set[int] = field(default_factory=set)  # its nodes that prunes stop
+    prune_pending: list[int] = field(default_factory=list)  # nodes to prune at the next round
 
     @property
     def samples(self) -> int:
-        return len(self.request.seeds)
+        """Its widest point: a tree's leaves, a flat rollout's samples."""
+        return widest(self.request)
 
     @property
     def dropped(self) -> bool:
@@ -145,13 +151,14 @@ class Round:
 
     drop: list[int] = field(default_factory=list)  # keys of running rollouts to drop
     join: list[RolloutJob] = field(default_factory=list)
+    prune: dict[int, list[int]] = field(default_factory=dict)  # key -> nodes of a tree rollout
     step: list[int] = field(default_factory=list)  # keys of the rollouts that step, in join order
     update: UpdateJob | None = None
     stop: bool = False
 
     @property
     def idle(self) -> bool:
-        return not (self.drop or self.join or self.step or self.update or self.stop)
+        return not (self.drop or self.join or self.prune or self.step or self.update or self.stop)
 
 
 class Scheduler:
@@ -195,6 +202,34 @@ class Scheduler:
             self._queue.append(job)
             self._changed.notify()
         return job.done
+
+    def prune(self, request_id: str, nodes: list[int]) -> list[int]:
+        """Queue a prune of ``nodes`` of the tree rollout ``request_id`` for the next round; returns
+        every node it stops (``Tree.pruned_by``). UnknownRollout if no open rollout has that id;
+        InvalidRequest if it is not one tree rollout, or a node is not in its tree."""
+        with self._changed:
+            jobs = [
+                job
+                for job in (*self.running.values(), *self._queue)
+                if isinstance(job, RolloutJob) and not job.dropped and job.request.request_id == request_id
+            ]
+            if not jobs:
+                raise UnknownRollout("no rollout with this request id is running or queued")
+            if len(jobs) > 1:
+                raise InvalidRequest([("request_id", f"{len(jobs)} rollouts run under this id")])
+            job = jobs[0]
+            if job.tree is None:
+                raise InvalidRequest([("request_id", "the rollout has no branches: it is not a tree")])
+            if len(nodes) > len(job.tree):
+                raise InvalidRequest([("nodes", f"more node ids than the tree's {len(job.tree)} nodes")])
+            if unknown := [k for k, node in enumerate(nodes) if node >= len(job.tree)]:
+                raise InvalidRequest(
+                    [(f"nodes[{k}]", f"the rollout's tree has no node {nodes[k]}") for k in unknown]
+                )
+            job.pruned = job.tree.pruned_by(nodes, job.pruned)
+            job.prune_pending.extend(nodes)
+            self._changed.notify()
+            return sorted(job.pruned)
 
     def wake(self) -> None:
         """Something a round depends on changed (a stream drained or ended)."""
@@ -265,6 +300,9 @@ class Scheduler:
             if update.done.set_running_or_notify_cancel():
                 planned.update = update
             return planned
+        for key, job in self.running.items():
+            if job.prune_pending:
+                planned.prune[key], job.prune_pending = job.prune_pending, []
         planned.step = [key for key, job in self.running.items() if not job.outbox.full]
         if planned.step:
             for job in self.running.values():

@@ -23,6 +23,7 @@ from rollout_server.errors import (
     RankFailure,
     ShuttingDown,
     StaleUpdate,
+    UnknownRollout,
     UploadIdle,
 )
 from rollout_server.validation import ServingContext, quoted, resolve
@@ -100,6 +101,7 @@ FAILURES = (
     (UploadIdle, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (UnknownRollout, grpc.StatusCode.NOT_FOUND),
 )
 
 
@@ -175,6 +177,18 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             info.lora_adapter.CopyFrom(status.lora_adapters["transformer"])
         info.policy_version = status.policy_version
         return info
+
+    async def PruneRollout(self, request, context):
+        if request is None:
+            await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
+        request_id = quoted(request.request_id)
+        try:
+            nodes = self.engine.prune(request.request_id, list(request.nodes))
+        except (InvalidRequest, UnknownRollout) as error:
+            _, status = failure_status(f"prune of request {request_id}", error)
+            await context.abort_with_status(status)
+        log.info("rollout id=%s: %d nodes pruned", request_id, len(nodes))
+        return rollout_pb2.PruneRolloutResponse(nodes=nodes)
 
     async def UpdateWeights(self, request_iterator, context):
         started_at = time.perf_counter()

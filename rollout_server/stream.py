@@ -88,6 +88,8 @@ def started_event(
         attention_split=parallel.attention_split,
         env_json=env_json,
         noise_rule=noise.NOISE_RULE,
+        tree=rollout.tree.to_proto() if request.branches else [],
+        noise_levels=plan.noise_levels,
     )
     return started, env_tensors
 
@@ -145,7 +147,8 @@ class StreamEncoder:
         response.started.CopyFrom(self.started)
         self._send_tensors(response, response.started.tensors, tensors)
 
-    def on_step(self, record: "StepRecord") -> None:
+    def on_step(self, record: "StepRecord", nodes: list[int]) -> None:
+        """Step ``record.index`` of the rows, which are the tree's ``nodes`` (listed for a tree)."""
         batch = record.x_next.shape[0]
         step = rollout_pb2.RolloutStep(
             index=record.index,
@@ -154,6 +157,7 @@ class StreamEncoder:
             timestep=self.started.timesteps[record.index],
             stochastic=record.stochastic,
             noise_std=record.sd.item(),
+            nodes=nodes if self.request.branches else [],
         )
         if record.log_probs is not None:
             step.log_probs.extend(record.log_probs.tolist())
@@ -171,6 +175,10 @@ class StreamEncoder:
             tensors[wire.VELOCITY] = record.velocity
         response = rollout_pb2.RolloutResponse(step=step)
         self._send_tensors(response, response.step.tensors, tensors)
+
+    def on_pruned(self, nodes: list[int], step: int) -> None:
+        pruned = rollout_pb2.RolloutPruned(nodes=nodes, step=step)
+        self.emit(rollout_pb2.RolloutResponse(request_id=self.request.request_id, pruned=pruned))
 
     def on_image(self, sample_index: int, frame_index: int, image) -> None:
         image_event = rollout_pb2.RolloutImage(

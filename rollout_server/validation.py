@@ -14,6 +14,7 @@ import torch
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, steps
 from rollout_core.layout import DEFAULT_GROUP_SIZE, sample_layout
+from rollout_core.tree import Tree
 from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape
 from rollout_server.limits import MAX_POLICY_VERSION, Limits
@@ -120,7 +121,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     resolved.CopyFrom(defaults)
     resolved.MergeFrom(request)
     # MergeFrom appends repeated fields: take the request's own.
-    del resolved.seeds[:], resolved.stochastic_steps[:], resolved.debug_tensors[:]
+    del resolved.seeds[:], resolved.stochastic_steps[:], resolved.debug_tensors[:], resolved.branches[:]
 
     layout, layout_problems = sample_layout(request, limits.max_samples)
     request_id = layout.request_id if layout else request.request_id
@@ -220,6 +221,8 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         elif any(b <= a for a, b in zip(chosen, chosen[1:], strict=False)):
             bad.append(("stochastic_steps", "indices must be strictly increasing"))
         resolved.stochastic_steps.extend(chosen)
+    bad.extend(_branch_problems(request, resolved, limits))
+    resolved.branches.extend(request.branches)
     if not request.HasField("log_prob_constants"):
         resolved.log_prob_constants = sampler.log_prob_constants
 
@@ -247,6 +250,51 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     if bad:
         raise InvalidRequest(bad)
     return resolved
+
+
+def _branch_problems(
+    request: rollout_pb2.RolloutRequest, resolved: rollout_pb2.RolloutRequest, limits: Limits
+) -> list[tuple[str, str]]:
+    """The problems of a tree request's branch points: steps in range, strictly increasing and
+    stochastic where they fork, factors at least 1, and a tree within the node and width limits.
+    Counted before anything grows: a request of huge factors costs no more than a small one."""
+    branches = list(request.branches)
+    if not branches:
+        return []
+    if len(branches) > limits.max_steps:
+        return [("branches", f"{len(branches)} branch points exceed {limits.max_steps} steps")]
+    bad = []
+    num_steps = resolved.num_steps
+    chosen = set(request.stochastic_steps)
+    sampler = steps.SAMPLERS_BY_ENUM.get(resolved.sampler, steps.SAMPLERS["ODE"])
+    for k, branch in enumerate(branches):
+        if branch.step >= num_steps:
+            bad.append((f"branches[{k}].step", f"must be < num_steps ({num_steps}), got {branch.step}"))
+        elif k and branch.step <= branches[k - 1].step:
+            bad.append((f"branches[{k}].step", "branch steps must be strictly increasing"))
+        elif branch.factor > 1 and (sampler.name == "ODE" or (chosen and branch.step not in chosen)):
+            bad.append((f"branches[{k}].step", f"step {branch.step} is not stochastic: equal children"))
+        if branch.factor < 1:
+            bad.append((f"branches[{k}].factor", "must be at least 1"))
+        if branch.HasField("noise_level"):
+            level = branch.noise_level
+            if not _finite_in(level, MIN_NOISE_LEVEL, sampler.max_noise_level):
+                bad.append(
+                    (
+                        f"branches[{k}].noise_level",
+                        f"must be in [{MIN_NOISE_LEVEL}, {sampler.max_noise_level}] for {sampler.name}, "
+                        f"got {level}",
+                    )
+                )
+    if bad or not resolved.seeds:
+        return bad
+    # At most max_steps factors below 2^32: exact integers, computed at once.
+    nodes, leaves = Tree.size(len(resolved.seeds), [branch.factor for branch in branches])
+    if leaves > limits.max_running_samples:
+        bad.append(("branches", f"{leaves} leaves: above {limits.max_running_samples} samples at once"))
+    if nodes > limits.max_tree_nodes:
+        bad.append(("branches", f"{nodes} nodes: the tree is above {limits.max_tree_nodes} nodes"))
+    return bad
 
 
 def check_prompt_tokens(

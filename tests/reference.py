@@ -65,7 +65,7 @@ def bare_log_probs(transformer, trajectory) -> dict[int, float]:
         velocity = guidance(call.guidance_rule, call.guidance_rule_scale, v)
         sigmas = trajectory.sigmas.double().numpy()
         mean, sd = mean_and_sd(
-            trajectory.sampler_type, x.double().numpy(), velocity, sigmas, i, trajectory.noise_level
+            trajectory.sampler_type, x.double().numpy(), velocity, sigmas, i, trajectory.noise_level_at(i)
         )
         x_next = trajectory.latents[i + 1].unsqueeze(0).double().numpy()
         replayed[i] = float(log_prob(x_next, mean, sd, trajectory.log_prob_constants)[0])

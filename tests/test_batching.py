@@ -27,7 +27,7 @@ COMMON = {
     "images": False,
 }
 # Two sizes, so two compatible groups; each request has a partner of its size. Mixed samplers, noise
-# levels, guidance and CFG scales, group sizes, step counts and latent dtypes.
+# levels, guidance and CFG scales, group sizes, step counts, latent dtypes and tree rollouts.
 MIXED = {
     "flow-64": {"prompts": ["a red fox"], "samples_per_prompt": 2, "height": 64, "width": 64, "num_steps": 8},
     "cps-cfg-64": {
@@ -41,6 +41,13 @@ MIXED = {
         "negative_prompt": "blurry",
     },
     "ode-64": {"prompts": ["two cats"], "height": 64, "width": 64, "num_steps": 7, "sampler": ODE},
+    "tree-64": {
+        "prompts": ["a kite"],
+        "height": 64,
+        "width": 64,
+        "num_steps": 8,
+        "branches": [rollout_pb2.Branch(step=1, factor=2), rollout_pb2.Branch(step=4, factor=3)],
+    },
     "dance-128": {
         "prompts": ["two cats", "a bowl of ramen"],
         "samples_per_prompt": 1,

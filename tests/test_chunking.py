@@ -9,11 +9,11 @@ from rollout_client import RolloutClient
 from rollout_client.events import decode_stream
 from rollout_server.limits import Limits
 
-# The smallest message limit a server allows when requests hold at most 4 samples (it must fit a
-# started event echoing 4 prompts of the longest length): small enough to split this rollout's env and
-# x_0, debug tensors and images.
-MAX_SAMPLES = 4
-LIMIT = Limits(max_samples=MAX_SAMPLES).min_message_bytes
+# The smallest message limit a server allows when requests hold at most 4 samples and trees 16 nodes
+# (it must fit a started event echoing 4 prompts of the longest length, and listing the nodes): small
+# enough to split this rollout's env and x_0, debug tensors and images.
+MAX_SAMPLES, MAX_TREE_NODES = 4, 16
+LIMIT = Limits(max_samples=MAX_SAMPLES, max_tree_nodes=MAX_TREE_NODES).min_message_bytes
 REQUEST = {
     "prompts": ["a red fox", "a blue bird"],
     "samples_per_prompt": 2,
@@ -36,6 +36,8 @@ def small_message_server(tiny_flux_folder, cache_dir, tmp_path_factory):
         str(LIMIT),
         "--max-samples",
         str(MAX_SAMPLES),
+        "--max-tree-nodes",
+        str(MAX_TREE_NODES),
     )
     yield process
     process.stop()

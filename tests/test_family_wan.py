@@ -25,7 +25,9 @@ def test_server_info(family_client, family):
         "timestep",
     )
     assert list(info.transformers) == list(FAMILIES[family].experts)
-    assert list(info.features) == (["lora", "video", "experts"] if family == "wan2.2" else ["lora", "video"])
+    assert list(info.features) == (
+        ["lora", "tree", "video", "experts"] if family == "wan2.2" else ["lora", "tree", "video"]
+    )
     defaults = info.defaults
     assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)
     assert defaults.guidance_scale == 5.0  # Wan 2.1's

@@ -18,6 +18,7 @@ from peft import get_peft_model_state_dict
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient, RolloutPool, Started
+from rollout_client.trajectory import PathLatents
 
 FIELDS = {
     "request_id": "pool-test",
@@ -71,6 +72,11 @@ def rollout_in_the_background(pool, request) -> tuple[threading.Thread, dict, in
     return worker, result, victim
 
 
+def stacked(latents) -> torch.Tensor:
+    """A trajectory's latents as one tensor (a tree leaf's are views of its nodes' buffers)."""
+    return latents.stack() if isinstance(latents, PathLatents) else latents
+
+
 def assert_same_trajectories(pooled, alone, atol: float = TOLERANCE) -> None:
     assert len(pooled) == len(alone)
     for a, b in zip(pooled, alone, strict=True):
@@ -81,8 +87,9 @@ def assert_same_trajectories(pooled, alone, atol: float = TOLERANCE) -> None:
             b.prompt,
             b.seed,
         )
+        assert a.node_path == b.node_path
         assert torch.equal(a.latents[0], b.latents[0])  # x_0: the noise is the seed's
-        torch.testing.assert_close(a.latents, b.latents, atol=atol, rtol=0)
+        torch.testing.assert_close(stacked(a.latents), stacked(b.latents), atol=atol, rtol=0)
         torch.testing.assert_close(a.log_probs, b.log_probs, atol=atol, rtol=0, equal_nan=True)
         assert a.image_png is not None
 
@@ -161,8 +168,20 @@ def test_the_pool_lays_requests_out_as_a_server_does(server, client):
 
 
 def test_a_replica_killed_mid_rollout_is_replaced_with_identical_noise(replicas, client, cache_dir, tmp_path):
-    slow = make_request(FIELDS, prompts=["a red fox"], num_steps=40, height=256, width=256)
+    """A tree rollout of two prompts, killed with its replica, re-runs whole on the other one with the
+    same seeds: the same tree, the same noise."""
+    branches = [rollout_pb2.Branch(step=2, factor=2), rollout_pb2.Branch(step=20, factor=2)]
+    slow = make_request(
+        FIELDS,
+        prompts=["a red fox", "two cats"],
+        samples_per_prompt=1,
+        num_steps=40,
+        height=256,
+        width=256,
+        branches=branches,
+    )
     alone = client.rollout(slow)
+    assert len(alone) == 8 and alone[0].tree is not None
     pool = RolloutPool([server.address for server in replicas], timeout=60, health_interval=0.2)
     try:
         worker, result, victim = rollout_in_the_background(pool, slow)
@@ -170,6 +189,8 @@ def test_a_replica_killed_mid_rollout_is_replaced_with_identical_noise(replicas,
         worker.join(timeout=60)
         assert_same_trajectories(result["trajectories"], alone)
         assert "rollout id=pool-test" not in replicas[victim].log()  # killed before it finished
+        # The tree ran whole on the other replica: one rollout of its 2 roots.
+        assert re.findall(r"rollout id=pool-test samples=(\d+)", replicas[1 - victim].log()) == ["2"]
         assert pool.retries == 1 and pool.replicas[victim].failures == 1
         assert not pool.replicas[victim].healthy
 

@@ -15,7 +15,7 @@ def plan(sampler_type: str, seeds: list[int], noise_level: float, latent_dtype=t
         sampler_type=sampler_type,
         sigmas=torch.tensor([1.0, 0.8, 0.55, 0.3, 0.1, 0.0]),
         stochastic=[True, False, True, True, False],
-        noise_level=noise_level,
+        noise_levels=[noise_level] * 5,
         log_prob_constants=sampler_type != "CPS",
         latent_dtype=latent_dtype,
         seeds=seeds,
@@ -56,7 +56,9 @@ def test_each_step_matches_the_float64_reference():
             v = velocity(state.x, i)
             record = advance(p, state, v)
             kind = p.sampler_type if p.stochastic[i] else "ODE"
-            mean, sd = mean_and_sd(kind, x, v.double().numpy(), p.sigmas.double().numpy(), i, p.noise_level)
+            mean, sd = mean_and_sd(
+                kind, x, v.double().numpy(), p.sigmas.double().numpy(), i, p.noise_levels[i]
+            )
             np.testing.assert_allclose(record.mean.numpy(), mean, rtol=1e-5, atol=1e-6)
             if p.stochastic[i]:
                 eps = noise.step_noise(p.seeds, i, p.latent_shape).double().numpy()

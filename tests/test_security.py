@@ -290,6 +290,7 @@ def test_rollout_client_cli_flags(secured_server, pki, tmp_path, capsys):
 
 
 ROLLOUT, INFO = f"/{SERVICE}/Rollout", f"/{SERVICE}/GetServerInfo"
+PRUNE = f"/{SERVICE}/PruneRollout"
 UPDATE, LOAD = f"/{SERVICE}/UpdateWeights", f"/{SERVICE}/LoadWeights"
 HEALTH = "/grpc.health.v1.Health/Check"
 OK, DENIED, UNAUTHENTICATED = None, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED
@@ -306,12 +307,15 @@ OK, DENIED, UNAUTHENTICATED = None, grpc.StatusCode.PERMISSION_DENIED, grpc.Stat
         ({"rollout_token": b"r", "admin_token": b"a"}, UPDATE, "x", UNAUTHENTICATED),
         ({"rollout_token": b"r", "admin_token": b"a"}, ROLLOUT, None, UNAUTHENTICATED),
         ({"rollout_token": b"r", "admin_token": b"a"}, HEALTH, None, OK),
+        ({"rollout_token": b"r", "admin_token": b"a"}, PRUNE, "r", OK),
+        ({"rollout_token": b"r", "admin_token": b"a"}, PRUNE, None, UNAUTHENTICATED),
         # Only a rollout token: it allows everything.
         ({"rollout_token": b"r"}, UPDATE, "r", OK),
         ({"rollout_token": b"r"}, LOAD, None, UNAUTHENTICATED),
         # Only an admin token: rollouts stay open, weights need it.
         ({"admin_token": b"a"}, ROLLOUT, None, OK),
         ({"admin_token": b"a"}, INFO, "anything", OK),
+        ({"admin_token": b"a"}, PRUNE, None, OK),
         ({"admin_token": b"a"}, UPDATE, None, UNAUTHENTICATED),
         ({"admin_token": b"a"}, LOAD, "a", OK),
         # No token: everything open.

@@ -74,6 +74,18 @@ def test_sp2_matches_sp1(client, sp2_client, tiny_transformer, sampler):
     assert_replays(tiny_transformer, two.trajectories())  # with a plain, unsplit transformer
 
 
+def test_sp2_tree_matches_sp1(client, sp2_client, tiny_transformer):
+    """A tree rollout at SP=2: the same nodes at every step, and the numbers of SP=1."""
+    forks = [rollout_pb2.Branch(step=1, factor=2), rollout_pb2.Branch(step=2, factor=2, noise_level=1.1)]
+    tree = request(samples_per_prompt=1, branches=forks)
+    one = split_events(client.stream(tree))
+    two = split_events(sp2_client.stream(tree))
+    assert [step.nodes for step in one.steps] == [step.nodes for step in two.steps]
+    assert len(two.steps[-1].nodes) == 2 * 4
+    assert_same_numbers(one, two, bitwise_log_probs=True)
+    assert_replays(tiny_transformer, two.trajectories())
+
+
 def test_torchrun_launch_matches_sp1(client, cache_dir, tmp_path):
     """``torchrun --nproc-per-node 2 -m rollout_server serve`` forms the same 2-rank group."""
     torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2")

@@ -7,6 +7,7 @@ finished iterations checkpointed."""
 
 import copy
 import csv
+import math
 import signal
 import subprocess
 import sys
@@ -203,6 +204,17 @@ def test_steps_scored_while_streaming_train_as_after_the_stream(train_client, tm
     assert any(tensor.abs().max() > 0 for name, tensor in adapters[0].items() if "lora_B" in name)
 
 
+def test_tree_rollouts_train_every_edge_on_policy(train_client, tmp_path):
+    """--tree: one root per prompt forks at steps 0 and 1 (4 leaves a prompt); every edge is trained
+    once, on the policy that sampled it, and the adapter moves."""
+    rows = run_trainer(train_client.address, tmp_path / "tree", "--group-size", "1", "--tree", "0:2,1:2")
+    for row in rows:
+        assert float(row["ratio_max_dev"]) <= TOLERANCE and math.isfinite(float(row["loss"]))
+        assert row["scored_steps"] == "0 1 2"
+    adapter = load_file(tmp_path / "tree" / "lora" / "adapter_model.safetensors")
+    assert any(tensor.abs().max() > 0 for name, tensor in adapter.items() if "lora_B" in name)
+
+
 def test_a_killed_run_resumes_to_the_uninterrupted_run(train_client, tmp_path, trainer, capsys):
     """SIGKILL after the first checkpoint, then --resume: the metrics and the final adapter are those of
     a run that was never interrupted, bit for bit (same seeds, same server, one thread each side)."""
@@ -285,6 +297,23 @@ def test_arguments_that_cannot_train_are_refused(trainer, capsys, flag, value, m
         trainer.parse_args([flag, value])
     assert refused.value.code == 2
     assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tree", "1:2", "--window", "2"], "--window does not go with --tree"),
+        (["--tree", "1:2", "--algorithm", "nft"], "--tree trains edges with FlowGRPO's loss"),
+        (["--tree", "9:2", "--steps", "6"], "--tree: every branch step must be in [0, --steps)"),
+        (["--tree", "1-2"], "--tree: not step:factor[:noise_level]: '1-2'"),
+        (["--tree", "1:1", "--group-size", "1"], "argument --group-size: must be at least 2"),
+    ],
+)
+def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, message):
+    with pytest.raises(SystemExit) as refused:
+        trainer.parse_args(flags)
+    assert refused.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_resume_needs_a_checkpoint(trainer, capsys, tmp_path):

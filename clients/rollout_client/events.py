@@ -32,6 +32,16 @@ class Step:
     log_probs: torch.Tensor | None  # float32 [B] when stochastic
     x_next: torch.Tensor | None
     debug: dict[str, torch.Tensor] = field(default_factory=dict)
+    nodes: list[int] = field(default_factory=list)  # a tree rollout's: the node of each row
+
+
+@dataclass
+class Pruned:
+    """A tree rollout's nodes stopped by PruneRollout: they take no step from ``step`` on."""
+
+    request_id: str
+    nodes: list[int]
+    step: int
 
 
 @dataclass
@@ -52,7 +62,7 @@ class Finished:
     message: rollout_pb2.RolloutFinished
 
 
-Event = Started | Step | Image | Finished
+Event = Started | Step | Pruned | Image | Finished
 
 
 def _read_payload(first: bytes, following: int, responses: Iterator[rollout_pb2.RolloutResponse]) -> bytes:
@@ -106,7 +116,9 @@ def decode_stream(responses: Iterable[rollout_pb2.RolloutResponse]) -> Iterator[
             tensors = _tensors(step.tensors, responses)
             log_probs = torch.tensor(list(step.log_probs), dtype=torch.float32) if step.stochastic else None
             x_next = tensors.pop(wire.X_NEXT, None)
-            yield Step(rid, step, step.index, step.stochastic, log_probs, x_next, tensors)
+            yield Step(rid, step, step.index, step.stochastic, log_probs, x_next, tensors, list(step.nodes))
+        elif kind == "pruned":
+            yield Pruned(rid, list(response.pruned.nodes), response.pruned.step)
         elif kind == "image":
             png = _read_payload(response.image.png, response.image.following_chunks, responses)
             yield Image(rid, response.image.sample_index, png, response.image.frame_index)

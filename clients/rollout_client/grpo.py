@@ -7,12 +7,40 @@ advantages, the clipped policy loss, the KL penalty and the Flow-GRPO-Fast step 
   stream's batching rule), guidance and the step math run in float32, and the streamed x_{i+1} is
   scored exactly as the server scored it: at the policy the rollout ran on, the log-prob equals the
   streamed one up to the model's float rounding. ``step_log_probs`` is its log-prob alone.
+* ``tree_edges(trajectories)``: the leaves of tree rollouts -> every stochastic transition once,
+  as (request id, node, step, row): ``step_transitions`` on ``trajectories[row]`` at ``step`` scores
+  the node's edge x_step -> x_{step+1}, which all leaves below the node share.
 * ``micro_batches(trajectories, steps, size)``: the (step, rows) pieces to score, at most ``size``
   rows each: memory is bounded by what one piece's forward and backward hold (``row_batches``: the
   pieces of rows alone).
 * ``group_advantages(rewards, groups)``: per prompt group,
   ``A = (r - mean_group(r)) / (std_group(r) + eps)``, the population std, eps = 1e-4 (FlowGRPO's
   per-prompt stat tracking).
+* ``branch_advantages(tree, leaf_rewards, fusion, node_log_probs)``: BranchGRPO's (arXiv 2509.06040)
+  advantages per node of a ``rollout_core.tree.Tree``. A node's reward fuses the rewards r_l of the
+  rewarded leaves L(n) below it (a leaf's is its own): their mean (``fusion="mean"``), or
+  (``fusion="log_prob"``) weighted by the probability of the path from n down to each leaf, with
+  ``lp(m)`` the summed log-prob of node m's own steps::
+
+      R(n) = sum_{l in L(n)} w_l r_l,   w_l = 1 / |L(n)|   or   w_l = softmax_{l in L(n)}(s_l),
+      s_l = sum of lp(m) over the nodes m of the path n -> l strictly below n
+
+  then standardised among the nodes of the same depth and prompt (normalised per depth within a
+  tree), the population std::
+
+      A(n) = (R(n) - mean_{depth, prompt}(R)) / (std_{depth, prompt}(R) + eps)
+
+* ``backed_up_advantages(tree, leaf_rewards)``: TreeGRPO's (arXiv 2512.08153): the leaf rewards
+  standardised within the prompt group (the rewarded leaves of that prompt, the population std),
+  then backed up from the leaves to the roots, each node taking the mean of its children's::
+
+      A(l) = (r_l - mean_prompt(r)) / (std_prompt(r) + eps),   A(n) = mean_{c in C(n)} A(c)
+
+  with C(n) the children of n that have a rewarded leaf below them.
+
+  Both take ``leaf_rewards`` as a mapping leaf id -> reward (a leaf left out is pruned), compute in
+  float64 and return float32 [len(tree)] by node id, NaN at the nodes with no rewarded leaf below.
+  (Checked against the papers' abstracts only, not their method sections: those are the rules above.)
 * ``clipped_policy_loss(log_probs, old_log_probs, advantages, clip_range)``: PPO's clipped surrogate
   as FlowGRPO writes it, with ``rho = exp(log_probs - old_log_probs)`` and ``A`` clipped to
   [-adv_clip_max, adv_clip_max] (FlowGRPO: 5)::
@@ -42,6 +70,7 @@ from rollout_core.transformer_call import apply_guidance, call_transformer, stac
 
 if TYPE_CHECKING:
     from rollout_client.trajectory import Trajectory
+    from rollout_core.tree import Tree
 
 
 def _on(value, device: torch.device):
@@ -123,7 +152,7 @@ def step_transitions(
     v = apply_guidance(call.guidance_rule, call.guidance_rule_scale, velocities)
     means, stds, log_probs = [], [], []
     for row, trajectory in enumerate(trajectories):
-        kind, sigmas, level = trajectory.sampler_type, trajectory.sigmas, trajectory.noise_level
+        kind, sigmas, level = trajectory.sampler_type, trajectory.sigmas, trajectory.noise_level_at(i)
         mean = steps.transition_mean(kind, x[row : row + 1], v[row : row + 1], sigmas, i, level)
         sd = steps.noise_std(kind, sigmas, i, level).to(device)
         x_next = trajectory.latents[i + 1].unsqueeze(0).to(device)
@@ -141,6 +170,35 @@ def step_log_probs(
 ) -> torch.Tensor:
     """float32 [B]: the log-prob of step ``i`` of each trajectory under ``transformer``."""
     return step_transitions(transformer, trajectories, i, device).log_probs
+
+
+class Edge(NamedTuple):
+    """One transition of a tree rollout: node ``node`` of request ``request_id`` at step ``step``,
+    held by ``trajectories[row]``, a leaf below the node."""
+
+    request_id: str
+    node: int
+    step: int
+    row: int
+
+
+def tree_edges(trajectories: Sequence["Trajectory"]) -> list[Edge]:
+    """Every stochastic transition of the trees the leaves ``trajectories`` come from, once, in each
+    tree's node order (pruned nodes, which no leaf passes through, have none)."""
+    rows: dict[tuple[str, int], int] = {}
+    trees = {}
+    for row, trajectory in enumerate(trajectories):
+        if trajectory.tree is None:
+            raise ValueError(f"sample {trajectory.sample_index} is not a tree leaf")
+        trees.setdefault(trajectory.request_id, trajectory.tree)
+        for node in trajectory.node_path:
+            rows.setdefault((trajectory.request_id, node), row)
+    return [
+        Edge(request_id, node, i, rows[request_id, node])
+        for request_id, tree in trees.items()
+        for node, i in tree.edges()
+        if (request_id, node) in rows and trajectories[rows[request_id, node]].stochastic[i]
+    ]
 
 
 def row_batches(trajectories: Sequence["Trajectory"], size: int) -> list[list[int]]:
@@ -182,13 +240,7 @@ def sde_window(
 def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """Per-sample advantages [N]: each reward standardised within its group (the samples sharing a
     value of ``groups``, e.g. a prompt), with the population std."""
-    rewards = rewards.double()
-    advantages = torch.empty_like(rewards)
-    for group in torch.unique(groups):
-        members = groups == group
-        values = rewards[members]
-        advantages[members] = (values - values.mean()) / (values.std(correction=0) + eps)
-    return advantages.float()
+    return _standardised_by(rewards.double(), groups.tolist(), eps).float()
 
 
 def clipped_policy_loss(
@@ -212,3 +264,102 @@ def kl_to_reference(means: torch.Tensor, reference_means: torch.Tensor, stds: to
     squared = (means.float() - reference_means.float()) ** 2
     per_sample = squared.mean(dim=tuple(range(1, squared.ndim)))
     return per_sample / (2 * stds.float() ** 2)
+
+
+def _leaf_reward_vector(tree: "Tree", leaf_rewards: Mapping[int, float]) -> torch.Tensor:
+    """float64 [len(tree)]: each rewarded leaf's reward at its id, NaN elsewhere."""
+    rewards = torch.full((len(tree),), float("nan"), dtype=torch.float64)
+    for node_id, reward in leaf_rewards.items():
+        node_id = int(node_id)
+        if not (0 <= node_id < len(tree) and tree[node_id].is_leaf):
+            raise ValueError(f"node {node_id} is not a leaf of the tree: only leaves carry rewards")
+        value = torch.tensor(float(reward), dtype=torch.float64)
+        if not torch.isfinite(value):
+            raise ValueError(f"leaf {node_id}'s reward is {float(reward)}: leave a pruned leaf out instead")
+        rewards[node_id] = value
+    return rewards
+
+
+def _standardised_by(values: torch.Tensor, keys: Sequence[object], eps: float) -> torch.Tensor:
+    """float64: each non-NaN value standardised among the non-NaN values sharing its key, with the
+    population std; NaN stays NaN."""
+    out = torch.full_like(values, float("nan"))
+    groups: dict[object, list[int]] = {}
+    for index, key in enumerate(keys):
+        if not torch.isnan(values[index]):
+            groups.setdefault(key, []).append(index)
+    for members in groups.values():
+        group = values[members]
+        out[members] = (group - group.mean()) / (group.std(correction=0) + eps)
+    return out
+
+
+def _rewarded_leaves_below(tree: "Tree", rewards: torch.Tensor) -> list[list[int]]:
+    """Per node id, the ids of the rewarded leaves below it (a rewarded leaf: itself), leaves in id
+    order. Children are numbered after their parents, so one pass from the last id up suffices."""
+    below: list[list[int]] = [[] for _ in range(len(tree))]
+    for node in reversed(tree.nodes):
+        if node.is_leaf:
+            below[node.id] = [] if torch.isnan(rewards[node.id]) else [node.id]
+        else:
+            below[node.id] = sorted(leaf for child in node.children for leaf in below[child])
+    return below
+
+
+def branch_advantages(
+    tree: "Tree",
+    leaf_rewards: Mapping[int, float],
+    fusion: str = "mean",
+    node_log_probs: Mapping[int, float] | torch.Tensor | None = None,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """BranchGRPO's per-node advantages, float32 [len(tree)] by node id (see the module docstring):
+    each node's reward fused from its rewarded leaves (``fusion`` "mean" or "log_prob"), then
+    standardised among the nodes of its depth and prompt. ``leaf_rewards`` maps leaf id -> reward
+    (a leaf left out is pruned); ``node_log_probs`` (for "log_prob": node id -> the summed log-prob
+    of that node's own steps, a mapping or a [len(tree)] tensor) is read at every node below a node
+    on the way to its rewarded leaves, so roots' entries are never needed. A node with no rewarded
+    leaf below it gets NaN."""
+    if fusion not in ("mean", "log_prob"):
+        raise ValueError(f"unknown fusion {fusion!r}: use 'mean' or 'log_prob'")
+    if fusion == "log_prob" and node_log_probs is None:
+        raise ValueError("fusion='log_prob' needs node_log_probs (node id -> summed log-prob)")
+    rewards = _leaf_reward_vector(tree, leaf_rewards)
+    below = _rewarded_leaves_below(tree, rewards)
+    # The log-prob of the path root -> n, own steps of the root included: the path from n down to a
+    # leaf l, strictly below n, has log-prob prefix[l] - prefix[n].
+    prefix = torch.zeros(len(tree), dtype=torch.float64)
+    if fusion == "log_prob":
+        needed = {node.id for node in tree.nodes if below[node.id] and node.depth > 0}
+        for node in tree.nodes:  # parents before children
+            own = float(node_log_probs[node.id]) if node.id in needed else 0.0
+            prefix[node.id] = own + (prefix[node.parent] if node.depth > 0 else 0.0)
+    fused = torch.full((len(tree),), float("nan"), dtype=torch.float64)
+    for node in tree.nodes:
+        leaves = below[node.id]
+        if not leaves:
+            continue
+        if fusion == "mean":
+            fused[node.id] = rewards[leaves].mean()
+        else:
+            weights = torch.softmax(prefix[leaves] - prefix[node.id], dim=0)
+            fused[node.id] = (weights * rewards[leaves]).sum()
+    keys = [(node.prompt_index, node.depth) for node in tree.nodes]
+    return _standardised_by(fused, keys, eps).float()
+
+
+def backed_up_advantages(tree: "Tree", leaf_rewards: Mapping[int, float], eps: float = 1e-4) -> torch.Tensor:
+    """TreeGRPO's per-node advantages, float32 [len(tree)] by node id (see the module docstring): the
+    leaf rewards standardised within their prompt group, each internal node taking the mean of its
+    children's advantages (children with no rewarded leaf below left out). ``leaf_rewards`` maps
+    leaf id -> reward (a leaf left out is pruned); a node with no rewarded leaf below it gets NaN."""
+    rewards = _leaf_reward_vector(tree, leaf_rewards)
+    advantages = _standardised_by(rewards, [node.prompt_index for node in tree.nodes], eps)
+    for node in reversed(tree.nodes):  # children before parents
+        if node.is_leaf:
+            continue
+        children = advantages[list(node.children)]
+        children = children[~torch.isnan(children)]
+        if len(children):
+            advantages[node.id] = children.mean()
+    return advantages.float()

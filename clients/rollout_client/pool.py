@@ -5,7 +5,8 @@
   one replica, the one with the least outstanding samples. The pool fixes every sample's seed before
   it splits the request, the seeds one server would derive from the same base seed, so the noise is
   the same. It then reassembles the trajectories as one server returns them: prompt-major, the same
-  request id, sample and prompt indices over the whole request.
+  request id, sample and prompt indices over the whole request. A tree rollout (a request with
+  branches) is not split: it runs whole on one replica, its seeds fixed the same way.
 * **Fan-out weight updates.** ``update_weights`` sends the update to every routable replica at once,
   and returns once they have applied it. A replica whose update fails is taken out of routing. The
   pool keeps a snapshot of every update since the last self-contained one (a full update) and replays
@@ -47,6 +48,7 @@ from rollout_client.events import Event, decode_stream
 from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
 from rollout_core.layout import sample_layout
+from rollout_core.tree import widest
 
 if TYPE_CHECKING:
     from rollout_client.credentials import TLS
@@ -329,7 +331,7 @@ class RolloutPool:
         replica's, unchanged). A replica that fails before the first event is replaced; after it,
         the error reaches the caller, since events already yielded cannot be taken back."""
         request = as_request(request, fields)
-        samples = max(len(request.seeds), len(request.prompts))
+        samples = max(widest(request), len(request.prompts))
         avoid: set[str] = set()
         for attempt in range(self.max_retries + 1):
             replica = self._acquire(samples, request.min_policy_version, avoid)
@@ -352,23 +354,26 @@ class RolloutPool:
         """(request, prompt index) per prompt group, laid out by the rule a server resolves requests
         by (``rollout_core.layout``), with its seeds fixed, so a re-run draws the same noise. A
         request that rule refuses goes whole to one replica (prompt index None), which answers it
-        as a server does (INVALID_ARGUMENT naming the field)."""
+        as a server does (INVALID_ARGUMENT naming the field). A tree rollout is one group: its node
+        ids, and the advantages computed over them, span its prompts."""
         layout, _ = sample_layout(request, self._static_info().limits.max_samples)
         if layout is None:
             return [(request, None)]
-        groups = []
-        for p, prompt in enumerate(request.prompts):
-            group = rollout_pb2.RolloutRequest()
-            group.CopyFrom(request)
-            group.request_id = layout.request_id
-            group.ClearField("base_seed")
-            del group.prompts[:]
-            group.prompts.append(prompt)
-            del group.seeds[:]
-            group.seeds.extend(layout.group_seeds(p))
-            group.samples_per_prompt = layout.group_size
-            groups.append((group, p))
-        return groups
+
+        def fixed(prompts: Sequence[str], seeds: Sequence[int]) -> rollout_pb2.RolloutRequest:
+            part = rollout_pb2.RolloutRequest()
+            part.CopyFrom(request)
+            part.request_id = layout.request_id
+            part.ClearField("base_seed")
+            del part.prompts[:], part.seeds[:]
+            part.prompts.extend(prompts)
+            part.seeds.extend(seeds)
+            part.samples_per_prompt = layout.group_size
+            return part
+
+        if request.branches:
+            return [(fixed(request.prompts, layout.seeds), None)]
+        return [(fixed([prompt], layout.group_seeds(p)), p) for p, prompt in enumerate(request.prompts)]
 
     def _static_info(self) -> rollout_pb2.GetServerInfoResponse:
         """A replica's server info, for its defaults and limits (the same on every replica)."""
@@ -377,7 +382,7 @@ class RolloutPool:
         return self._info
 
     def _run_group(self, request: rollout_pb2.RolloutRequest, prompt_index: int | None) -> list[Trajectory]:
-        samples = max(len(request.seeds), 1)
+        samples = max(widest(request), 1)
         avoid: set[str] = set()
         for attempt in range(self.max_retries + 1):
             replica = self._acquire(samples, request.min_policy_version, avoid)

@@ -1,4 +1,8 @@
-"""One sample's trajectory, gathered from a rollout stream, with save/load as one safetensors file."""
+"""One sample's trajectory, gathered from a rollout stream, with save/load as one safetensors file.
+
+A tree rollout's trajectories are its leaves: each is the path from its root, and siblings share the
+latents of their common prefix in memory (``PathLatents``), as they do on the wire.
+"""
 
 import io
 import json
@@ -12,15 +16,35 @@ from PIL import Image as PILImage
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rollout_client.events import Event, Finished, Image, Started, Step
+from rollout_client.events import Event, Finished, Image, Pruned, Started, Step
 from rollout_core import wire
 from rollout_core.steps import SAMPLERS_BY_ENUM
 from rollout_core.transformer_call import TransformerCall
+from rollout_core.tree import Tree
 
 # Saved-trajectory metadata: the env's non-tensor values, in the started event's env_json layout;
 # files written before the env's names held the prompt index have them per branch only.
 _ENV_JSON = "env_json"
 _LEGACY_ENV_VALUES = "env_values"
+
+
+class PathLatents:
+    """A tree leaf's x_0 .. x_T without a copy: ``[j]`` is a view of the buffer of the path's node
+    that owns x_j, so a leaf's prefix is its siblings' memory. Indexes like the [T + 1, ...] tensor
+    of a flat trajectory; ``stack()`` makes that tensor."""
+
+    def __init__(self, rows: list[torch.Tensor], shape: tuple[int, ...]):
+        self.rows = rows
+        self.shape = torch.Size((len(rows), *shape))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, j: int) -> torch.Tensor:
+        return self.rows[j]
+
+    def stack(self) -> torch.Tensor:
+        return torch.stack(self.rows) if self.rows else torch.zeros(self.shape)
 
 
 @dataclass
@@ -29,7 +53,8 @@ class Trajectory:
 
     ``latents[j]`` is x_j (float32 [T + 1, ...]); latents the stream did not carry are NaN and
     ``latent_mask[j]`` is False (with no latents streamed at all, ``latents`` has no rows).
-    ``log_probs[i]`` is NaN where step i is not stochastic.
+    ``log_probs[i]`` is NaN where step i is not stochastic. A tree leaf's ``sample_index`` is its
+    node id, ``node_path`` the ids from its root down, and ``latents`` a ``PathLatents``.
     """
 
     request_id: str
@@ -54,6 +79,13 @@ class Trajectory:
     step_transformers: list[str] = field(default_factory=list)
     image_png: bytes | None = None  # the image, or a video's first frame
     frames_png: list[bytes] = field(default_factory=list)  # every frame (an image: the one)
+    noise_levels: list[float] = field(default_factory=list)  # [T]; empty: noise_level at every step
+    node_path: list[int] = field(default_factory=list)  # a tree leaf's nodes, root first
+    tree: Tree | None = None  # a tree leaf's tree (one object for all its leaves; not saved)
+
+    def noise_level_at(self, i: int) -> float:
+        """The noise level step i used (a tree's branch step may have its own)."""
+        return self.noise_levels[i] if self.noise_levels else self.noise_level
 
     @property
     def num_steps(self) -> int:
@@ -75,7 +107,7 @@ class Trajectory:
             wire.SIGMAS: self.sigmas,
             wire.TIMESTEPS: self.timesteps,
             wire.STOCHASTIC: self.stochastic.to(torch.uint8),
-            wire.LATENTS: self.latents,
+            wire.LATENTS: self.latents.stack() if isinstance(self.latents, PathLatents) else self.latents,
             wire.LATENT_MASK: self.latent_mask.to(torch.uint8),
             wire.LOG_PROBS: self.log_probs,
             # Copies: safetensors stores no tensor that shares memory with another.
@@ -96,6 +128,8 @@ class Trajectory:
                 "log_prob_constants",
                 "policy_version",
                 "step_transformers",
+                "noise_levels",
+                "node_path",
             )
         }
         metadata = {
@@ -140,11 +174,15 @@ class Collector:
     trajectories it returns share the collector's buffers, so latents and log-probs that arrive later
     appear in them (until then latents are NaN with ``latent_mask`` False, log-probs NaN).
     ``ready(i)`` says whether step i can be scored now (x_i, x_{i+1} and its log-probs have arrived).
+    A tree rollout gives one trajectory per leaf that was not pruned; ``tree`` is its tree.
     """
 
     def __init__(self):
         self.started: Started | None = None
         self.finished: Finished | None = None
+        self.tree: Tree | None = None
+        self.pruned: set[int] = set()
+        self.node_latents: dict[int, torch.Tensor] = {}  # a tree's: node -> its own latents
         self.latents: torch.Tensor | None = None  # [B, T + 1, ...] once a latent arrives
         self.mask = torch.zeros(0, dtype=torch.bool)
         self.log_probs = torch.zeros(0)
@@ -155,29 +193,62 @@ class Collector:
         if isinstance(event, Started):
             self.started = event
             num_samples, num_steps = len(event.message.seeds), len(event.message.stochastic)
+            if event.message.tree:
+                self.tree = Tree.from_proto(event.message.tree, num_steps)
+                self._leaf_rows = {leaf.id: row for row, leaf in enumerate(self.tree.leaves)}
+                num_samples = len(self._leaf_rows)
             self.mask = torch.zeros(num_steps + 1, dtype=torch.bool)
             self.log_probs = torch.full((num_samples, num_steps), float("nan"))
             self.scored = torch.zeros(num_steps, dtype=torch.bool)
             if event.x0 is not None:
-                self._store(0, event.x0)
+                self._store(0, event.x0, [root.id for root in self.tree.roots] if self.tree else [])
         elif isinstance(event, Step):
             if event.x_next is not None:
-                self._store(event.index + 1, event.x_next)
+                self._store(event.index + 1, event.x_next, event.nodes)
             if event.log_probs is not None:
-                self.log_probs[:, event.index] = event.log_probs
+                if self.tree is None:
+                    self.log_probs[:, event.index] = event.log_probs
+                else:  # each node's log-prob is every leaf's below it
+                    for node, log_prob in zip(event.nodes, event.log_probs.tolist(), strict=True):
+                        rows = [self._leaf_rows[leaf.id] for leaf in self.tree.leaves_under(node)]
+                        self.log_probs[rows, event.index] = log_prob
                 self.scored[event.index] = True
+        elif isinstance(event, Pruned):
+            self.pruned.update(event.nodes)
         elif isinstance(event, Image):
             self.images.setdefault(event.sample_index, {})[event.frame_index] = event.png
         elif isinstance(event, Finished):
             self.finished = event
 
-    def _store(self, j: int, x: torch.Tensor) -> None:
+    def _store(self, j: int, x: torch.Tensor, nodes: list[int]) -> None:
+        self.mask[j] = True
+        if self.tree is not None:
+            for node, row in zip(nodes, x, strict=True):
+                self._node_buffer(node)[j - _first_latent(self.tree[node])] = row.float()
+            return
         if self.latents is None:
             message = self.started.message
             shape = (len(message.seeds), len(message.stochastic) + 1, *message.layout.shape)
             self.latents = torch.full(shape, float("nan"))
         self.latents[:, j] = x.float()
-        self.mask[j] = True
+
+    def _node_buffer(self, node_id: int) -> torch.Tensor:
+        """The latents ``node_id`` owns (see ``rollout_core.tree``), NaN until they arrive."""
+        if node_id not in self.node_latents:
+            node = self.tree[node_id]
+            owned = node.end_step - _first_latent(node) + 1
+            self.node_latents[node_id] = torch.full((owned, *self.started.message.layout.shape), float("nan"))
+        return self.node_latents[node_id]
+
+    def _leaf_latents(self, leaf_id: int) -> PathLatents:
+        shape = tuple(self.started.message.layout.shape)
+        if not self.mask.any():
+            return PathLatents([], shape)
+        rows = []
+        for node in self.tree.path(leaf_id):
+            first = _first_latent(node)
+            rows.extend(self._node_buffer(node.id)[j - first] for j in range(first, node.end_step + 1))
+        return PathLatents(rows, shape)
 
     def ready(self, i: int) -> bool:
         """Step i is stochastic and x_i, x_{i+1} and its log-probs have arrived."""
@@ -188,10 +259,20 @@ class Collector:
         if self.started is None:
             raise ValueError("no started event yet")
         message = self.started.message
+        if self.tree is not None:
+            leaves = [leaf for leaf in self.tree.leaves if leaf.id not in self.pruned]
+            latents = [self._leaf_latents(leaf.id) for leaf in leaves]
+            log_probs = [self.log_probs[self._leaf_rows[leaf.id]] for leaf in leaves]
+            return _trajectories(self.started, latents, self.mask, log_probs, self.images, self.tree, leaves)
         latents = self.latents
         if latents is None:
             latents = torch.zeros(len(message.seeds), 0, *message.layout.shape)
         return _trajectories(self.started, latents, self.mask, self.log_probs, self.images)
+
+
+def _first_latent(node) -> int:
+    """The first latent a tree node owns: x_0 for a root, else the output of its first step."""
+    return 0 if node.depth == 0 else node.start_step + 1
 
 
 def _frames(frames: list[bytes]) -> dict[str, Any]:
@@ -209,15 +290,27 @@ def collect(events: Iterable[Event]) -> list[Trajectory]:
     return collector.trajectories()
 
 
-def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Trajectory]:
+def _trajectories(
+    started: Started, latents, mask, log_probs, images, tree=None, leaves=()
+) -> list[Trajectory]:
+    """Row k of ``latents`` and ``log_probs`` is sample k, or a tree's k-th of ``leaves``."""
     message = started.message
     resolved = message.resolved
     transformer_call = TransformerCall.from_proto(message.transformer_call)
     sigmas = torch.tensor(list(message.sigmas), dtype=torch.float32)
     timesteps = torch.tensor(list(message.timesteps), dtype=torch.float32)
     stochastic = torch.tensor(list(message.stochastic), dtype=torch.bool)
+    if tree is None:
+        samples = [
+            (k, seed, p, [])
+            for k, (seed, p) in enumerate(zip(message.seeds, message.prompt_indices, strict=True))
+        ]
+    else:
+        samples = [
+            (leaf.id, leaf.seed, leaf.prompt_index, [n.id for n in tree.path(leaf.id)]) for leaf in leaves
+        ]
     trajectories = []
-    for k, (seed, p) in enumerate(zip(message.seeds, message.prompt_indices, strict=True)):
+    for row, (k, seed, p, node_path) in enumerate(samples):
         trajectories.append(
             Trajectory(
                 request_id=started.request_id,
@@ -231,14 +324,17 @@ def _trajectories(started: Started, latents, mask, log_probs, images) -> list[Tr
                 sigmas=sigmas,
                 timesteps=timesteps,
                 stochastic=stochastic,
-                latents=latents[k],
+                latents=latents[row],
                 latent_mask=mask,
-                log_probs=log_probs[k],
+                log_probs=log_probs[row],
                 env={branch: per_prompt[p] for branch, per_prompt in started.env.items()},
                 transformer_call=transformer_call,
                 policy_version=message.policy_version,
                 step_transformers=list(message.step_transformers),
                 **_frames([png for _, png in sorted(images.get(k, {}).items())]),
+                noise_levels=list(message.noise_levels),
+                node_path=node_path,
+                tree=tree,
             )
         )
     return trajectories

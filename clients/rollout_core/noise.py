@@ -10,6 +10,11 @@ The server owns the noise, and every draw is reproducible from a sample's 64-bit
 * each draw is ``torch.randn(latent_shape, generator=g, dtype=torch.float32)`` at the full
   (unsharded) shape of one sample's latent, on the CPU, then moved to the device.
 
+Tree rollouts: at a branch step ``b``, child ``c`` of a node with seed ``S`` draws its eps of step b
+and later from its own seed ``child_seed(S, b, c)``: ``S`` itself for ``c = 0`` (so a tree whose
+factors are all 1 is the flat rollout, bitwise), else ``splitmix64(S ^ splitmix64(2**63 + b * 2**32 + c))``
+(the top bit keeps these apart from the stream indices of ``noise_seed``).
+
 So a sample's noise depends on neither the batch it ran in, nor which steps were stochastic, nor the
 device, nor the sequence-parallel degree; a trainer can regenerate any eps with ``step_noise``.
 """
@@ -22,7 +27,8 @@ MASK64 = (1 << 64) - 1
 NOISE_RULE = (
     "seed_k = splitmix64(base_seed + k); stream j (0 = x_0, i + 1 = eps of step i) = "
     "torch.randn(latent_shape, float32) from torch.Generator('cpu').manual_seed("
-    "splitmix64(seed ^ splitmix64(j)))"
+    "splitmix64(seed ^ splitmix64(j))); tree child c at branch step b: seed = child_seed(parent seed, b, c) "
+    "= parent seed if c == 0 else splitmix64(parent seed ^ splitmix64(2**63 + b * 2**32 + c))"
 )
 
 
@@ -42,6 +48,13 @@ def derive_seeds(base_seed: int, count: int) -> list[int]:
 def noise_seed(seed: int, stream: int) -> int:
     """Generator seed of noise stream ``stream`` (0 = x_0, i + 1 = eps of step i) of one sample."""
     return splitmix64(seed ^ splitmix64(stream))
+
+
+def child_seed(parent_seed: int, step: int, child: int) -> int:
+    """The seed of child ``child`` of a tree node with ``parent_seed`` that forks at ``step``."""
+    if child == 0:
+        return parent_seed
+    return splitmix64(parent_seed ^ splitmix64((1 << 63) + (step << 32) + child))
 
 
 def draw(seeds: Sequence[int], stream: int, latent_shape: Sequence[int]) -> torch.Tensor:
