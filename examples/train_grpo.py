@@ -40,7 +40,10 @@ samples/eval-after.png (the eval images, framed green where strictly right, red 
 prompt's --group-size roots forks at those steps (``step:factor``, or ``step:factor:noise_level``),
 the leaves are scored, and every edge (a node's transition) is trained once with its node's
 advantage (``--tree-advantages``: BranchGRPO's depth-normalised fused rewards, mean or
-log-prob-weighted, or TreeGRPO's backed-up leaf advantages; ``rollout_client.grpo``).
+log-prob-weighted, or TreeGRPO's backed-up leaf advantages; ``rollout_client.grpo``). With
+``--prune-at S --prune-keep K`` the trainer terminates nodes early: when step S arrives, each node
+that took it is scored by the reward of its predicted final image, and per prompt all but the K/2
+best and K/2 worst are pruned with their subtrees (``PruneRollout``).
 
 ``--algorithm nft`` swaps the update for DiffusionNFT's (``rollout_client.nft``): the rollouts stream
 only their final latents, and each iteration takes --nft-draws optimizer steps of its flow-matching
@@ -128,6 +131,8 @@ COLUMNS = [
     "update_seconds",
     "iteration_seconds",
     "eval_accuracy",
+    "transformer_rows",
+    "pruned_leaves",
     "eval_seconds",
 ]
 CHECKPOINT = "checkpoint.pt"
@@ -236,6 +241,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="tree rollouts: branch points step:factor[:noise_level], comma-separated (e.g. 0:2,3:2,6:2)",
     )
     parser.add_argument(
+        "--prune-at",
+        type=int_at_least(0),
+        help="with --tree: when this step arrives, prune each prompt's middle nodes by predicted reward",
+    )
+    parser.add_argument(
+        "--prune-keep",
+        type=int_at_least(2, " (a prompt's advantages compare at least two of its nodes)"),
+        default=4,
+        help="with --prune-at: the nodes each prompt keeps there, the best half and the worst half",
+    )
+    parser.add_argument(
         "--tree-advantages",
         choices=TREE_ADVANTAGES,
         default="branch-mean",
@@ -341,6 +357,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error("--tree trains edges with FlowGRPO's loss: it does not go with --algorithm nft")
         if any(not 0 <= branch.step < args.steps or branch.factor < 1 for branch in branches):
             parser.error("--tree: every branch step must be in [0, --steps), every factor at least 1")
+    if args.prune_at is not None and not (args.tree and args.prune_at < args.steps):
+        parser.error("--prune-at prunes a tree: it needs --tree, and a step below --steps")
+    if args.prune_at is not None and args.async_:
+        parser.error("--prune-at prunes as the rollout streams to the trainer: it needs sync mode")
     if args.algorithm == "nft":
         # NFT scores no step: nothing to window or to score early, no step Gaussians for the KL, and
         # its old velocities must be the rollout policy's, which a stale rollout is not.
@@ -479,6 +499,8 @@ def rollout_request(args: argparse.Namespace, iteration: int, min_version: int) 
         min_policy_version=min_version,
         true_cfg_scale=args.cfg,
         branches=branch_points(args.tree),
+        # The early-termination rule predicts each node's image from its velocity.
+        debug_tensors=[] if args.prune_at is None else [rollout_pb2.DEBUG_TENSOR_VELOCITY],
     )
 
 
@@ -543,7 +565,7 @@ class Watchdog:
 
 
 def stream(client: RolloutClient, request, stall_seconds: float, on_step=None) -> Rollout:
-    """Run one rollout, storing each event as it arrives; ``on_step(collector)`` after every step.
+    """Run one rollout, storing each event as it arrives; ``on_step(collector, step)`` after every step.
     The call has no deadline, since its length depends on the server's load; a server that sends
     nothing for ``stall_seconds`` ends it with ServerStalled."""
     rollout, start = Rollout(), time.perf_counter()
@@ -553,7 +575,7 @@ def stream(client: RolloutClient, request, stall_seconds: float, on_step=None) -
             for event in watchdog.watched(decode_stream(call)):
                 rollout.collector.add(event)
                 if on_step is not None and isinstance(event, Step):
-                    on_step(rollout.collector)
+                    on_step(rollout.collector, event)
         except grpc.RpcError as error:
             if watchdog.stalled:
                 raise ServerStalled(f"no event from the server for {stall_seconds:g} s") from error
@@ -730,10 +752,58 @@ def nft_update(
     return total
 
 
-def step_arrived(collector: Collector, bar: tqdm, update: PolicyUpdate | None) -> None:
+def step_arrived(
+    collector: Collector,
+    step: Step,
+    bar: tqdm,
+    update: PolicyUpdate | None,
+    early: "EarlyTermination | None",
+) -> None:
     bar.update(1)
     if update is not None:
         update.score_ready(collector)
+    if early is not None and step.index == early.step:
+        early.prune(collector, step)
+
+
+class EarlyTermination:
+    """--prune-at S --prune-keep K on a tree rollout: when step S arrives, each node that took it is
+    scored by the reward of its predicted final image, x0 = x_S - sigma_S v (flow matching's estimate
+    from the streamed velocity), decoded by the model's own VAE through its family adapter. Per
+    prompt, the K / 2 best and K / 2 worst nodes go on (a group's extremes carry its advantages) and
+    the others are pruned with their subtrees; the server stops them at its next step boundary."""
+
+    def __init__(self, client: RolloutClient, reward: "Reward", model_path: Path, args: argparse.Namespace):
+        from rollout_server import families  # the trainer's side: it decodes as the server does
+
+        self.client, self.reward, self.step, self.keep = client, reward, args.prune_at, args.prune_keep
+        self.decoder = families.load(model_path, torch.device(args.device), torch.float32)
+
+    @torch.no_grad()
+    def prune(self, collector: Collector, step: Step) -> None:
+        from rollout_server.families.base import MediaShape
+
+        message = collector.started.message
+        shape = MediaShape.of(message.resolved)
+        sigma = message.sigmas[self.step]
+        images = []
+        for row, node in enumerate(step.nodes):
+            x0 = collector.latent(node, self.step) - sigma * step.debug["velocity"][row]
+            images.extend(next(self.decoder.decode_frames(x0[None].to(self.decoder.device), shape)))
+        prompts = [message.resolved.prompts[collector.tree[node].prompt_index] for node in step.nodes]
+        scores = self.reward(images, prompts).tolist()
+        pruned = []
+        for p in set(collector.tree[node].prompt_index for node in step.nodes):
+            ranked = sorted(
+                (score, node)
+                for node, score in zip(step.nodes, scores, strict=True)
+                if collector.tree[node].prompt_index == p
+            )
+            best = self.keep // 2
+            pruned += [node for _, node in ranked[self.keep - best : len(ranked) - best]]
+        if pruned:
+            request = rollout_pb2.PruneRolloutRequest(request_id=step.request_id, nodes=sorted(pruned))
+            self.client.stub.PruneRollout(request, metadata=self.client.metadata, timeout=60)
 
 
 def stochastic_steps(collector: Collector) -> list[int]:
@@ -904,6 +974,7 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
         say(f"a new run: removing the previous run's {checkpoint} (--resume goes on with it)")
         checkpoint.unlink()
     saved = len(rows)  # iterations in the checkpoint on disk
+    early = None if args.prune_at is None else EarlyTermination(client, reward, model_path, args)
     staleness = 1 if args.async_ else 0
     upcoming = None  # async: the next rollout, streaming in the pool's thread while this one trains
 
@@ -922,7 +993,7 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
         bar.update(1)
         if pending is None:
             on_step = functools.partial(
-                step_arrived, bar=bar, update=update if args.score_while_streaming else None
+                step_arrived, bar=bar, update=update if args.score_while_streaming else None, early=early
             )
             request = rollout_request(args, iteration, version)
             rollout = stream(client, request, args.stall_timeout, on_step)
@@ -1006,6 +1077,12 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
                 "update_seconds": push_seconds,
                 "iteration_seconds": time.perf_counter() - start,
                 "eval_accuracy": math.nan if result is None else result.accuracy,
+                "transformer_rows": rollout.collector.finished.message.transformer_rows,
+                "pruned_leaves": sum(
+                    leaf.id in rollout.collector.pruned for leaf in rollout.collector.tree.leaves
+                )
+                if args.tree
+                else 0,
                 "eval_seconds": eval_seconds,
             }
             writer.writerow(row)

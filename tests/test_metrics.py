@@ -8,6 +8,7 @@ from helpers import TO_Q, metrics_url, scrape, start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient
+from rollout_core.tree import Tree
 from rollout_server.limits import Limits
 
 TOKEN = "metrics-test-token"
@@ -76,3 +77,34 @@ def test_metrics_count_what_was_done(metered_server, tiny_transformer):
     assert after[("rollout_server_in_flight_rollouts", ())] == 0
     assert after[("rollout_server_queue_depth", ())] == 0
     assert after[("rollout_server_running_rollouts", ())] == 0
+
+
+def test_the_nodes_of_a_tree_at_one_step_share_forwards(metered_server):
+    """A tree rollout alone: at each step its nodes' rows run in the fewest forwards of at most
+    --max-batch-size rows, not one forward per node or per leaf."""
+    forks = [rollout_pb2.Branch(step=0, factor=2), rollout_pb2.Branch(step=2, factor=3)]
+    tree_request = rollout_pb2.RolloutRequest(
+        prompts=["a red fox", "two cats"],
+        samples_per_prompt=1,
+        height=64,
+        width=64,
+        num_steps=5,
+        branches=forks,
+        images=False,
+    )
+    url = metrics_url(metered_server)
+    before = scrape(url)
+    with RolloutClient(metered_server.address, timeout=120, token=TOKEN) as client:
+        events = list(client.stream(tree_request))
+    after = scrape(url)
+    started, finished = events[0].message, events[-1].message
+    tree = Tree.from_proto(started.tree, 5)
+    owners = [len(tree.owners(i)) for i in range(5)]  # the distinct latents each step's forward takes
+    assert owners == [2, 4, 4, 12, 12]
+    forwards = sum(math.ceil(count / Limits.max_batch_size) for count in owners)
+    moved = {
+        name: after[(f"rollout_server_{name}", ())] - before.get((f"rollout_server_{name}", ()), 0.0)
+        for name in ("rows_per_forward_count", "rows_per_forward_sum")
+    }
+    assert moved == {"rows_per_forward_count": forwards, "rows_per_forward_sum": sum(owners)}
+    assert finished.transformer_rows == sum(owners) == 34  # 5 steps x 12 leaves flat: 60

@@ -204,13 +204,28 @@ def test_steps_scored_while_streaming_train_as_after_the_stream(train_client, tm
     assert any(tensor.abs().max() > 0 for name, tensor in adapters[0].items() if "lora_B" in name)
 
 
-def test_tree_rollouts_train_every_edge_on_policy(train_client, tmp_path):
-    """--tree: one root per prompt forks at steps 0 and 1 (4 leaves a prompt); every edge is trained
-    once, on the policy that sampled it, and the adapter moves."""
-    rows = run_trainer(train_client.address, tmp_path / "tree", "--group-size", "1", "--tree", "0:2,1:2")
+def test_tree_rollouts_pruned_early_train_every_edge_on_policy(train_client, tmp_path):
+    """--tree: two roots per prompt fork at steps 0 and 1 (8 leaves a prompt). When step 1 arrives the
+    trainer keeps each prompt's best and worst node by predicted reward and prunes the other 6; every
+    edge left is trained once, on the policy that sampled it, and the adapter moves."""
+    flags = (
+        "--group-size",
+        "2",
+        "--tree",
+        "0:2,1:2",
+        "--steps",
+        "24",
+        "--prune-at",
+        "1",
+        "--prune-keep",
+        "2",
+    )
+    rows = run_trainer(train_client.address, tmp_path / "tree", *flags)
+    unpruned = 4 + 8 + 16 * 22  # the distinct latents of each step's forward, 2 prompts
     for row in rows:
         assert float(row["ratio_max_dev"]) <= TOLERANCE and math.isfinite(float(row["loss"]))
-        assert row["scored_steps"] == "0 1 2"
+        assert row["scored_steps"] == " ".join(map(str, range(24)))
+        assert int(row["pruned_leaves"]) == 2 * 6 and int(row["transformer_rows"]) < unpruned
     adapter = load_file(tmp_path / "tree" / "lora" / "adapter_model.safetensors")
     assert any(tensor.abs().max() > 0 for name, tensor in adapter.items() if "lora_B" in name)
 
@@ -307,6 +322,8 @@ def test_arguments_that_cannot_train_are_refused(trainer, capsys, flag, value, m
         (["--tree", "9:2", "--steps", "6"], "--tree: every branch step must be in [0, --steps)"),
         (["--tree", "1-2"], "--tree: not step:factor[:noise_level]: '1-2'"),
         (["--tree", "1:1", "--group-size", "1"], "argument --group-size: must be at least 2"),
+        (["--prune-at", "1"], "--prune-at prunes a tree: it needs --tree"),
+        (["--tree", "1:2", "--prune-at", "1", "--async"], "--prune-at prunes as the rollout streams"),
     ],
 )
 def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, message):

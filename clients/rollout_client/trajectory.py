@@ -240,6 +240,12 @@ class Collector:
             self.node_latents[node_id] = torch.full((owned, *self.started.message.layout.shape), float("nan"))
         return self.node_latents[node_id]
 
+    def latent(self, node_id: int, j: int) -> torch.Tensor:
+        """A tree rollout's x_j on the path of ``node_id`` (its own, or an ancestor's), as streamed
+        (NaN until it arrives)."""
+        owner = next(node for node in self.tree.path(node_id) if node.owns(j))
+        return self._node_buffer(owner.id)[j - _first_latent(owner)]
+
     def _leaf_latents(self, leaf_id: int) -> PathLatents:
         shape = tuple(self.started.message.layout.shape)
         if not self.mask.any():
