@@ -58,6 +58,7 @@ bench: $(STAMP) $(STUBS)
 	$(PY) bench/concurrency.py
 	$(PY) bench/train_modes.py
 	$(PY) bench/replicas.py
+	$(PY) bench/tree.py
 
 # torch goes first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
