@@ -20,8 +20,12 @@ SHAPES_TRAINING := --model shapes --prompt-set shapes --reward rollout_client.re
 serve: $(STAMP) $(STUBS)
 	$(VENV)/bin/rollout-server serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# Test files run on this many worker processes (pytest-xdist), a file's tests on one worker together, so
+# its module fixtures (servers) start once; 1 runs them in this process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(STUBS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 demo: $(STAMP) $(STUBS)
 	$(PY) examples/demo.py --out demo-output
