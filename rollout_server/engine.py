@@ -291,8 +291,8 @@ class Engine:
 
     def _prune(self, rollout: Rollout, nodes: list[int]) -> None:
         """Stop ``nodes`` of a tree rollout that is still denoising; with no node left, it is done."""
-        if rollout.pieces is not None or rollout.done:
-            return  # its steps are over: nothing left to stop
+        if rollout.done:
+            return  # its steps are over (it may be decoding): nothing left to stop
         pruned = rollout.prune(nodes)
         try:
             if rollout.stream is not None and pruned:

@@ -213,7 +213,7 @@ class Runner:
             for k, branch in enumerate(request.branches)
             if branch.factor > 1 and not stochastic[branch.step]
         ]:
-            # CPS into sigma = 0: its last step has no noise.
+            # ODE, a step left out of stochastic_steps, a zero noise level, or CPS into sigma = 0.
             raise InvalidRequest(
                 [(name, "the step draws no noise: its children would be equal") for name in forks_in_vain]
             )

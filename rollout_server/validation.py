@@ -255,9 +255,10 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
 def _branch_problems(
     request: rollout_pb2.RolloutRequest, resolved: rollout_pb2.RolloutRequest, limits: Limits
 ) -> list[tuple[str, str]]:
-    """The problems of a tree request's branch points: steps in range, strictly increasing and
-    stochastic where they fork, factors at least 1, and a tree within the node and width limits.
-    Counted before anything grows: a request of huge factors costs no more than a small one."""
+    """The problems of a tree request's branch points: steps in range and strictly increasing,
+    factors at least 1, and a tree within the node and width limits (that a forking step draws
+    noise needs the schedule: ``Runner.prepare`` checks it). Counted before anything grows: a
+    request of huge factors costs no more than a small one."""
     branches = list(request.branches)
     if not branches:
         return []
@@ -265,15 +266,12 @@ def _branch_problems(
         return [("branches", f"{len(branches)} branch points exceed {limits.max_steps} steps")]
     bad = []
     num_steps = resolved.num_steps
-    chosen = set(request.stochastic_steps)
     sampler = steps.SAMPLERS_BY_ENUM.get(resolved.sampler, steps.SAMPLERS["ODE"])
     for k, branch in enumerate(branches):
         if branch.step >= num_steps:
             bad.append((f"branches[{k}].step", f"must be < num_steps ({num_steps}), got {branch.step}"))
         elif k and branch.step <= branches[k - 1].step:
             bad.append((f"branches[{k}].step", "branch steps must be strictly increasing"))
-        elif branch.factor > 1 and (sampler.name == "ODE" or (chosen and branch.step not in chosen)):
-            bad.append((f"branches[{k}].step", f"step {branch.step} is not stochastic: equal children"))
         if branch.factor < 1:
             bad.append((f"branches[{k}].factor", "must be at least 1"))
         if branch.HasField("noise_level"):

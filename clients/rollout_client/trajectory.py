@@ -196,6 +196,11 @@ class Collector:
             if event.message.tree:
                 self.tree = Tree.from_proto(event.message.tree, num_steps)
                 self._leaf_rows = {leaf.id: row for row, leaf in enumerate(self.tree.leaves)}
+                # Each node's log-prob is every leaf's below it: their rows, found once.
+                self._rows_under = {
+                    node.id: [self._leaf_rows[leaf.id] for leaf in self.tree.leaves_under(node.id)]
+                    for node in self.tree.nodes
+                }
                 num_samples = len(self._leaf_rows)
             self.mask = torch.zeros(num_steps + 1, dtype=torch.bool)
             self.log_probs = torch.full((num_samples, num_steps), float("nan"))
@@ -208,10 +213,9 @@ class Collector:
             if event.log_probs is not None:
                 if self.tree is None:
                     self.log_probs[:, event.index] = event.log_probs
-                else:  # each node's log-prob is every leaf's below it
+                else:
                     for node, log_prob in zip(event.nodes, event.log_probs.tolist(), strict=True):
-                        rows = [self._leaf_rows[leaf.id] for leaf in self.tree.leaves_under(node)]
-                        self.log_probs[rows, event.index] = log_prob
+                        self.log_probs[self._rows_under[node], event.index] = log_prob
                 self.scored[event.index] = True
         elif isinstance(event, Pruned):
             self.pruned.update(event.nodes)
@@ -224,7 +228,7 @@ class Collector:
         self.mask[j] = True
         if self.tree is not None:
             for node, row in zip(nodes, x, strict=True):
-                self._node_buffer(node)[j - _first_latent(self.tree[node])] = row.float()
+                self._node_buffer(node)[j - self.tree[node].first_latent] = row.float()
             return
         if self.latents is None:
             message = self.started.message
@@ -236,15 +240,15 @@ class Collector:
         """The latents ``node_id`` owns (see ``rollout_core.tree``), NaN until they arrive."""
         if node_id not in self.node_latents:
             node = self.tree[node_id]
-            owned = node.end_step - _first_latent(node) + 1
+            owned = node.end_step - node.first_latent + 1
             self.node_latents[node_id] = torch.full((owned, *self.started.message.layout.shape), float("nan"))
         return self.node_latents[node_id]
 
     def latent(self, node_id: int, j: int) -> torch.Tensor:
         """A tree rollout's x_j on the path of ``node_id`` (its own, or an ancestor's), as streamed
         (NaN until it arrives)."""
-        owner = next(node for node in self.tree.path(node_id) if node.owns(j))
-        return self._node_buffer(owner.id)[j - _first_latent(owner)]
+        owner = self.tree.owner(node_id, j)
+        return self._node_buffer(owner.id)[j - owner.first_latent]
 
     def _leaf_latents(self, leaf_id: int) -> PathLatents:
         shape = tuple(self.started.message.layout.shape)
@@ -252,8 +256,8 @@ class Collector:
             return PathLatents([], shape)
         rows = []
         for node in self.tree.path(leaf_id):
-            first = _first_latent(node)
-            rows.extend(self._node_buffer(node.id)[j - first] for j in range(first, node.end_step + 1))
+            buffer = self._node_buffer(node.id)
+            rows.extend(buffer[j - node.first_latent] for j in range(node.first_latent, node.end_step + 1))
         return PathLatents(rows, shape)
 
     def ready(self, i: int) -> bool:
@@ -274,11 +278,6 @@ class Collector:
         if latents is None:
             latents = torch.zeros(len(message.seeds), 0, *message.layout.shape)
         return _trajectories(self.started, latents, self.mask, self.log_probs, self.images)
-
-
-def _first_latent(node) -> int:
-    """The first latent a tree node owns: x_0 for a root, else the output of its first step."""
-    return 0 if node.depth == 0 else node.start_step + 1
 
 
 def _frames(frames: list[bytes]) -> dict[str, Any]:

@@ -48,9 +48,14 @@ class Node:
     def is_leaf(self) -> bool:
         return not self.children
 
+    @property
+    def first_latent(self) -> int:
+        """The first latent it owns: x_0 for a root, else the output of its first step."""
+        return 0 if self.parent == NO_PARENT else self.start_step + 1
+
     def owns(self, j: int) -> bool:
         """Whether latent x_j is this node's."""
-        return self.start_step < j <= self.end_step or (self.parent == NO_PARENT and j == 0)
+        return self.first_latent <= j <= self.end_step
 
 
 @dataclass(frozen=True)
@@ -182,9 +187,9 @@ class Tree:
     def leaves_under(self, node_id: int) -> list[Node]:
         return [node for node in self.descendants(node_id) if node.is_leaf]
 
-    def owner(self, leaf_id: int, j: int) -> Node:
-        """The node of ``leaf_id``'s path that owns x_j."""
-        return next(node for node in self.path(leaf_id) if node.owns(j))
+    def owner(self, node_id: int, j: int) -> Node:
+        """The node of ``node_id``'s path (its own, or an ancestor) that owns x_j."""
+        return next(node for node in self.path(node_id) if node.owns(j))
 
     def owners(self, j: int) -> list[Node]:
         """The nodes that own x_j: the rows of step j's forward."""
