@@ -1,7 +1,8 @@
 """Who may call the server: TLS credentials, bearer tokens and the warning for an exposed bind.
 
 Two optional tokens, read once at start-up. The rollout token allows Rollout, GetServerInfo and
-PruneRollout; the admin token allows those and the weight RPCs (UpdateWeights, LoadWeights). With
+PruneRollout; the admin token allows those and the weight RPCs (UpdateWeights, LoadWeights, and the
+weight-sync group's InitWeightSync, UpdateWeightsFromGroup and DestroyWeightSync). With
 only a rollout token, that one token allows everything; with only an admin token, rollouts stay
 open. Health checking and reflection are always open. A missing or unknown token is UNAUTHENTICATED;
 the rollout token on a weight RPC is PERMISSION_DENIED.
@@ -24,7 +25,16 @@ from rollout_server.errors import StartupError
 log = logging.getLogger("rollout_server.auth")
 _SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 ROLLOUT_METHODS = frozenset(f"/{_SERVICE}/{name}" for name in ("Rollout", "GetServerInfo", "PruneRollout"))
-WEIGHT_METHODS = frozenset(f"/{_SERVICE}/{name}" for name in ("UpdateWeights", "LoadWeights"))
+WEIGHT_METHODS = frozenset(
+    f"/{_SERVICE}/{name}"
+    for name in (
+        "UpdateWeights",
+        "LoadWeights",
+        "InitWeightSync",
+        "UpdateWeightsFromGroup",
+        "DestroyWeightSync",
+    )
+)
 _BEARER = "bearer "
 # The gRPC handler factory for each (request streaming, response streaming) method shape.
 HANDLER_KINDS = {

@@ -17,6 +17,8 @@ step.
 """
 
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import resource
@@ -31,15 +33,33 @@ import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_server import memory
-from rollout_server.errors import InvalidRequest, RankFailure, ShuttingDown
+from rollout_server.errors import (
+    InvalidRequest,
+    NoWeightSyncGroup,
+    RankFailure,
+    ShuttingDown,
+    UpdateAbandoned,
+    WeightSyncFailed,
+)
 from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.metrics import ServerMetrics
-from rollout_server.parallel import HEARTBEAT, ROUND, STOP, UPDATE, SequenceParallel
+from rollout_server.parallel import (
+    HEARTBEAT,
+    ROUND,
+    STOP,
+    SYNC_JOIN,
+    SYNC_LEAVE,
+    SYNC_UPDATE,
+    UPDATE,
+    SequenceParallel,
+    WeightSyncOptions,
+)
 from rollout_server.policy import Policy
 from rollout_server.runner import Rollout, Runner, tree_of
 from rollout_server.sampler import advance
 from rollout_server.scheduler import STREAM_BUFFER, Outbox, RolloutJob, Round, Scheduler, UpdateJob
 from rollout_server.stream import StreamEncoder, latents_sent, started_event
+from rollout_server.weights import group
 
 if TYPE_CHECKING:
     from rollout_server.limits import Limits
@@ -74,6 +94,24 @@ def decode_round(
 
 
 @dataclass(frozen=True)
+class GroupApplied:
+    """What a group update did, beyond what UpdateWeights reports."""
+
+    transfer_seconds: float  # the broadcasts alone
+    total_tensors: int  # of the target (or its adapter layout) for this kind
+    rank_checksums: list[str]  # the served checksum as each rank computed it, rank 0 first
+
+
+# What a non-leader rank does for each weight-sync command (the failures every rank meets alike are
+# rank 0's to report).
+FOLLOWED_SYNC = {
+    SYNC_JOIN: Policy.follow_join,
+    SYNC_UPDATE: Policy.follow_update,
+    SYNC_LEAVE: Policy.follow_leave,
+}
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     """What the engine serves and holds right now."""
 
@@ -82,6 +120,8 @@ class EngineStatus:
     in_flight: int  # rollouts queued or running whose stream is still open
     running: int  # rollouts in the running set (stepping, decoding or parked)
     queued: int  # rollouts and weight updates waiting to start
+    weights_checksum: str  # of the policy served (rollout_core.checksum)
+    weight_sync: WeightSyncOptions | None  # the weight-sync group joined, if any
 
 
 class Engine:
@@ -89,6 +129,8 @@ class Engine:
 
     * ``open_stream(resolved)``: queue a rollout; iterate its encoded messages, then ``close()`` it;
     * ``check_update(update)``, then ``update_weights(update)``: apply a weight update between rollouts;
+    * ``join_weight_sync(options)``, ``check_group_update(manifest)``, then ``update_from_group(...)``,
+      and ``leave_weight_sync()``: the same over a weight-sync group, every rank receiving;
     * ``status()``: the policy served and the rollouts held; ``close()``: stop.
 
     ``on_fatal`` is called from the worker thread when no later round is safe (the rank group broke):
@@ -179,12 +221,80 @@ class Engine:
     def update_weights(self, update: "WeightUpdate") -> Future:
         """Queue a checked update behind the rollouts already queued (it is checked again when it
         runs); the future ends once every rank has applied it, or with its failure."""
+        self._log_queued(update)
+        return self.scheduler.submit_update(functools.partial(self.policy.apply, update))
+
+    def _log_queued(self, update: "WeightUpdate") -> None:
         log.info(
             "weight update to version %d queued; it runs once the %d running rollouts finish",
             update.policy_version,
             len(self.scheduler.running),
         )
-        return self.scheduler.submit_update(update)
+
+    def join_weight_sync(self, options: WeightSyncOptions) -> Future:
+        """Have every rank join a weight-sync group, between rollouts; the future ends once all have
+        joined (WeightSyncFailed if the rendezvous fails: no group is left)."""
+        return self.scheduler.submit_update(functools.partial(self.policy.join_sync, options))
+
+    def leave_weight_sync(self) -> Future:
+        """Every rank leaves its weight-sync group; the future says whether there was one."""
+        return self.scheduler.submit_update(self.policy.leave_sync)
+
+    def check_weight_sync(self, request: rollout_pb2.InitWeightSyncRequest) -> WeightSyncOptions:
+        """The options of an InitWeightSync request for this server's ranks; InvalidRequest naming
+        every bad field."""
+        rank_timeout = self.parallel.timeout_seconds if self.parallel.enabled else None
+        return group.parse_init(request, self.parallel.degree, self.adapter.device, rank_timeout)
+
+    def check_group_update(self, message: rollout_pb2.GroupUpdateManifest) -> group.GroupManifest:
+        """The manifest of a group update, checked whole against the current weights (InvalidRequest
+        naming its field, StaleUpdate, NoWeightSyncGroup): off the event loop, as check_update."""
+        if self.parallel.weight_sync is None:
+            raise NoWeightSyncGroup("the server is in no weight-sync group: call InitWeightSync first")
+        manifest = group.parse_manifest(message, self.max_update_bytes)
+        self.policy.check(manifest.update, prefix="manifest.")
+        return dataclasses.replace(
+            manifest, timeout_seconds=self.parallel.weight_sync.options.timeout_seconds
+        )
+
+    def update_from_group(
+        self, manifest: group.GroupManifest, on_ready: Callable[[], None], start: Future
+    ) -> Future:
+        """Queue a checked group update. At its barrier the version is checked again, ``on_ready()``
+        is called, and the worker waits for ``start`` (True: the trainer broadcasts now; False, or
+        nothing within the group's timeout: UpdateAbandoned); then every rank receives and applies
+        it. The future ends with a ``GroupApplied``, or the failure."""
+
+        def run() -> GroupApplied:
+            if self.parallel.weight_sync is None:
+                raise NoWeightSyncGroup("the server left its weight-sync group before the update ran")
+            self.policy.check(manifest.update, prefix="manifest.")
+            on_ready()
+            self._wait_for_start(start)
+            seconds = self.policy.apply_from_group(manifest)
+            total = self.policy.expected_tensors(manifest.update)
+            return GroupApplied(seconds, total, list(self.policy.rank_checksums))
+
+        self._log_queued(manifest.update)
+        return self.scheduler.submit_update(run)
+
+    def _wait_for_start(self, start: Future) -> None:
+        """Wait for the trainer's start (the other ranks get heartbeats meanwhile)."""
+        sync = self.parallel.weight_sync
+        deadline = time.monotonic() + sync.options.timeout_seconds
+        while True:
+            try:
+                started = start.result(
+                    timeout=min(self.parallel.timeout_seconds / 4, sync.options.timeout_seconds)
+                )
+                break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    started = False
+                    break
+                self.parallel.broadcast_command(HEARTBEAT)
+        if not started:
+            raise UpdateAbandoned("the trainer did not start the group update: nothing was received")
 
     def status(self) -> EngineStatus:
         return EngineStatus(
@@ -193,6 +303,8 @@ class Engine:
             in_flight=self.scheduler.in_flight,
             running=len(self.scheduler.running),
             queued=self.scheduler.queued,
+            weights_checksum=self.policy.checksum,
+            weight_sync=None if self.parallel.weight_sync is None else self.parallel.weight_sync.options,
         )
 
     def close(self) -> None:
@@ -243,13 +355,13 @@ class Engine:
 
     def _lead_update(self, job: UpdateJob) -> None:
         try:
-            self.policy.apply(job.update)
+            result = job.run()
         except Exception as error:
             job.done.set_exception(error)
             if isinstance(error, RankFailure):
                 raise
         else:
-            job.done.set_result(None)
+            job.done.set_result(result)
 
     def follow(self) -> None:
         """A non-leader rank's loop: run what rank 0 broadcasts until it says stop."""
@@ -261,6 +373,11 @@ class Engine:
                 self._run_round(*decode_round(payload))
             elif command == UPDATE:
                 self.policy.follow(payload)
+            elif command in FOLLOWED_SYNC:
+                try:
+                    FOLLOWED_SYNC[command](self.policy, payload)
+                except (WeightSyncFailed, InvalidRequest) as error:
+                    log.info("rank %d: %s", self.parallel.rank, error)  # rank 0 answers the call
 
     def _run_round(
         self,

@@ -53,6 +53,20 @@ class RankFailure(RuntimeError):
     """A collective failed: a rank died, hung past the timeout, or fell out of step."""
 
 
+class WeightSyncFailed(Exception):
+    """The weight-sync group could not be joined, or a broadcast on it failed or timed out: the
+    update was not applied, and the group is gone."""
+
+
+class NoWeightSyncGroup(Exception):
+    """A group update came to a server that is in no weight-sync group."""
+
+
+class UpdateAbandoned(Exception):
+    """The trainer left a group update (it ended the call, or never sent its start) before any byte
+    moved."""
+
+
 class ParallelismUnsupported(Exception):
     """The model or the machine cannot run the requested split (no plan, heads, no kernel)."""
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from diffusers import ContextParallelConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from rollout_server.errors import ParallelismUnsupported, RankFailure
+from rollout_server.errors import ParallelismUnsupported, RankFailure, WeightSyncFailed
 
 log = logging.getLogger("rollout_server.parallel")
 
@@ -43,6 +43,7 @@ ATTENTION_SPLITS = ("ulysses", "ring", "ulysses+ring")
 MESH_DIMS = ("ring", "ulysses")
 # Commands rank 0 broadcasts to the others.
 HEARTBEAT, ROUND, UPDATE, STOP = "heartbeat", "round", "update", "stop"
+SYNC_JOIN, SYNC_UPDATE, SYNC_LEAVE = "sync-join", "sync-update", "sync-leave"
 # How long a failed collective waits for a spawned rank's process to exit, so the error can name it.
 _EXIT_WAIT_SECONDS = 2.0
 
@@ -117,6 +118,7 @@ class SequenceParallel:
     # Coordination (commands, flags) runs on a gloo group: on the CPU even when the model uses NCCL.
     cpu_group: Any = None
     mesh: DeviceMesh | None = None  # dims MESH_DIMS; diffusers splits attention over it
+    weight_sync: "WeightSync | None" = None  # the weight-sync group with a trainer, once joined
 
     @property
     def degree(self) -> int:
@@ -213,6 +215,14 @@ class SequenceParallel:
         self._collective("decision", lambda: dist.broadcast(value, 0, group=self.cpu_group))
         return bool(value.item())
 
+    def gather_text(self, text: str) -> list[str]:
+        """Every rank's ``text``, rank 0 first (an all-gather on the CPU group)."""
+        if not self.enabled:
+            return [text]
+        gathered: list[Any] = [None] * self.degree
+        self._collective("gather", lambda: dist.all_gather_object(gathered, text, group=self.cpu_group))
+        return gathered
+
     def describe_failure(self) -> str:
         """Which ranks are gone, when this process started them. A collective fails as soon as a dead
         rank's sockets close, which can be before its process has exited: wait up to
@@ -227,6 +237,8 @@ class SequenceParallel:
             time.sleep(0.01)
 
     def shutdown(self) -> None:
+        if self.weight_sync is not None:
+            self.weight_sync.close()
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
         for helper in self.helpers:
@@ -280,3 +292,81 @@ def start(degree: int, attention_split: str, timeout_seconds: float, device: str
     group.mesh = dims.build_mesh("cuda" if backend == "nccl" else "cpu")
     log.info("rank %d of %d ready (pid %d, %s)", group.rank, world_size, os.getpid(), backend)
     return group
+
+
+@dataclass(frozen=True)
+class WeightSyncOptions:
+    """Where and how a server's ranks join a trainer's weight-sync group (rollout.v1
+    InitWeightSyncRequest, checked)."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    group_name: str
+    backend: str
+    timeout_seconds: float
+
+
+class WeightSync:
+    """This rank's place in a weight-sync group: a process group of its own (the sequence-parallel
+    world is untouched), rendezvoused through the trainer's store under the group's prefix. Rank 0 of
+    the group, the trainer, is the source of every broadcast."""
+
+    def __init__(self, options: WeightSyncOptions, rank: int, device: torch.device):
+        self.options, self.rank = options, rank
+        self.device = device if options.backend == "nccl" else torch.device("cpu")
+        timeout = datetime.timedelta(seconds=options.timeout_seconds)
+        try:
+            # A client of the trainer's store: the server connects out, and listens for no trainer.
+            self._store = dist.TCPStore(
+                options.master_address,
+                options.master_port,
+                is_master=False,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
+            store = dist.PrefixStore(f"{options.group_name}/", self._store)
+            if options.backend == "nccl":
+                nccl = dist.ProcessGroupNCCL.Options()
+                nccl._timeout = timeout
+                self._group = dist.ProcessGroupNCCL(store, rank, options.world_size, nccl)
+            else:
+                gloo = dist.ProcessGroupGloo._Options()
+                gloo._timeout = timeout
+                # Pair connections on the interface that reaches the trainer.
+                gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=address_towards(options))]
+                self._group = dist.ProcessGroupGloo(store, rank, options.world_size, gloo)
+        except Exception as error:  # the store or the rendezvous: refused, timed out
+            raise WeightSyncFailed(
+                f"joining weight-sync group {options.group_name!r} failed: {error}"
+            ) from error
+        log.info("rank %d of weight-sync group %r joined (%s)", rank, options.group_name, options.backend)
+
+    def post_broadcast(self, buffer: torch.Tensor):
+        """Post the receive of the trainer's next broadcast into ``buffer`` (uint8, on
+        ``self.device``); ``wait`` for the returned work."""
+        return self._group.broadcast([buffer], dist.BroadcastOptions())
+
+    def wait(self, work) -> None:
+        """Until a posted broadcast is in; WeightSyncFailed if it failed or timed out."""
+        try:
+            work.wait()
+        except Exception as error:
+            raise WeightSyncFailed(
+                f"a broadcast of weight-sync group {self.options.group_name!r} failed: {error}"
+            ) from error
+
+    def close(self) -> None:
+        """Leave the group (its sockets close; the trainer's next collective fails)."""
+        self._group = self._store = None
+
+
+def address_towards(options: WeightSyncOptions) -> str:
+    """This host's address on the route to the trainer's store (no packet is sent)."""
+    family, kind, _, _, address = socket.getaddrinfo(
+        options.master_address, options.master_port, type=socket.SOCK_DGRAM
+    )[0]
+    with socket.socket(family, kind) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]

@@ -1,24 +1,36 @@
-"""The policy being served: its version, its LoRA adapter, and weight updates applied on every rank.
+"""The policy being served: its version, its LoRA adapter, its checksum, and weight updates applied
+on every rank.
 
 An update is checked against the current weights without touching them (``check``, safe from any
 thread while rollouts run), then applied between rollouts by the engine's worker (the scheduler
 makes an update a barrier). A single-rank server whose update fails while applying restores the
 previous weights and keeps serving. Under sequence parallelism every rank applies the update and
-the ranks then learn whether all of them did; ranks serving different weights would be worse than
-no server, so any failure there is a ``RankFailure`` that takes the server down.
+the ranks then learn whether all of them did, and whether they all serve the same checksum; ranks
+serving different weights would be worse than no server, so any failure there is a ``RankFailure``
+that takes the server down.
+
+An update arrives on rank 0 over gRPC (the other ranks get it from rank 0, ``weights.ranks``) or, from
+a weight-sync group, on every rank at once (``weights.group``): a broadcast that fails anywhere
+leaves every rank's weights as they were and every rank out of the group.
 """
 
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from peft import get_peft_model_state_dict
 
 from rollout.v1 import rollout_pb2
-from rollout_server.errors import RankFailure
-from rollout_server.weights import ranks, spec
-from rollout_server.weights.apply import apply_update
+from rollout_core import checksum
+from rollout_server.errors import RankFailure, WeightSyncFailed
+from rollout_server.parallel import SYNC_JOIN, SYNC_LEAVE, SYNC_UPDATE, WeightSync, WeightSyncOptions
+from rollout_server.weights import group, ranks, spec
+from rollout_server.weights.apply import apply_update, peft_name
+from rollout_server.weights.update import FULL, LORA
 
 if TYPE_CHECKING:
     from rollout_server.parallel import SequenceParallel
@@ -39,6 +51,13 @@ class Policy:
         self.specs = {
             name: spec.TransformerSpec.of(module, parallel.enabled) for name, module in experts.items()
         }
+        self.device = next(experts["transformer"].parameters()).device
+        # The checksum's line of every served tensor, by its name in the checksum (rollout_core.checksum).
+        self._lines: dict[str, str] = {}
+        for target in experts:
+            self._digest(target, None)
+        self.checksum = checksum.combine(self._lines)
+        self.rank_checksums = [self.checksum]  # as every rank computed it after the last update
 
     @property
     def spec(self) -> spec.TransformerSpec:
@@ -49,12 +68,21 @@ class Policy:
     def lora_adapter(self) -> rollout_pb2.LoraAdapter | None:
         return self.lora_adapters.get("transformer")
 
-    def check(self, update: "WeightUpdate") -> None:
+    def check(self, update: "WeightUpdate", prefix: str = "") -> None:
         """StaleUpdate or InvalidRequest unless ``update`` applies to the current weights. It changes
-        nothing and reads no live tensor, so any thread may call it while rollouts run."""
-        spec.check_target(update.target, self.experts)
-        spec.check_version(update.policy_version, self.version)
-        spec.check(self.specs[update.target], update)
+        nothing and reads no live tensor, so any thread may call it while rollouts run. ``prefix``
+        leads the names of the fields it blames (a group update's are inside its manifest)."""
+        header = f"{prefix}header"
+        spec.check_target(update.target, self.experts, f"{header}.target")
+        spec.check_version(update.policy_version, self.version, f"{header}.policy_version")
+        spec.check(self.specs[update.target], update, header, f"{prefix}tensors" if prefix else "data")
+
+    def expected_tensors(self, update: "WeightUpdate") -> int:
+        """How many tensors an update of this kind may hold: the target's, or its adapter layout's."""
+        target_spec = self.specs[update.target]
+        if update.kind == LORA:
+            return len(spec.lora_layout(target_spec, update.lora_config_json))
+        return len(target_spec.tensors)
 
     def apply(self, update: "WeightUpdate") -> None:
         """Rank 0: check ``update`` again (another update may have gone first), send it to the other
@@ -74,7 +102,70 @@ class Policy:
 
         self._apply_on_every_rank(checked)
 
-    def _apply_here(self, update: "WeightUpdate") -> None:
+    def join_sync(self, options: WeightSyncOptions) -> None:
+        """Rank 0: have every rank join the weight-sync group ``options`` describes (leaving the one
+        joined before); WeightSyncFailed, with no group left, if any rank could not."""
+        self.parallel.broadcast_command(SYNC_JOIN, json.dumps(dataclasses.asdict(options)).encode())
+        self._join_on_every_rank(options)
+
+    def follow_join(self, payload: bytes) -> None:
+        self._join_on_every_rank(WeightSyncOptions(**json.loads(payload)))
+
+    def _join_on_every_rank(self, options: WeightSyncOptions) -> None:
+        self._leave_here()
+        joined, failure = None, None
+        try:
+            joined = WeightSync(options, options.rank_offset + self.parallel.rank, self.device)
+        except WeightSyncFailed as error:
+            failure = error
+        if not self.parallel.all_succeeded(failure is None):
+            if joined is not None:
+                joined.close()
+            raise failure or WeightSyncFailed("another rank of the server could not join the group")
+        self.parallel.weight_sync = joined
+
+    def leave_sync(self) -> bool:
+        """Rank 0: every rank leaves the weight-sync group; whether there was one."""
+        self.parallel.broadcast_command(SYNC_LEAVE)
+        return self._leave_here()
+
+    def follow_leave(self, payload: bytes) -> None:
+        self._leave_here()
+
+    def _leave_here(self) -> bool:
+        sync, self.parallel.weight_sync = self.parallel.weight_sync, None
+        if sync is not None:
+            sync.close()
+        return sync is not None
+
+    def apply_from_group(self, manifest: group.GroupManifest) -> float:
+        """Rank 0, at the update's barrier, once the trainer started: every rank receives the
+        broadcasts and applies them. Returns the seconds the broadcasts took."""
+        self.parallel.broadcast_command(SYNC_UPDATE, manifest.message.SerializeToString())
+        return self._receive_on_every_rank(manifest)
+
+    def follow_update(self, payload: bytes) -> None:
+        message = rollout_pb2.GroupUpdateManifest.FromString(payload)
+        self._receive_on_every_rank(group.parse_manifest(message, self.spec.max_update_bytes))
+
+    def _receive_on_every_rank(self, manifest: group.GroupManifest) -> float:
+        started_at = time.perf_counter()
+        received, failure = None, None
+        try:
+            served_as_received = self.parallel.weight_sync.device == self.device
+            received = group.receive(self.parallel.weight_sync, manifest, served_as_received)
+        except Exception as error:  # noqa: BLE001 - leaving the group below ends the trainer's broadcast
+            failure = error
+        if not self.parallel.all_succeeded(failure is None):
+            self._leave_here()  # the group's state is unknown after a failed collective
+            raise failure or WeightSyncFailed("the broadcast failed on another rank of the server")
+        seconds = time.perf_counter() - started_at
+        if received.non_finite is not None:  # alike on every rank: the same bytes arrived
+            raise received.non_finite
+        self._apply_on_every_rank(lambda: received.update, received.lines)
+        return seconds
+
+    def _apply_here(self, update: "WeightUpdate", lines: dict[str, str]) -> None:
         started_at = time.perf_counter()
         # If this fails, the previous weights are back in place (apply_update restores them).
         target = update.target
@@ -83,16 +174,39 @@ class Policy:
         if adapter is not None:
             self.lora_adapters[target] = adapter
         self.version = update.policy_version
+        changed = {FULL: None, LORA: []}.get(update.kind, list(update.tensors))  # SUBSET: its own
+        self._digest(target, changed, lines)
+        self.checksum = checksum.combine(self._lines)
         log.info("applied %s in %.3f s", update.describe(), time.perf_counter() - started_at)
 
-    def _apply_on_every_rank(self, get_update: Callable[[], "WeightUpdate"]) -> None:
-        """Apply the update here, then learn whether every rank did (see the module docstring)."""
+    def _digest(self, target: str, names, known: dict[str, str] | None = None) -> None:
+        """Recompute the checksum lines of ``target``'s base tensors ``names`` (None: all of them) and
+        of its adapter, from the tensors served, where they are (on an accelerator, there); ``known``
+        lines were taken from the served tensors as they arrived."""
+        module, known = self.experts[target], known or {}
+        live = checksum.base_tensors(module)
+        names = live if names is None else names
+        changed = {f"{target}/{n}": live[n] for n in names if f"{target}/{n}" not in known}
+        self._lines.update(known)
+        for name in [name for name in self._lines if name.startswith(f"{target}/lora/")]:
+            del self._lines[name]
+        if (adapter := self.lora_adapters.get(target)) is not None:
+            tensors = get_peft_model_state_dict(module, adapter_name=peft_name(adapter.policy_version))
+            changed.update({f"{target}/lora/{name}": tensor for name, tensor in tensors.items()})
+        self._lines.update(checksum.digest_lines(changed))
+
+    def _apply_on_every_rank(
+        self, get_update: Callable[[], "WeightUpdate"], lines: dict[str, str] | None = None
+    ) -> None:
+        """Apply the update here, then learn whether every rank did and serves the same checksum (see
+        the module docstring)."""
         if not self.parallel.enabled:
-            self._apply_here(get_update())
+            self._apply_here(get_update(), lines or {})
+            self.rank_checksums = [self.checksum]
             return
         failure = None
         try:
-            self._apply_here(get_update())
+            self._apply_here(get_update(), lines or {})
         except Exception as error:
             failure = error
         if not self.parallel.all_succeeded(failure is None):
@@ -104,3 +218,6 @@ class Policy:
             raise RankFailure(
                 f"another rank could not apply the weight update; {self.parallel.describe_failure()}"
             )
+        self.rank_checksums = self.parallel.gather_text(self.checksum)
+        if len(set(self.rank_checksums)) > 1:
+            raise RankFailure(f"the ranks serve different weights after the update: {self.rank_checksums}")

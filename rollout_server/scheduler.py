@@ -27,17 +27,15 @@ import asyncio
 import itertools
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from rollout.v1 import rollout_pb2
 from rollout_core.tree import Tree, widest
 from rollout_server.errors import InvalidRequest, Overloaded, UnknownRollout
 from rollout_server.memory import MemoryBudget, RolloutMemory
-
-if TYPE_CHECKING:
-    from rollout_server.weights.update import WeightUpdate
 
 # Messages a stream may hold unsent before its rollout is parked.
 STREAM_BUFFER = 8
@@ -137,7 +135,10 @@ class RolloutJob:
 
 @dataclass(eq=False)
 class UpdateJob:
-    update: "WeightUpdate"
+    """A change of the served weights, or of the weight-sync group: ``run`` on the engine's worker,
+    alone, once the rollouts queued before it have finished; ``done`` ends with what it returns."""
+
+    run: Callable[[], Any]
     done: Future = field(default_factory=Future)
 
     @property
@@ -194,9 +195,9 @@ class Scheduler:
             self._queue.append(job)
             self._changed.notify()
 
-    def submit_update(self, update: "WeightUpdate") -> Future:
-        """Queue a checked update; the future ends once it is applied or has failed."""
-        job = UpdateJob(update)
+    def submit_update(self, run: Callable[[], Any]) -> Future:
+        """Queue an update (``run`` applies it); the future ends once it is applied or has failed."""
+        job = UpdateJob(run)
         job.done.add_done_callback(lambda _: self.wake())  # a cancel frees its place at once
         with self._changed:
             self._queue.append(job)

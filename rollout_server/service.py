@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,15 +20,18 @@ from rollout_client.channel import PREVIOUS_ATTEMPTS_HEADER, PREVIOUS_ATTEMPTS_T
 from rollout_server.errors import (
     InvalidRequest,
     NonFiniteStep,
+    NoWeightSyncGroup,
     Overloaded,
     RankFailure,
     ShuttingDown,
     StaleUpdate,
     UnknownRollout,
+    UpdateAbandoned,
     UploadIdle,
+    WeightSyncFailed,
 )
 from rollout_server.validation import ServingContext, quoted, resolve
-from rollout_server.weights import files, upload
+from rollout_server.weights import files, group, upload
 
 if TYPE_CHECKING:
     from rollout_server.engine import Engine
@@ -102,6 +106,9 @@ FAILURES = (
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
     (UnknownRollout, grpc.StatusCode.NOT_FOUND),
+    (WeightSyncFailed, grpc.StatusCode.UNAVAILABLE),
+    (NoWeightSyncGroup, grpc.StatusCode.FAILED_PRECONDITION),
+    (UpdateAbandoned, grpc.StatusCode.ABORTED),
 )
 
 
@@ -131,6 +138,21 @@ def bad_request_status(error: InvalidRequest) -> status_pb2.Status:
     packed = any_pb2.Any()
     packed.Pack(details)
     return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(error), details=[packed])
+
+
+async def _next_within(messages: AsyncIterator, seconds: float):
+    """The stream's next message; None if it ends, or sends nothing for ``seconds``."""
+    try:
+        return await asyncio.wait_for(anext(messages, None), seconds)
+    except TimeoutError:
+        return None
+
+
+async def _first_of(ready: asyncio.Future, work: asyncio.Future) -> None:
+    """Return once ``ready`` is set; raise ``work``'s failure if it ends first."""
+    await asyncio.wait({ready, work}, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        work.result()
 
 
 async def _parsed(messages: AsyncIterator) -> AsyncIterator:
@@ -176,6 +198,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if "transformer" in status.lora_adapters:
             info.lora_adapter.CopyFrom(status.lora_adapters["transformer"])
         info.policy_version = status.policy_version
+        info.weights_checksum = status.weights_checksum
+        if status.weight_sync is not None:
+            info.weight_sync.CopyFrom(group.group_proto(status.weight_sync, self.server_info.sp_degree))
         return info
 
     async def PruneRollout(self, request, context):
@@ -192,9 +217,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def UpdateWeights(self, request_iterator, context):
         started_at = time.perf_counter()
-        if self.shutting_down:
-            self.metrics.reject("shutting_down")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        await self._refuse_when_shutting_down(context)
         max_bytes = self.server_info.limits.max_update_bytes
         async with self._update_slot(context):
             received = upload.receive(
@@ -211,9 +234,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         started_at = time.perf_counter()
         if request is None:
             await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
-        if self.shutting_down:
-            self.metrics.reject("shutting_down")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        await self._refuse_when_shutting_down(context)
         if self.weights_root is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -231,6 +252,71 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             update = await self._updating(context, read)
             await self._updating(context, self._apply(update))
         return rollout_pb2.LoadWeightsResponse(**self._applied(update, started_at))
+
+    async def InitWeightSync(self, request, context):
+        if request is None:
+            await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
+        await self._refuse_when_shutting_down(context)
+        try:
+            options = self.engine.check_weight_sync(request)
+        except InvalidRequest as error:
+            await self._reject(context, "-", error)
+        async with self._update_slot(context):
+            await self._updating(context, asyncio.wrap_future(self.engine.join_weight_sync(options)))
+        log.info("joined weight-sync group %r at rank %d", options.group_name, options.rank_offset)
+        joined = group.group_proto(options, self.server_info.sp_degree)
+        return rollout_pb2.InitWeightSyncResponse(group=joined)
+
+    async def DestroyWeightSync(self, request, context):
+        if request is None:
+            await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
+        async with self._update_slot(context):
+            left = await self._updating(context, asyncio.wrap_future(self.engine.leave_weight_sync()))
+        return rollout_pb2.DestroyWeightSyncResponse(left=left)
+
+    async def UpdateWeightsFromGroup(self, request_iterator, context):
+        started_at = time.perf_counter()
+        await self._refuse_when_shutting_down(context)
+        requests = aiter(_parsed(request_iterator))
+        first = await self._updating(context, _next_within(requests, self.upload_idle_seconds))
+        if first is None or first.WhichOneof("message") != "manifest":
+            error = InvalidRequest([("manifest", "the first message must carry the manifest")])
+            await self._reject(context, "-", error)
+        async with self._update_slot(context):
+            check = asyncio.to_thread(self.engine.check_group_update, first.manifest)
+            manifest = await self._updating(context, check)
+            loop = asyncio.get_running_loop()
+            ready, start = loop.create_future(), Future()
+            work = self.engine.update_from_group(
+                manifest, lambda: loop.call_soon_threadsafe(ready.set_result, None), start
+            )
+            work.add_done_callback(lambda _: loop.call_soon_threadsafe(self._policy_advanced))
+            done = asyncio.wrap_future(work)
+            try:
+                await self._updating(context, _first_of(ready, done))
+                ready_message = rollout_pb2.GroupUpdateReady(
+                    bytes=manifest.wire_bytes, buckets=len(manifest.buckets)
+                )
+                await context.write(rollout_pb2.UpdateWeightsFromGroupResponse(ready=ready_message))
+                following = await self._updating(context, _next_within(requests, manifest.timeout_seconds))
+                start.set_result(following is not None and following.WhichOneof("message") == "start")
+                received = await self._updating(context, done)
+            finally:
+                if not start.done():  # the caller left, or the update failed first
+                    start.set_result(False)
+                done.add_done_callback(lambda ended: ended.cancelled() or ended.exception())  # read
+        applied = rollout_pb2.GroupUpdateApplied(
+            total_tensors=received.total_tensors,
+            transfer_seconds=received.transfer_seconds,
+            rank_checksums=received.rank_checksums,
+            **self._applied(manifest.update, started_at),
+        )
+        await context.write(rollout_pb2.UpdateWeightsFromGroupResponse(applied=applied))
+
+    async def _refuse_when_shutting_down(self, context) -> None:
+        if self.shutting_down:
+            self.metrics.reject("shutting_down")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
 
     @contextlib.asynccontextmanager
     async def _update_slot(self, context) -> AsyncIterator[None]:
@@ -308,6 +394,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             "tensors": len(update.tensors),
             "bytes": update.nbytes,
             "seconds": seconds,
+            "weights_checksum": self.engine.status().weights_checksum,
         }
 
     async def _updating(self, context, stage: Awaitable):

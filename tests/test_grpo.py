@@ -196,7 +196,7 @@ def test_kl_to_the_base_model_is_zero_before_training_and_positive_after(client,
 def _without_adapters(adapted: torch.nn.Module) -> torch.nn.Module:
     """The base model built on the very tensors the LoRA layers of ``adapted`` wrap (assigned, not
     copied), so it computes exactly what the base model computes on that memory."""
-    from rollout_server.weights.spec import base_tensors
+    from rollout_core.checksum import base_tensors
 
     plain = type(adapted).from_config(adapted.config)
     plain.load_state_dict(base_tensors(adapted), strict=True, assign=True)

@@ -20,6 +20,7 @@ _EXPORTS = {
     "Started": "events",
     "Step": "events",
     "TLS": "credentials",
+    "WeightSyncGroup": "weight_sync",
     "Trajectory": "trajectory",
     "collect": "trajectory",
     "read_token": "credentials",

@@ -4,7 +4,7 @@ import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -17,6 +17,9 @@ from rollout_client.events import Event, decode_stream
 from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
 from rollout_core import codec
+
+if TYPE_CHECKING:
+    from rollout_client.weight_sync import WeightSyncGroup
 
 # Weight update pieces: well below the server's 4 MiB receive limit, and in the 1-4 MiB range where
 # Python gRPC moves bytes fastest.
@@ -175,6 +178,14 @@ class RolloutClient:
             total=header.total_bytes, unit="B", unit_scale=True, desc=f"policy v{version}", disable=quiet
         ) as bar:
             return self._update_weights(messages, timeout=self.timeout, metadata=self.metadata)
+
+    def init_weight_sync(self, **options) -> "WeightSyncGroup":
+        """Join this server to a new weight-sync group with this process as the trainer's rank 0
+        (``rollout_client.weight_sync.WeightSyncGroup`` takes the options); ``update_weights`` of
+        the group then broadcasts to every rank of the server."""
+        from rollout_client.weight_sync import WeightSyncGroup
+
+        return WeightSyncGroup([self], **options)
 
     def load_weights(
         self, path: str, version: int, kind: str | None = None, adapter_name: str = "", target: str = ""

@@ -11,6 +11,9 @@
   and returns once they have applied it. A replica whose update fails is taken out of routing. The
   pool keeps a snapshot of every update since the last self-contained one (a full update) and replays
   the ones a replica missed, with their versions, before it routes to that replica again.
+* **One broadcast for every replica.** ``init_weight_sync`` puts every replica's ranks in one
+  torch.distributed group with the trainer; ``update_weights_from_group`` then sends a full model at
+  collective speed, once, whatever the number of replicas, under the same version rules.
 * **Failover.** A prompt group whose replica fails (it dies, drains, hangs, or reports an internal
   failure) is re-run with the same seeds on another replica, at most ``max_retries`` times per
   group; ``retries`` counts them.
@@ -52,6 +55,7 @@ from rollout_core.tree import widest
 
 if TYPE_CHECKING:
     from rollout_client.credentials import TLS
+    from rollout_client.weight_sync import WeightSyncGroup
 
 log = logging.getLogger("rollout_client.pool")
 
@@ -183,6 +187,8 @@ class RolloutPool:
         # heads them, so they build on nothing).
         self.updates: list[Update] = []
         self.updates_base: int | None = self.version
+        self.weight_sync: WeightSyncGroup | None = None  # see init_weight_sync
+        self._sync_replicas: list[Replica] = []  # its replicas, in its rank order
         self._info: rollout_pb2.GetServerInfoResponse | None = None
         self._stop = threading.Event()
         self._health_interval = health_interval
@@ -456,28 +462,78 @@ class RolloutPool:
                 raise NoReplica(f"no replica at policy version {self.version} to update")
             with ThreadPoolExecutor(len(targets), thread_name_prefix="rollout-pool-update") as executor:
                 outcomes = list(executor.map(lambda r: _attempt(self._call, r, update.send), targets))
-            applied = [
-                (r, result) for r, (result, error) in zip(targets, outcomes, strict=True) if error is None
-            ]
-            errors = [error for _, error in outcomes if error is not None]
-            if not applied and not any(_replica_failure(error) for error in errors):
-                raise errors[0]  # the update itself was refused (by every replica alike)
+            return self._settle(update, full, targets, outcomes)
+
+    def _settle(self, update: Update, full: bool, targets: list[Replica], outcomes: list[tuple]):
+        """Record which of ``targets`` applied ``update`` (outcomes: (result, error) each) under the
+        pool's version rules; returns the first result, or raises when none applied."""
+        applied = [(r, result) for r, (result, error) in zip(targets, outcomes, strict=True) if error is None]
+        errors = [error for _, error in outcomes if error is not None]
+        if not applied and not any(_replica_failure(error) for error in errors):
+            raise errors[0]  # the update itself was refused (by every replica alike)
+        with self._lock:
+            for replica, (_, error) in zip(targets, outcomes, strict=True):
+                if error is None:
+                    replica.version = update.version
+                else:
+                    log.warning(
+                        "replica %s missed policy version %d: %s", replica.address, update.version, error
+                    )
+                    replica.healthy = False
+            if applied:
+                self.version = update.version
+                self._keep(update, full)
+            self._lock.notify_all()
+        if not applied:
+            raise errors[0]
+        return applied[0][1]
+
+    def init_weight_sync(self, **options) -> "WeightSyncGroup":
+        """Put this process (the trainer's rank 0) and every rank of every replica at the pool's
+        policy version in one weight-sync group (options as ``WeightSyncGroup``'s), replacing the
+        pool's previous group; ``update_weights_from_group`` then reaches all of them with one
+        broadcast per bucket."""
+        from rollout_client.weight_sync import WeightSyncGroup
+
+        with self._update_lock:
             with self._lock:
-                for replica, (_, error) in zip(targets, outcomes, strict=True):
-                    if error is None:
-                        replica.version = update.version
-                    else:
-                        log.warning(
-                            "replica %s missed policy version %d: %s", replica.address, update.version, error
-                        )
-                        replica.healthy = False
-                if applied:
-                    self.version = update.version
-                    self._keep(update, full)
-                self._lock.notify_all()
-            if not applied:
-                raise errors[0]
-            return applied[0][1]
+                targets = [r for r in self.replicas if r.healthy and r.version == self.version]
+            if not targets:
+                raise NoReplica(f"no replica at policy version {self.version} to join a group")
+            if self.weight_sync is not None:
+                with contextlib.suppress(grpc.RpcError):  # a replica that is gone has left it anyway
+                    self.weight_sync.close()
+            self._sync_replicas, self.weight_sync = [], None
+            self.weight_sync = WeightSyncGroup([r.client for r in targets], **options)
+            self._sync_replicas = targets
+        return self.weight_sync
+
+    def update_weights_from_group(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        version: int,
+        kind: str | None = None,
+        lora_config: Any = None,
+        adapter_name: str = "",
+        target: str = "",
+    ) -> rollout_pb2.GroupUpdateApplied:
+        """``update_weights`` over the pool's weight-sync group (``init_weight_sync`` first): one
+        broadcast per bucket reaches every replica in it. The version rules are the same: a replica
+        that fails the update leaves routing, and is brought to this version over gRPC (from the
+        pool's snapshot) before it routes again; once a broadcast failed the group is gone: call
+        ``init_weight_sync`` again. Returns the first replica's answer."""
+        if self.weight_sync is None:
+            raise RuntimeError("the pool has no weight-sync group: call init_weight_sync first")
+        fields = {"kind": kind, "lora_config": lora_config, "adapter_name": adapter_name, "target": target}
+        snapshot = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}
+        full = _is_full(kind, lora_config)
+        if full:
+            self._static_info()
+        with self._update_lock:
+            outcomes = self.weight_sync.update(snapshot, version, **fields)
+            update = Update(version, snapshot, {**fields, "progress": False})
+            pairs = [(outcome.applied, outcome.error) for outcome in outcomes]
+            return self._settle(update, full, self._sync_replicas, pairs)
 
     def _keep(self, update: Update, full: bool) -> None:
         """Add ``update`` to the kept ones. A full update replaces every earlier update of its
@@ -597,6 +653,9 @@ class RolloutPool:
         return infos
 
     def close(self) -> None:
+        if self.weight_sync is not None:
+            with contextlib.suppress(grpc.RpcError):
+                self.weight_sync.close()
         self._stop.set()
         for watcher in self._watchers:
             watcher.join()

@@ -58,6 +58,7 @@ FEATURE_LOAD_WEIGHTS = "load_weights"  # LoadWeights is served: the server has a
 FEATURE_VIDEO = "video"  # requests take num_frames > 1 (limits.max_frames, limits.frame_step)
 FEATURE_EXPERTS = "experts"  # several transformers (Wan 2.2): steps name theirs, updates a target
 FEATURE_TREE = "tree"  # requests take branches (tree rollouts), and PruneRollout is served
+FEATURE_WEIGHT_SYNC = "weight_sync"  # InitWeightSync, UpdateWeightsFromGroup, DestroyWeightSync
 
 _ENV_PREFIX = "env/"
 # An env JSON entry that stands for a tensor of the buffer: {"tensor": "<name>"}.

@@ -14,6 +14,8 @@ One module per concern, in the order an update meets them:
 * ``update``: the ``WeightUpdate`` record and its kinds;
 * ``upload``: an UpdateWeights stream reassembled into tensors as its bytes arrive;
 * ``files``: a LoadWeights path, resolved under the server's root and read;
+* ``group``: an UpdateWeightsFromGroup manifest checked whole, then the trainer's broadcasts received
+  on every rank;
 * ``lora_config``: a LORA update's config JSON, checked against an allow-list;
 * ``spec``: the checks against the loaded transformer, which touch no live tensor;
 * ``ranks``: rank 0's update sent to the other sequence-parallel ranks, tensor by tensor;

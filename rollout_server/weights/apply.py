@@ -6,15 +6,15 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from rollout.v1 import rollout_pb2
+from rollout_core.checksum import base_tensors
 from rollout_server.weights.lora_config import parse_lora_config
-from rollout_server.weights.spec import base_tensors
 from rollout_server.weights.update import DEFAULT_ADAPTER_NAME, FULL, LORA, WeightUpdate
 
 # A new adapter is loaded next to the previous one, which is then deleted: that is intended here.
 warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute in the model")
 
 
-def _peft_name(policy_version: int) -> str:
+def peft_name(policy_version: int) -> str:
     """The adapter's name inside PEFT: unique per update, since a trainer may reuse its own name."""
     return f"policy_v{policy_version}"
 
@@ -63,7 +63,7 @@ def _load_lora(
     transformer: torch.nn.Module, update: WeightUpdate, loaded: rollout_pb2.LoraAdapter | None
 ) -> rollout_pb2.LoraAdapter:
     config = parse_lora_config(update.lora_config_json)
-    name = _peft_name(update.policy_version)
+    name = peft_name(update.policy_version)
     # Sorted, so the first name is a lora_A one: diffusers takes anything else for a non-PEFT format.
     tensors = dict(sorted(update.tensors.items()))
     try:
@@ -74,10 +74,10 @@ def _load_lora(
         if name in getattr(transformer, "peft_config", {}):
             transformer.delete_adapters(name)
         if loaded is not None:
-            transformer.set_adapter(_peft_name(loaded.policy_version))
+            transformer.set_adapter(peft_name(loaded.policy_version))
         raise
     if loaded is not None:
-        transformer.delete_adapters(_peft_name(loaded.policy_version))
+        transformer.delete_adapters(peft_name(loaded.policy_version))
     return rollout_pb2.LoraAdapter(
         name=update.adapter_name or DEFAULT_ADAPTER_NAME,
         rank=config.r,

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy
 import torch
 from peft import get_peft_model_state_dict, inject_adapter_in_model
-from peft.tuners.lora import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+from rollout_core.checksum import base_tensors
 from rollout_server.errors import StaleUpdate
 from rollout_server.limits import MAX_POLICY_VERSION
 from rollout_server.validation import quoted
@@ -54,7 +54,9 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
     bfloat16, which numpy lacks, is checked on its exponent bits (all ones: inf or NaN)."""
     if not tensor.is_floating_point() or not tensor.numel():
         return
-    if tensor.dtype == torch.bfloat16:
+    if tensor.device.type != "cpu":  # received over NCCL: checked where it lies
+        finite = bool(torch.isfinite(tensor).all())
+    elif tensor.dtype == torch.bfloat16:
         bits = tensor.view(torch.int16).numpy()
         finite = not numpy.any((bits & BFLOAT16_EXPONENT) == BFLOAT16_EXPONENT)
     else:
@@ -62,16 +64,6 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
         finite = math.isfinite(values.min()) and math.isfinite(values.max())
     if not finite:
         raise reject("data", f"tensor {quoted(name)} holds NaN or infinite values")
-
-
-def base_tensors(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The transformer's own parameters and buffers under their checkpoint names, looking through the
-    LoRA layers PEFT wraps around adapted modules (``x.base_layer.weight`` is ``x.weight``)."""
-    return {
-        name.replace(".base_layer.", "."): tensor
-        for name, tensor in transformer.state_dict(keep_vars=True).items()
-        if f".{LoraModel.prefix}" not in name
-    }
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: it keys the LoRA layout cache
@@ -127,34 +119,35 @@ def lora_layout(spec: TransformerSpec, config_json: str) -> dict[str, tuple[torc
     return {name: (t.dtype, tuple(t.shape)) for name, t in layout.items()}
 
 
-def check(spec: TransformerSpec, update: WeightUpdate) -> None:
-    """InvalidRequest naming what is wrong with ``update`` (the first bad tensor); changes nothing."""
+def check(spec: TransformerSpec, update: WeightUpdate, header: str = "header", data: str = "data") -> None:
+    """InvalidRequest naming what is wrong with ``update`` (the first bad tensor); changes nothing.
+    ``header`` and ``data`` name the request's fields for the header and the tensors."""
     if update.kind not in (FULL, SUBSET, LORA):
-        raise reject("header.kind", "must be WEIGHTS_KIND_FULL, WEIGHTS_KIND_SUBSET or WEIGHTS_KIND_LORA")
+        raise reject(f"{header}.kind", "must be WEIGHTS_KIND_FULL, WEIGHTS_KIND_SUBSET or WEIGHTS_KIND_LORA")
     if (update.kind == LORA) != bool(update.lora_config_json):
-        raise reject("header.lora_config_json", "is required for LORA updates, and only for them")
+        raise reject(f"{header}.lora_config_json", "is required for LORA updates, and only for them")
     if update.kind != LORA and update.adapter_name:
-        raise reject("header.adapter_name", "only LORA updates name an adapter")
+        raise reject(f"{header}.adapter_name", "only LORA updates name an adapter")
     if len(update.adapter_name) > 128 or not update.adapter_name.isprintable():
-        raise reject("header.adapter_name", "must be printable and at most 128 characters")
+        raise reject(f"{header}.adapter_name", "must be printable and at most 128 characters")
     if not update.tensors:
-        raise reject("data", "the update holds no tensors")
+        raise reject(data, "the update holds no tensors")
     adapter = update.kind == LORA
     expected = lora_layout(spec, update.lora_config_json) if adapter else spec.tensors
     what = "the adapter" if adapter else "the transformer"
     for name, tensor in update.tensors.items():
         if name not in expected:
-            raise reject("data", f"unknown tensor {quoted(name)}: {what} has no tensor of that name")
+            raise reject(data, f"unknown tensor {quoted(name)}: {what} has no tensor of that name")
         dtype, shape = expected[name]
         if tensor.dtype != dtype:
-            raise reject("data", f"tensor {quoted(name)} is {tensor.dtype}; {what} holds it as {dtype}")
+            raise reject(data, f"tensor {quoted(name)} is {tensor.dtype}; {what} holds it as {dtype}")
         if tuple(tensor.shape) != shape:
             raise reject(
-                "data", f"tensor {quoted(name)} has shape {list(tensor.shape)}; {what}'s is {list(shape)}"
+                data, f"tensor {quoted(name)} has shape {list(tensor.shape)}; {what}'s is {list(shape)}"
             )
     missing = [name for name in expected if name not in update.tensors]
     if missing and update.kind != SUBSET:
         raise reject(
-            "data",
+            data,
             f"{len(missing)} of {what}'s tensors are missing, e.g. {missing[:3]} (use SUBSET for a part)",
         )
