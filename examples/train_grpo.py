@@ -53,6 +53,7 @@ version, so every update starts from the policy that sampled its data.
 """
 
 import argparse
+import contextlib
 import csv
 import functools
 import importlib
@@ -93,11 +94,14 @@ from rollout_client.grpo import (
     tree_edges,
 )
 from rollout_client.nft import final_latents, nft_loss, noise_levels, noised, optimality, velocities
+from rollout_core import checksum
+from rollout_core.layout import sample_layout
 from rollout_server.local import LocalServer
 
 if TYPE_CHECKING:
     from rollout_client.rewards import Reward
     from rollout_client.shapes_eval import ShapesEval
+    from rollout_client.weight_sync import WeightSyncGroup
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the server builds its model locally
 
@@ -113,6 +117,8 @@ PROMPTS = [
 ]
 PROMPT_SETS = ("scenes", "shapes")  # PROMPTS above, or the shapes task's train prompts
 ALGORITHMS = ("flowgrpo", "nft")
+TRAINED = ("lora", "full")  # --train
+WEIGHT_SYNCS = ("auto", "grpc", "group")  # --weight-sync
 TREE_ADVANTAGES = ("branch-mean", "branch-log-prob", "backed-up")
 # FLUX's attention and feed-forward layers, with the latent projections in and out.
 FLUX_TARGETS = ["x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
@@ -148,6 +154,8 @@ OPERATIONAL_FLAGS = {
     "checkpoint_every",
     "stall_timeout",
     "retries",
+    "weight_sync",
+    "sync_address",
 }
 # Statuses of a server that is down, restarting, overloaded or stuck rather than of a bad request.
 SERVER_FAILURES = {
@@ -289,6 +297,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="PPO clip range (default 1e-4; 1e-2 with --async, whose one-version-stale ratios reach 1e-2)",
     )
     parser.add_argument("--kl-beta", type=float, default=0.0, help="weight of the KL to the base model")
+    parser.add_argument(
+        "--train",
+        choices=TRAINED,
+        default="lora",
+        help="what the optimizer trains: a LoRA of the transformer, or every parameter of it",
+    )
+    parser.add_argument(
+        "--weight-sync",
+        choices=WEIGHT_SYNCS,
+        default="auto",
+        help="how the policy reaches the server: UpdateWeights over gRPC, or broadcasts over a "
+        "weight-sync group (auto: the group for --train full, gRPC for a LoRA)",
+    )
+    parser.add_argument(
+        "--sync-address",
+        default="127.0.0.1",
+        help="with the weight-sync group: this host's address as the server reaches it",
+    )
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument(
         "--lora-alpha", type=float, default=32.0, help="the LoRA's output scale is alpha / rank"
@@ -326,6 +352,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="times a failed server phase is tried again, after pauses of 1, 2, 4 ... 30 s",
     )
     args = parser.parse_args(argv)
+    if args.weight_sync == "auto":
+        args.weight_sync = "group" if args.train == "full" else "grpc"
+    if args.train == "full" and args.kl_beta:
+        parser.error("--kl-beta compares with the base model through the LoRA: it needs --train lora")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        # Ranks split each iteration's prompts and average their gradients before one optimizer step.
+        for flag in ("async_", "tree", "prune_at", "score_while_streaming"):
+            if getattr(args, flag) not in (None, False, ""):
+                parser.error(f"--{flag.rstrip('_').replace('_', '-')} runs on one trainer rank, not {world}")
+        if args.algorithm == "nft":
+            parser.error(f"--algorithm nft runs on one trainer rank, not {world}")
+        if args.prompts % world:
+            parser.error(f"--prompts {args.prompts} must split evenly over the {world} trainer ranks")
     if args.clip_range is None:
         args.clip_range = 1e-2 if args.async_ else 1e-4
     if args.async_ and args.score_while_streaming:
@@ -421,11 +461,13 @@ def load_reward(spec: str) -> "Reward":
     return getattr(importlib.import_module(module), name)
 
 
-def load_policy(model_path: Path, args: argparse.Namespace) -> tuple[torch.nn.Module, LoraConfig]:
-    """The base transformer, frozen, with a trainable LoRA."""
+def load_policy(model_path: Path, args: argparse.Namespace) -> tuple[torch.nn.Module, LoraConfig | None]:
+    """The base transformer, frozen, with a trainable LoRA; or, with --train full, all trainable."""
     from diffusers import AutoModel  # the trainer's side; the client library never imports diffusers
 
     transformer = AutoModel.from_pretrained(str(model_path), subfolder="transformer").to(args.device)
+    if args.train == "full":
+        return transformer, None
     transformer.requires_grad_(False)
     config = LoraConfig(
         r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=args.lora_targets.split(",")
@@ -502,6 +544,75 @@ def rollout_request(args: argparse.Namespace, iteration: int, min_version: int) 
         # The early-termination rule predicts each node's image from its velocity.
         debug_tensors=[] if args.prune_at is None else [rollout_pb2.DEBUG_TENSOR_VELOCITY],
     )
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This trainer process among the data-parallel ranks of a ``torchrun`` launch (or alone): each
+    rank rolls out its share of every iteration's prompt groups, and the gradients are averaged over
+    the ranks before each optimizer step (the all-reduce DDP does), so every rank holds the same
+    policy; rank 0 pushes it and writes the run's files."""
+
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def start(cls, device: str) -> "Ranks":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
+        backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend)
+        return cls(torch.distributed.get_rank(), world)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def agree(self, value: T) -> T:
+        """Rank 0's ``value``, on every rank."""
+        if self.world == 1:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, value: T) -> list[T]:
+        """Every rank's ``value``, in rank order."""
+        if self.world == 1:
+            return [value]
+        values = [None] * self.world
+        torch.distributed.all_gather_object(values, value)
+        return values
+
+    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        if self.world == 1:
+            return
+        for parameter in parameters:
+            if parameter.grad is not None:
+                torch.distributed.all_reduce(parameter.grad)
+                parameter.grad /= self.world
+
+    def share(self, request: rollout_pb2.RolloutRequest, max_samples: int) -> rollout_pb2.RolloutRequest:
+        """This rank's prompt groups of ``request`` (a contiguous block), with the seeds one server
+        would give them: every rank count draws the same noise for the same sample."""
+        if self.world == 1:
+            return request
+        layout, _ = sample_layout(request, max_samples)
+        per_rank = len(request.prompts) // self.world
+        mine = range(self.rank * per_rank, (self.rank + 1) * per_rank)
+        share = rollout_pb2.RolloutRequest()
+        share.CopyFrom(request)
+        share.ClearField("base_seed")
+        share.request_id = f"{request.request_id}-rank-{self.rank}"
+        del share.prompts[:], share.seeds[:]
+        share.prompts.extend(request.prompts[p] for p in mine)
+        share.seeds.extend(seed for p in mine for seed in layout.group_seeds(p))
+        return share
+
+    def close(self) -> None:
+        if self.world > 1:
+            torch.distributed.destroy_process_group()
 
 
 def say(message: str) -> None:
@@ -818,6 +929,16 @@ def save_images(trajectories: list[Trajectory], folder: Path) -> None:
         (folder / name).write_bytes(trajectory.image_png)
 
 
+def save_policy(transformer: torch.nn.Module, config: LoraConfig | None, out: Path) -> Path:
+    """The trained policy, where ``LoadWeights`` (and diffusers) take it: the LoRA as a PEFT adapter
+    folder ``lora/``, or the whole transformer as a diffusers model folder ``transformer/``."""
+    if config is None:
+        transformer.save_pretrained(out / "transformer")
+        return out / "transformer"
+    save_adapter(transformer, config, out / "lora")
+    return out / "lora"
+
+
 def save_adapter(transformer: torch.nn.Module, config: LoraConfig, folder: Path) -> None:
     """The LoRA as a PEFT adapter folder (adapter_config.json, adapter_model.safetensors): what
     ``LoadWeights`` takes, and what ``peft`` and diffusers load."""
@@ -907,20 +1028,71 @@ def record_eval(path: Path, when: str, table: dict[str, tuple[int, int]]) -> Non
     path.write_text(json.dumps(tables, indent=2) + "\n")
 
 
-def push(
-    client: RolloutClient, transformer, lora_config: LoraConfig, trained: list[str], stall_seconds: float
-) -> int:
-    """Send the LoRA as the server's next policy version (whatever the server held before: another
-    run's policy, or none after a restart) and return that version; check that the server bound it to
-    the trained modules. Each call's deadline is the client's, ``stall_seconds``."""
-    weights = {name: t.detach().cpu() for name, t in get_peft_model_state_dict(transformer).items()}
-    with Watchdog("policy push", stall_seconds):
-        version = client.server_info().policy_version + 1
-        pushed = client.update_weights(weights, version, lora_config=lora_config, progress=False)
-        bound = list(client.server_info().lora_adapter.modules)
-    if bound != trained:
-        raise RuntimeError(f"the server's LoRA binds {bound}, not the trained {trained}")
-    return pushed.policy_version
+class Pusher:
+    """Sends the trainer's policy as the server's next policy version (whatever the server held
+    before: another run's policy, or none after a restart), over gRPC or the weight-sync group
+    (--weight-sync), and checks what the server then serves: the checksum of the trainer's own
+    weights, and for a LoRA the modules it bound. Each call's deadline is ``stall_seconds``."""
+
+    def __init__(self, client: RolloutClient, transformer, lora_config: LoraConfig | None, args):
+        self.client, self.transformer, self.lora_config, self.args = client, transformer, lora_config, args
+        self.group: WeightSyncGroup | None = None  # created at the first push over the group
+        self.trained = lora_modules(transformer) if lora_config is not None else []
+        # A LoRA run's base never changes: its part of the checksum is computed once.
+        self.base_lines = {}
+        if lora_config is not None:
+            base = checksum.policy_tensors({"transformer": checksum.base_tensors(transformer)})
+            self.base_lines = checksum.digest_lines(base)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What a push sends: the adapter, or every tensor of the transformer."""
+        if self.lora_config is None:
+            return {name: t.detach().cpu() for name, t in self.transformer.state_dict().items()}
+        return {name: t.detach().cpu() for name, t in get_peft_model_state_dict(self.transformer).items()}
+
+    def expected_checksum(self, weights: dict[str, torch.Tensor]) -> str:
+        if self.lora_config is None:
+            return checksum.weights_checksum(checksum.policy_tensors({"transformer": weights}))
+        adapter = checksum.policy_tensors({}, {"transformer": weights})
+        return checksum.combine(self.base_lines | checksum.digest_lines(adapter))
+
+    def push(self) -> int:
+        """Push the policy; returns its version."""
+        weights, client = self.weights(), self.client
+        expected = self.expected_checksum(weights)
+        kind = "full" if self.lora_config is None else "lora"
+        with Watchdog("policy push", self.args.stall_timeout):
+            version = client.server_info().policy_version + 1
+            if self.args.weight_sync == "group":
+                served = self._push_over_group(weights, version, kind, expected)
+            else:
+                pushed = client.update_weights(weights, version, kind, self.lora_config, progress=False)
+                served = pushed.weights_checksum
+            bound = list(client.server_info().lora_adapter.modules)
+        if served != expected:
+            raise RuntimeError(f"the server serves weights {served}, not the trained {expected}")
+        if bound != self.trained:
+            raise RuntimeError(f"the server's LoRA binds {bound}, not the trained {self.trained}")
+        return version
+
+    def _push_over_group(self, weights, version: int, kind: str, expected: str) -> str:
+        if self.group is None:
+            self.group = self.client.init_weight_sync(
+                master_address=self.args.sync_address, timeout=self.args.stall_timeout
+            )
+        try:
+            [applied] = self.group.update_weights(
+                weights, version, kind, self.lora_config, expect_checksum=expected
+            )
+        except Exception:
+            self.group = None  # a failed update may have torn the group down: a retry joins a new one
+            raise
+        return applied.weights_checksum
+
+    def close(self) -> None:
+        if self.group is not None:
+            with contextlib.suppress(grpc.RpcError):
+                self.group.close()
 
 
 def save_checkpoint(path: Path, args, transformer, optimizer, schedule, rows: list[dict]) -> None:
@@ -929,7 +1101,7 @@ def save_checkpoint(path: Path, args, transformer, optimizer, schedule, rows: li
     state = {
         "settings": run_settings(args),
         "iterations_done": len(rows),
-        "adapter": {name: t.detach().cpu() for name, t in get_peft_model_state_dict(transformer).items()},
+        "policy": {name: t.detach().cpu() for name, t in trainable_state(transformer, args).items()},
         "optimizer": optimizer.state_dict(),
         "schedule": schedule.state_dict(),
         "rng": {"cpu": torch.get_rng_state()}
@@ -944,11 +1116,21 @@ def save_checkpoint(path: Path, args, transformer, optimizer, schedule, rows: li
     os.replace(partial, path)
 
 
+def trainable_state(transformer: torch.nn.Module, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """What the optimizer trains: the LoRA's tensors, or (--train full) the transformer's."""
+    return transformer.state_dict() if args.train == "full" else get_peft_model_state_dict(transformer)
+
+
 def restore_checkpoint(checkpoint: dict, transformer, optimizer, schedule) -> list[dict]:
-    """Load a checkpoint's adapter, optimizer, schedule and RNG state; returns its metrics rows."""
-    loaded = set_peft_model_state_dict(transformer, checkpoint["adapter"])
-    if loaded.unexpected_keys:
-        raise RuntimeError(f"the checkpoint's adapter has tensors this LoRA lacks: {loaded.unexpected_keys}")
+    """Load a checkpoint's policy, optimizer, schedule and RNG state; returns its metrics rows."""
+    if checkpoint["settings"]["train"] == "full":
+        transformer.load_state_dict(checkpoint["policy"])
+    else:
+        loaded = set_peft_model_state_dict(transformer, checkpoint["policy"])
+        if loaded.unexpected_keys:
+            raise RuntimeError(
+                f"the checkpoint's adapter has tensors this LoRA lacks: {loaded.unexpected_keys}"
+            )
     optimizer.load_state_dict(checkpoint["optimizer"])
     schedule.load_state_dict(checkpoint["schedule"])
     torch.set_rng_state(checkpoint["rng"]["cpu"])
@@ -957,12 +1139,14 @@ def restore_checkpoint(checkpoint: dict, transformer, optimizer, schedule) -> li
     return checkpoint["rows"]
 
 
-def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> list[dict]:
+def train(args: argparse.Namespace, client: RolloutClient, model_path: Path, ranks: Ranks) -> list[dict]:
     torch.manual_seed(args.seed)
     reward = load_reward(args.reward)
     transformer, lora_config = load_policy(model_path, args)
-    trained = lora_modules(transformer)
-    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=args.lr)
+    pusher = Pusher(client, transformer, lora_config, args)
+    parameters = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr)
+    max_samples = client.server_info().limits.max_samples
     # A cosine from lr down to lr / 10 over the run: the late steps refine instead of overshooting.
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.iterations, eta_min=args.lr / 10)
     checkpoint = args.out / CHECKPOINT
@@ -970,7 +1154,7 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
     if args.checkpoint is not None:
         rows = restore_checkpoint(args.checkpoint, transformer, optimizer, schedule)
         say(f"resuming after iteration {len(rows) - 1} from {checkpoint}")
-    elif checkpoint.exists():
+    elif checkpoint.exists() and ranks.leader:
         say(f"a new run: removing the previous run's {checkpoint} (--resume goes on with it)")
         checkpoint.unlink()
     saved = len(rows)  # iterations in the checkpoint on disk
@@ -978,9 +1162,10 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
     staleness = 1 if args.async_ else 0
     upcoming = None  # async: the next rollout, streaming in the pool's thread while this one trains
 
-    def roll_out(iteration: int, bar: tqdm) -> tuple[Rollout, PolicyUpdate, int, float]:
-        """The server's part of an iteration: push the trainer's policy, and roll out (async: take
-        the rollout that streamed during the last iteration, then push). Safe to try again."""
+    def roll_out(iteration: int, bar: tqdm, pushed: int | None) -> tuple[Rollout, PolicyUpdate, int, float]:
+        """The server's part of an iteration: push the trainer's policy (unless rank 0 ``pushed``
+        it), and roll out this rank's share (async: take the rollout that streamed during the last
+        iteration, then push). Safe to try again."""
         nonlocal upcoming
         bar.reset()
         update = PolicyUpdate(transformer, args)
@@ -988,28 +1173,45 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
         if pending is not None:
             rollout = pending.result()
         push_start = time.perf_counter()
-        version = push(client, transformer, lora_config, trained, args.stall_timeout)
+        version = pusher.push() if pushed is None else pushed
         push_seconds = time.perf_counter() - push_start
         bar.update(1)
         if pending is None:
             on_step = functools.partial(
                 step_arrived, bar=bar, update=update if args.score_while_streaming else None, early=early
             )
-            request = rollout_request(args, iteration, version)
+            request = ranks.share(rollout_request(args, iteration, version), max_samples)
             rollout = stream(client, request, args.stall_timeout, on_step)
         return rollout, update, version, push_seconds
 
-    with open(args.out / "metrics.csv", "w", newline="") as metrics, ThreadPoolExecutor(1) as pool:
+    def push_from_rank_0(iteration: int) -> int | None:
+        """With several ranks: rank 0 pushes (tried again as a rollout is) and every rank learns the
+        version; alone, the rollout phase pushes."""
+        if ranks.world == 1:
+            return None
+        what = f"iteration {iteration}: the push"
+        return ranks.agree(
+            retrying(what, pusher.push, args.retries, client.address) if ranks.leader else None
+        )
+
+    metrics_path = args.out / "metrics.csv" if ranks.leader else Path(os.devnull)  # rank 0 writes the run
+    with open(metrics_path, "w", newline="") as metrics, ThreadPoolExecutor(1) as pool:
         writer = csv.DictWriter(metrics, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
         for iteration in range(len(rows), args.iterations):
             start = time.perf_counter()
-            bar = tqdm(total=args.steps + 2, desc=f"iter {iteration:>4}", dynamic_ncols=True)
+            bar = tqdm(
+                total=args.steps + 2,
+                desc=f"iter {iteration:>4}",
+                dynamic_ncols=True,
+                disable=not ranks.leader,
+            )
             try:
+                pushed = push_from_rank_0(iteration)
                 rollout, update, version, push_seconds = retrying(
                     f"iteration {iteration}",
-                    functools.partial(roll_out, iteration, bar),
+                    functools.partial(roll_out, iteration, bar, pushed),
                     args.retries,
                     client.address,
                 )
@@ -1017,7 +1219,7 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
                 bar.close()
                 if not rows:
                     raise ServerFailure(f"{failure}; no iteration had finished") from failure
-                if saved < len(rows):
+                if saved < len(rows) and ranks.leader:
                     save_checkpoint(checkpoint, args, transformer, optimizer, schedule, rows)
                 raise ServerFailure(
                     f"{failure}; iterations 0-{len(rows) - 1} are in {checkpoint}: run again with --resume"
@@ -1033,7 +1235,7 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
                 )
 
             result, eval_seconds = None, math.nan
-            if args.eval_every and iteration % args.eval_every == 0:
+            if args.eval_every and iteration % args.eval_every == 0 and ranks.leader:
                 eval_start = time.perf_counter()
                 result = evaluate(client, args)  # the policy that rolled this iteration out
                 eval_seconds = time.perf_counter() - eval_start
@@ -1056,18 +1258,22 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
                 advantages = group_advantages(rewards, torch.tensor([t.prompt_index for t in trajectories]))
                 optimizer.zero_grad(set_to_none=True)
                 update.finish(rollout.collector, advantages)
+                ranks.average_gradients(parameters)
                 optimizer.step()
                 loss = update.loss
             schedule.step()
             bar.update(1)
+            # Over every rank's share: all rewards, the mean of the ranks' losses, the largest deviation.
+            shares = ranks.gather((rewards, loss, update.ratio_max_dev))
+            all_rewards = torch.cat([share[0] for share in shares])
             row = {
                 "iteration": iteration,
                 "policy_version": rollout.policy_version,
                 "pushed_version": version,
-                "reward_mean": rewards.mean().item(),
-                "reward_std": rewards.std(correction=0).item(),
-                "loss": loss,
-                "ratio_max_dev": math.nan if args.algorithm == "nft" else update.ratio_max_dev,
+                "reward_mean": all_rewards.mean().item(),
+                "reward_std": all_rewards.std(correction=0).item(),
+                "loss": sum(share[1] for share in shares) / ranks.world,
+                "ratio_max_dev": math.nan if args.algorithm == "nft" else max(share[2] for share in shares),
                 "kl": update.kl if args.kl_beta > 0 else math.nan,
                 "scored_steps": ""
                 if args.algorithm == "nft"
@@ -1090,24 +1296,27 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
             rows.append(row)
             bar.set_postfix(reward=f"{row['reward_mean']:.5f}", ratio_dev=f"{row['ratio_max_dev']:.1e}")
             bar.close()
+            if not ranks.leader:
+                continue
             if iteration in (0, args.iterations - 1):
                 save_images(trajectories, args.out / "samples" / f"iter-{iteration:04d}")
             if len(rows) % args.checkpoint_every == 0 or len(rows) == args.iterations:
                 save_checkpoint(checkpoint, args, transformer, optimizer, schedule, rows)
                 saved = len(rows)
                 say(f"checkpoint: iterations 0-{iteration} in {checkpoint}")
-    save_adapter(transformer, lora_config, args.out / "lora")
+    if not ranks.leader:
+        return rows
+    saved_policy = save_policy(transformer, lora_config, args.out)
     plot_rewards(rows, args.reward, args.out / "reward.png")
     # The server ends on the final policy, for whoever samples from it next.
-    final_push = functools.partial(push, client, transformer, lora_config, trained, args.stall_timeout)
     try:
-        retrying("the final push", final_push, args.retries, client.address)
+        retrying("the final push", pusher.push, args.retries, client.address)
         if args.eval_every:
             final = evaluate(client, args)
     except ServerFailure as failure:
-        raise ServerFailure(
-            f"{failure}; the run is complete, its adapter in {args.out / 'lora'}"
-        ) from failure
+        raise ServerFailure(f"{failure}; the run is complete, its policy in {saved_policy}") from failure
+    finally:
+        pusher.close()
     if args.eval_every:
         record_eval(args.out / "eval.json", "after", final.table)
         eval_grid(final, args.out / "samples" / "eval-after.png")
@@ -1119,12 +1328,15 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path) -> 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    ranks = Ranks.start(args.device)
+    if torch.device(args.device).type == "cuda" and ranks.world > 1:
+        args.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     args.out.mkdir(parents=True, exist_ok=True)
     server = None
-    if args.server is None:
+    if args.server is None and ranks.leader:
         server = LocalServer.start(args.out / "server.log", "--model", args.model, "--threads", "1")
     token = read_token(args.token_file) if args.token_file else None
-    address = args.server or server.address
+    address = ranks.agree(args.server or server.address if ranks.leader else None)
     try:
         with RolloutClient(
             address, timeout=args.stall_timeout, token=token, channel_options=CHANNEL_OPTIONS
@@ -1132,19 +1344,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
             info = retrying("reading the server's info", client.server_info, args.retries, address)
             model_path = args.model_path or Path(info.model_path)
             started = time.perf_counter()
-            rows = train(args, client, model_path)
+            rows = train(args, client, model_path, ranks)
             seconds = time.perf_counter() - started
     except ServerFailure as failure:
         raise SystemExit(f"train_grpo.py: stopped: {failure}") from None
     finally:
         if server is not None:
             server.stop()
+        ranks.close()
     first, last = rows[0]["reward_mean"], rows[-1]["reward_mean"]
     on_policy = (
         ""
         if args.algorithm == "nft"
         else f", max ratio deviation {max(r['ratio_max_dev'] for r in rows):.1e}"
     )
+    if not ranks.leader:
+        return rows
     print(
         f"{len(rows)} iterations in {seconds:.0f} s ({'async' if args.async_ else 'sync'}, "
         f"{args.algorithm}): reward {first:.5f} -> {last:.5f}{on_policy}; results in {args.out}/"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers import AutoModel
 from helpers import (
     ROOT,
     TOLERANCE,
@@ -33,6 +34,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from rollout_client import RolloutClient
+from rollout_core import checksum
 
 COLUMNS = [
     "iteration",
@@ -170,6 +172,58 @@ def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
         assert torch.equal(old.latents[0], new.latents[0])
         assert (old.latents[-1] - new.latents[-1]).abs().max() > 1e-4
     assert_replays(trained, after)
+
+
+def run_data_parallel(address: str, out: Path, ranks: int, *flags: str) -> list[dict]:
+    """The trainer under ``torchrun --nproc-per-node ranks`` (gloo on the CPU)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    command = [*launcher, *trainer_command(address, out, *flags)[1:]]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_SECONDS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return read_metrics(out)
+
+
+def test_two_data_parallel_ranks_train_the_adapter_one_rank_does(train_client, tmp_path):
+    """Under torchrun each rank rolls out its half of the prompt groups, with the seeds one rank
+    would draw, and the gradients are averaged before the step: the same images, rewards and
+    adapter as one rank, up to the order of the float sums. (Over more iterations the policies'
+    rounding differences reach the 8-bit images a reward sees, so runs drift apart by more.)"""
+    flags = ("--iterations", "1", "--prompts", "2", "--group-size", "4")
+    one = run_trainer(train_client.address, tmp_path / "one", *flags)
+    two = run_data_parallel(train_client.address, tmp_path / "two", 2, *flags)
+    assert (one[0]["reward_mean"], one[0]["reward_std"]) == (two[0]["reward_mean"], two[0]["reward_std"])
+    assert math.isclose(float(one[0]["loss"]), float(two[0]["loss"]), rel_tol=1e-5, abs_tol=1e-7)  # ~0
+    one_rank, two_ranks = (
+        load_file(out / "lora" / "adapter_model.safetensors") for out in (tmp_path / "one", tmp_path / "two")
+    )
+    assert one_rank.keys() == two_ranks.keys()
+    for name, tensor in one_rank.items():
+        torch.testing.assert_close(two_ranks[name], tensor, rtol=1e-5, atol=1e-6)
+    # The runs trained: lora_B starts at zero.
+    assert max(tensor.abs().max().item() for name, tensor in one_rank.items() if "lora_B" in name) > 1e-4
+
+
+def test_full_parameter_training_syncs_over_the_group_from_two_ranks(cache_dir, tmp_path, tiny_transformer):
+    """--train full: every parameter trains, and rank 0 pushes the whole transformer over a
+    weight-sync group at every iteration; the server ends serving the saved transformer, bitwise."""
+    server = start_server(cache_dir, tmp_path / "server.log")
+    try:
+        out = tmp_path / "full"
+        flags = ("--iterations", "2", "--train", "full", "--lr", "1e-4")
+        rows = run_data_parallel(server.address, out, 2, *flags)
+        assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)  # on policy
+        with RolloutClient(server.address, timeout=60) as client:
+            info = client.server_info()
+            trained = AutoModel.from_pretrained(str(out / "transformer"))
+            served = checksum.weights_checksum(checksum.policy_tensors({"transformer": trained.state_dict()}))
+            base = checksum.policy_tensors({"transformer": tiny_transformer.state_dict()})
+            assert info.weights_checksum == served != checksum.weights_checksum(base)
+            assert not info.HasField("lora_adapter")
+            assert not info.HasField("weight_sync")  # the trainer left the group at the end
+            assert_replays(trained, client.rollout(PROBE))
+        assert "joined weight-sync group" in (tmp_path / "server.log").read_text()
+    finally:
+        server.stop()
 
 
 def test_async_rollouts_are_at_most_one_version_stale(train_client, tmp_path):
