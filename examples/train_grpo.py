@@ -45,6 +45,12 @@ log-prob-weighted, or TreeGRPO's backed-up leaf advantages; ``rollout_client.grp
 that took it is scored by the reward of its predicted final image, and per prompt all but the K/2
 best and K/2 worst are pruned with their subtrees (``PruneRollout``).
 
+``--train full`` trains every parameter of the transformer instead of a LoRA, and pushes it over a
+weight-sync group by default (``--weight-sync``; ``rollout_client.WeightSyncGroup``): every push checks
+the checksum the server serves against the trainer's own. Under ``torchrun --nproc-per-node N`` the
+trainer runs N data-parallel ranks: each rolls out its block of the prompt groups with the seeds one
+rank would draw, the gradients are averaged before each step, and rank 0 pushes and writes the run.
+
 ``--algorithm nft`` swaps the update for DiffusionNFT's (``rollout_client.nft``): the rollouts stream
 only their final latents, and each iteration takes --nft-draws optimizer steps of its flow-matching
 style loss on them, noised afresh for each step, against the rollout policy's own velocities. No
