@@ -281,10 +281,13 @@ class WeightSyncGroup:
             if len(bucket.tensors) == 1 and first.is_contiguous() and first.device == self.device:
                 buffer = first.reshape(-1).view(torch.uint8)  # a tensor alone: no copy
             else:
-                buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=self.device)
+                buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+                end = 0
                 for placed in bucket.tensors:
+                    buffer[end : placed.offset].zero_()  # the padding before it
                     data = tensors[placed.index].contiguous().reshape(-1).view(torch.uint8)
                     buffer[placed.offset : placed.offset + placed.nbytes].copy_(data)
+                    end = placed.offset + placed.nbytes
             if len(in_flight) == IN_FLIGHT:
                 in_flight.popleft().wait()
             in_flight.append(self._group.broadcast([buffer], dist.BroadcastOptions()))
