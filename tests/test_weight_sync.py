@@ -276,6 +276,18 @@ def test_init_refuses_hostile_options_and_survives_a_dead_store(clients):
     assert none.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_a_server_that_refuses_to_join_fails_the_group_at_once(clients):
+    """A group name the server refuses: the trainer hears it from the server at once, instead of
+    waiting out its own rendezvous; the server is in no group."""
+    begin = time.monotonic()
+    with pytest.raises(grpc.RpcError) as refused:
+        WeightSyncGroup([clients[1]], timeout=60, group_name="bad/name")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [v.field for v in field_violations(refused.value)] == ["group_name"]
+    assert time.monotonic() - begin < 20
+    assert not clients[1].server_info().HasField("weight_sync")
+
+
 # A trainer that dies or stalls mid-broadcast ------------------------------------------------------------
 
 TRAINER = """

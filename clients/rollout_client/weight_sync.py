@@ -20,9 +20,11 @@ import collections
 import datetime
 import logging
 import queue
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -131,20 +133,26 @@ class WeightSyncGroup:
         self._store = dist.TCPStore(master_address, master_port, None, True, delta, wait_for_workers=False)
         self.master_address, self.master_port, self.timeout = master_address, self._store.port, timeout
         prefixed = dist.PrefixStore(f"{self.group_name}/", self._store)
-        with ThreadPoolExecutor(len(self.clients)) as executor:
-            joins = [executor.submit(self._join, k) for k in range(len(self.clients))]
+        # The trainer's rendezvous and every server's InitWeightSync run at once; a server that
+        # refuses (a bad option, another update in progress) ends the wait at once, not at the timeout.
+        created: Future = Future()
+
+        def create() -> None:
             try:
-                self._group = self._create_group(prefixed, delta)
-            except Exception:
-                for join in joins:
-                    join.cancel()
-                self._store = None
-                raise
-            finally:
-                errors = [join.exception() for join in joins if not join.cancelled()]
-        if failed := [error for error in errors if error is not None]:
+                created.set_result(self._create_group(prefixed, delta))
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+                created.set_exception(error)
+
+        threading.Thread(target=create, name="weight-sync-rendezvous", daemon=True).start()
+        executor = ThreadPoolExecutor(len(self.clients), thread_name_prefix="weight-sync-join")
+        joins = [executor.submit(self._join, k) for k in range(len(self.clients))]
+        executor.shutdown(wait=False)
+        done, _ = futures.wait([*joins, created], return_when=futures.FIRST_EXCEPTION)
+        failed = [future.exception() for future in (*joins, created) if future in done and future.exception()]
+        if failed:
             self._group = self._store = None
-            raise failed[0]
+            raise failed[0]  # a server's answer first: it says why
+        self._group = created.result()
 
     def _join(self, index: int) -> rollout_pb2.InitWeightSyncResponse:
         client = self.clients[index]
