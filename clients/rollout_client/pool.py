@@ -530,7 +530,7 @@ class RolloutPool:
         if full:
             self._static_info()
         with self._update_lock:
-            outcomes = self.weight_sync.update(snapshot, version, **fields)
+            outcomes = self.weight_sync.update(weights, version, **fields)  # from where they are
             update = Update(version, snapshot, {**fields, "progress": False})
             pairs = [(outcome.applied, outcome.error) for outcome in outcomes]
             return self._settle(update, full, self._sync_replicas, pairs)
