@@ -101,7 +101,7 @@ from rollout_client.grpo import (
 )
 from rollout_client.nft import final_latents, nft_loss, noise_levels, noised, optimality, velocities
 from rollout_core import checksum
-from rollout_core.layout import sample_layout
+from rollout_core.layout import prompt_groups, sample_layout
 from rollout_server.local import LocalServer
 
 if TYPE_CHECKING:
@@ -607,13 +607,8 @@ class Ranks:
         layout, _ = sample_layout(request, max_samples)
         per_rank = len(request.prompts) // self.world
         mine = range(self.rank * per_rank, (self.rank + 1) * per_rank)
-        share = rollout_pb2.RolloutRequest()
-        share.CopyFrom(request)
-        share.ClearField("base_seed")
+        share = prompt_groups(request, layout, mine)
         share.request_id = f"{request.request_id}-rank-{self.rank}"
-        del share.prompts[:], share.seeds[:]
-        share.prompts.extend(request.prompts[p] for p in mine)
-        share.seeds.extend(seed for p in mine for seed in layout.group_seeds(p))
         return share
 
     def close(self) -> None:

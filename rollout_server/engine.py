@@ -17,7 +17,6 @@ step.
 """
 
 import asyncio
-import dataclasses
 import functools
 import json
 import logging
@@ -253,9 +252,7 @@ class Engine:
             raise NoWeightSyncGroup("the server is in no weight-sync group: call InitWeightSync first")
         manifest = group.parse_manifest(message, self.max_update_bytes)
         self.policy.check(manifest.update, prefix="manifest.")
-        return dataclasses.replace(
-            manifest, timeout_seconds=self.parallel.weight_sync.options.timeout_seconds
-        )
+        return manifest
 
     def update_from_group(
         self, manifest: group.GroupManifest, on_ready: Callable[[], None], start: Future

@@ -285,6 +285,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         async with self._update_slot(context):
             check = asyncio.to_thread(self.engine.check_group_update, first.manifest)
             manifest = await self._updating(context, check)
+            # The group it was checked in (a new one needs the update slot, held here).
+            timeout = self.engine.status().weight_sync.timeout_seconds
             loop = asyncio.get_running_loop()
             ready, start = loop.create_future(), Future()
             work = self.engine.update_from_group(
@@ -298,7 +300,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                     bytes=manifest.wire_bytes, buckets=len(manifest.buckets)
                 )
                 await context.write(rollout_pb2.UpdateWeightsFromGroupResponse(ready=ready_message))
-                following = await self._updating(context, _next_within(requests, manifest.timeout_seconds))
+                following = await self._updating(context, _next_within(requests, timeout))
                 start.set_result(following is not None and following.WhichOneof("message") == "start")
                 received = await self._updating(context, done)
             finally:

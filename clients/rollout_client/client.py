@@ -45,6 +45,25 @@ def lora_config_json(config: Any) -> str:
     return json.dumps(values, default=listed)
 
 
+def resolve_kind(kind: str | None, lora_config: Any) -> str:
+    """An update's kind ("full", "subset" or "lora"): as given, else "lora" with a LoRA config and
+    "full" without."""
+    return kind or ("lora" if lora_config is not None else "full")
+
+
+def update_header(
+    version: int, kind: str | None, lora_config: Any, adapter_name: str, target: str
+) -> rollout_pb2.WeightsUpdateHeader:
+    """The header of an update (UpdateWeights, or a group update's manifest)."""
+    return rollout_pb2.WeightsUpdateHeader(
+        policy_version=version,
+        kind=WEIGHTS_KINDS[resolve_kind(kind, lora_config)],
+        lora_config_json=lora_config_json(lora_config) if lora_config is not None else "",
+        adapter_name=adapter_name,
+        target=target,
+    )
+
+
 UPDATE_WEIGHTS_METHOD = (
     f"/{rollout_pb2.DESCRIPTOR.services_by_name['RolloutService'].full_name}/UpdateWeights"
 )
@@ -159,14 +178,7 @@ class RolloutClient:
         ``target`` names the transformer it changes when the model has several (Wan 2.2:
         "transformer_2" for the low-noise expert; GetServerInfo lists them).
         """
-        kind = kind or ("lora" if lora_config is not None else "full")
-        header = rollout_pb2.WeightsUpdateHeader(
-            policy_version=version,
-            kind=WEIGHTS_KINDS[kind],
-            lora_config_json=lora_config_json(lora_config) if lora_config is not None else "",
-            adapter_name=adapter_name,
-            target=target,
-        )
+        header = update_header(version, kind, lora_config, adapter_name, target)
 
         def frame(index: int, length: int) -> bytes:
             bar.update(length)  # called once per piece, as it is sent

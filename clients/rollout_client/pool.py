@@ -46,11 +46,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout.v1 import rollout_pb2
-from rollout_client.client import RolloutClient
+from rollout_client.client import RolloutClient, resolve_kind
 from rollout_client.events import Event, decode_stream
 from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
-from rollout_core.layout import sample_layout
+from rollout_core.layout import prompt_groups, sample_layout
 from rollout_core.tree import widest
 
 if TYPE_CHECKING:
@@ -366,20 +366,9 @@ class RolloutPool:
         if layout is None:
             return [(request, None)]
 
-        def fixed(prompts: Sequence[str], seeds: Sequence[int]) -> rollout_pb2.RolloutRequest:
-            part = rollout_pb2.RolloutRequest()
-            part.CopyFrom(request)
-            part.request_id = layout.request_id
-            part.ClearField("base_seed")
-            del part.prompts[:], part.seeds[:]
-            part.prompts.extend(prompts)
-            part.seeds.extend(seeds)
-            part.samples_per_prompt = layout.group_size
-            return part
-
         if request.branches:
-            return [(fixed(request.prompts, layout.seeds), None)]
-        return [(fixed([prompt], layout.group_seeds(p)), p) for p, prompt in enumerate(request.prompts)]
+            return [(prompt_groups(request, layout, range(len(request.prompts))), None)]
+        return [(prompt_groups(request, layout, [p]), p) for p in range(len(request.prompts))]
 
     def _static_info(self) -> rollout_pb2.GetServerInfoResponse:
         """A replica's server info, for its defaults and limits (the same on every replica)."""
@@ -671,7 +660,7 @@ class RolloutPool:
 
 
 def _is_full(kind: str | None, lora_config: Any) -> bool:
-    return (kind or ("lora" if lora_config is not None else "full")) == "full"
+    return resolve_kind(kind, lora_config) == "full"
 
 
 def _serving_version(client: RolloutClient) -> int | None:

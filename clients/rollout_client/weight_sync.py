@@ -213,21 +213,15 @@ class WeightSyncGroup:
         """``update_weights``, with each server's outcome instead of the first error. When a server
         refuses the manifest, nothing is broadcast and the others drop the update (ABORTED); when a
         broadcast fails, every server keeps its previous weights and leaves the group."""
-        from rollout_client.client import WEIGHTS_KINDS, lora_config_json
+        from rollout_client.client import resolve_kind, update_header
 
-        kind = kind or ("lora" if lora_config is not None else "full")
+        if self._group is None:
+            raise RuntimeError("the weight-sync group broke in an earlier update: create a new one")
         tensors = {name: tensor.detach() for name, tensor in full_tensors(weights).items()}
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
         assigned = buckets.assign(sizes, self.bucket_bytes)
-        header = rollout_pb2.WeightsUpdateHeader(
-            policy_version=version,
-            kind=WEIGHTS_KINDS[kind],
-            lora_config_json=lora_config_json(lora_config) if lora_config is not None else "",
-            adapter_name=adapter_name,
-            target=target,
-        )
         manifest = rollout_pb2.GroupUpdateManifest(
-            header=header,
+            header=update_header(version, kind, lora_config, adapter_name, target),
             tensors=[
                 rollout_pb2.GroupTensor(
                     name=name, dtype=SAFETENSORS_NAMES[t.dtype], shape=list(t.shape), bucket=bucket
@@ -235,12 +229,11 @@ class WeightSyncGroup:
                 for (name, t), bucket in zip(tensors.items(), assigned, strict=True)
             ],
         )
-        if expect_checksum is None and kind == "full" and self._replaces_whole_policy(target):
+        full = resolve_kind(kind, lora_config) == "full"
+        if expect_checksum is None and full and self._replaces_whole_policy(target):
             expect_checksum = checksum.weights_checksum(
                 checksum.policy_tensors({target or "transformer": tensors})
             )
-        if self._group is None:
-            raise RuntimeError("the weight-sync group broke in an earlier update: create a new one")
         calls = [_Call(client, manifest) for client in self.clients]
         outcomes = [Outcome() for _ in calls]
         with ThreadPoolExecutor(len(calls)) as executor:

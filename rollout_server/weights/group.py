@@ -91,7 +91,6 @@ class GroupManifest:
     message: rollout_pb2.GroupUpdateManifest
     update: WeightUpdate
     buckets: list[buckets.Bucket]
-    timeout_seconds: float = 0.0  # the group's, for the trainer's start: set when checked
 
     @property
     def wire_bytes(self) -> int:
