@@ -160,15 +160,13 @@ def byte_size(text: str) -> int:
 
 def run_ray(args: argparse.Namespace) -> None:
     try:
-        import ray
-
-        from rollout_server.ray import launch, wait_forever
+        from rollout_server.ray import connect, launch, wait_forever
     except ImportError:
         sys.exit("rollout-server ray: Ray is not installed (pip install 'rollout-server[ray]')")
     if args.replicas < 1 or args.sp < 1:
         sys.exit("rollout-server ray: --replicas and --sp must be at least 1")
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
-    ray.init(address=args.address)
+    connect(args.address)
     replicas = launch(
         args.replicas,
         args.model,

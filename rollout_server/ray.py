@@ -12,7 +12,8 @@ Server and actor live and die together:
 Ray restarts a dead actor (``max_restarts``), and the new actor brings its server back on the same
 port. The pool's health checks then re-admit it, after replaying the weight updates it missed.
 
-    replicas = launch(2, "tiny-flux")            # inside ray.init() or a Ray job
+    connect()                                    # or inside ray.init() or a Ray job
+    replicas = launch(2, "tiny-flux")
     with RolloutPool(replicas.addresses) as pool: ...
     replicas.shutdown()
 
@@ -30,11 +31,32 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import ray
 
 from rollout_server.local import LocalServer
 
 PR_SET_PDEATHSIG = 1
+# Ray waits a fixed 30 s for a new local node's raylet to register, which a loaded machine can miss.
+LOCAL_START_ATTEMPTS = 3
+
+
+def connect(address: str | None = None, **init_args) -> None:
+    """``ray.init(address, **init_args)``; a local node that timed out during startup is started again,
+    up to ``LOCAL_START_ATTEMPTS`` times, after its processes (which Ray leaves running) are killed."""
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        before = {child.pid for child in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(address=address, **init_args)
+            return
+        except Exception as error:
+            if "timed out during startup" not in str(error) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+        ray.shutdown()
+        started = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
+        for child in started:
+            child.kill()
+        psutil.wait_procs(started, timeout=30)
 
 
 def _die_with_parent() -> None:

@@ -44,7 +44,9 @@ def wait_until(condition, seconds: float = 60.0) -> None:
 
 @pytest.fixture
 def ray_cluster(cache_dir, tiny_flux_folder):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from rollout_server.ray import connect
+
+    connect(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
