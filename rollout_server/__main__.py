@@ -1,3 +1,3 @@
-from rollout_server.cli import main
+from rollout_server.cli import run
 
-main()
+run()

@@ -7,9 +7,12 @@ The command line is parsed and checked before torch and diffusers load (they tak
 
 import argparse
 import asyncio
+import atexit
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from rollout.v1 import rollout_pb2
 from rollout_server.auth import ServerTLS, TokenPolicy, load_token
@@ -269,5 +272,24 @@ def main(argv=None) -> None:
     sys.exit(code)
 
 
+def run() -> NoReturn:
+    """The ``rollout-server`` command: ``main``, then the process exits without the interpreter's
+    teardown of every module (torch's takes seconds), once the exit handlers ran and the logs are
+    flushed: the server has closed everything it opened by then."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    main()
+    run()
