@@ -10,13 +10,16 @@ throughput. Runs (a) and (b) alternately so machine noise hits both alike.
 """
 
 import argparse
+import io
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -41,8 +44,7 @@ def in_process_runner(preset: str, cache_dir: Path) -> tuple[Runner, ServingCont
     runner = Runner(
         adapter,
         SequenceParallel(),
-        Limits.max_batch_size,
-        Limits.max_latent_elements,
+        Limits(),
         DEFAULT_PROMPT_CACHE_ENTRIES,
         ServerMetrics(),
     )
@@ -78,6 +80,9 @@ CASES = [
     ("tiny-qwen-image", "tiny-qwen-image", {}),
     ("small-flux", "small-flux", {}),
     ("tiny-wan, 9 frames", "tiny-wan", {"num_frames": 9}),
+    ("tiny-flux-kontext (edit)", "tiny-flux-kontext", {}),
+    ("tiny-qwen-image-edit (edit)", "tiny-qwen-image-edit", {}),
+    ("tiny-wan-i2v, 9 frames", "tiny-wan-i2v", {"num_frames": 9}),
     (
         "tiny-flux, 1024px + debug tensors",
         "tiny-flux",
@@ -95,6 +100,15 @@ CASES = [
 ]
 
 
+def gradient_png(index: int, side: int = 128) -> bytes:
+    """A conditioning image: a colour gradient, different per ``index``."""
+    ramp = np.linspace(0, 255, side, dtype=np.uint8)
+    pixels = np.stack(np.broadcast_arrays(ramp[None, :], ramp[:, None], np.uint8(60 * index)), axis=-1)
+    buffer = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def measure(label: str, preset: str, fields: dict, args, cache_dir: Path, log_dir: Path) -> dict:
     torch.set_num_threads(args.threads)
     request = rollout_pb2.RolloutRequest(
@@ -107,6 +121,8 @@ def measure(label: str, preset: str, fields: dict, args, cache_dir: Path, log_di
     )
     request.MergeFrom(rollout_pb2.RolloutRequest(**fields))
     runner, serving = in_process_runner(preset, cache_dir)
+    if runner.adapter.takes_images:  # editing and image-to-video: an input image per prompt
+        request.condition_images.extend(rollout_pb2.ConditionImage(data=gradient_png(p)) for p in range(2))
     request = resolve(request, serving)
     server_args = ["--model", preset, "--cache-dir", str(cache_dir), "--threads", str(args.threads)]
     server = LocalServer.start(log_dir / f"{preset}.log", *server_args)

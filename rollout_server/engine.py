@@ -175,8 +175,7 @@ class Engine:
         self.runner = Runner(
             self.adapter,
             self.parallel,
-            limits.max_batch_size,
-            limits.max_latent_elements,
+            limits,
             prompt_cache_entries,
             self.metrics,
         )

@@ -56,6 +56,11 @@ class Limits:
     memory_budget: int | None = None
     # Nodes of one tree rollout (its widest point is bounded by max_running_samples).
     max_tree_nodes: int = 1024
+    # A conditioning image file, and its pixels as its header states them: checked before decoding,
+    # so a small file that claims a huge image (a decompression bomb) costs nothing. 16 Mi pixels
+    # (4096 x 4096) decode to 48 MiB of RGB, one image at a time.
+    max_image_bytes: int = 4 * 1024 * 1024
+    max_image_pixels: int = 16 * 1024 * 1024
 
     @property
     def min_message_bytes(self) -> int:
@@ -82,6 +87,8 @@ class Limits:
             ("--max-waiting", self.max_waiting_requests),
             ("--stall-seconds", self.stall_seconds),
             ("--max-tree-nodes", self.max_tree_nodes),
+            ("max_image_bytes", self.max_image_bytes),
+            ("max_image_pixels", self.max_image_pixels),
         ):
             if not value > 0:
                 raise ValueError(f"{option} must be positive, got {value}")
@@ -109,4 +116,6 @@ class Limits:
             max_waiting_requests=self.max_waiting_requests,
             stall_seconds=self.stall_seconds,
             max_tree_nodes=self.max_tree_nodes,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
         )

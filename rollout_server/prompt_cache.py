@@ -7,15 +7,21 @@ encoding parameters (never on the other prompts of a request), so a cached entry
 encoding would give. The negative prompt is one more text: one entry, shared by every prompt.
 
 A key is (family, text, guidance scale, media shape): every parameter an adapter's encoding reads.
-Entries hold the adapter's tensors on its device; ``max_entries`` bounds them (0 turns caching off).
+Image-conditioned families add entries per conditioning image, keyed by its SHA-256 and the media
+shape (its latents and what else the transformer reads of it), merged over the text's; a family whose
+text encoding reads the image (Qwen-Image-Edit's vision-language encoder) keys the text's entry on the
+image too, so the same text with another image is another entry. Entries hold the adapter's tensors
+on its device; ``max_entries`` bounds them (0 turns caching off).
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the families load diffusers; the command line reads the default below without it
     from rollout_server.families.base import FamilyAdapter, MediaShape
+    from rollout_server.images import ConditionImage
 
 # Real text encoders give a few MB per text (T5-XXL: 512 x 4096 values), held on the model's device.
 DEFAULT_PROMPT_CACHE_ENTRIES = 256
@@ -53,27 +59,67 @@ class PromptCache:
         return len(self._entries)
 
     def encode(
-        self, prompts: list[str], negative_prompt: str | None, guidance_scale: float, shape: "MediaShape"
+        self,
+        prompts: list[str],
+        negative_prompt: str | None,
+        guidance_scale: float,
+        shape: "MediaShape",
+        images: "list[ConditionImage] | None" = None,
     ) -> Encoded:
         """The conditioning of ``prompts`` (and of the negative branch, when ``negative_prompt`` is
-        given), each distinct text encoded alone or taken from the cache."""
-        texts = list(dict.fromkeys([*prompts, *([negative_prompt] if negative_prompt is not None else [])]))
-        envs, hits = {}, 0
-        for text in texts:
-            key = (self.adapter.family, text, guidance_scale, shape)
-            env = self._entries.get(key)
-            if env is None:
-                env = self.adapter.encode_text(text, guidance_scale, shape)
-                if self.max_entries:
-                    self._entries[key] = env
-                    while len(self._entries) > self.max_entries:
-                        self._entries.popitem(last=False)
-            else:
-                self._entries.move_to_end(key)
-                hits += 1
-            envs[text] = env
-        branches = {"positive": [envs[text] for text in prompts]}
+        given), each distinct text encoded alone or taken from the cache. ``images``: the prompts'
+        conditioning images, whose entries are merged over the text's env of each branch."""
+        per_prompt = images or [None] * len(prompts)
+        seen: dict[tuple, dict[str, Any]] = {}  # this request's entries, each counted once
+        counts = {"hits": 0, "misses": 0}
+        reads_image = self.adapter.text_reads_image
+
+        def env(text: str, image: "ConditionImage | None") -> dict[str, Any]:
+            digest = image.sha256 if image is not None and reads_image else None
+            text_env = self._get(
+                (self.adapter.family, "text", text, digest, guidance_scale, shape),
+                lambda: self.adapter.encode_text(
+                    text, guidance_scale, shape, image.image if digest is not None else None
+                ),
+                seen,
+                counts,
+            )
+            if image is None:
+                return text_env
+            image_env = self._get(
+                (self.adapter.family, "image", image.sha256, shape),
+                lambda: self.adapter.encode_image(image.image, shape),
+                seen,
+                counts,
+            )
+            return {**text_env, **image_env}
+
+        branches = {"positive": [env(text, image) for text, image in zip(prompts, per_prompt, strict=True)]}
         if negative_prompt is not None:
-            branches["negative"] = [envs[negative_prompt]] * len(prompts)
+            branches["negative"] = [env(negative_prompt, image) for image in per_prompt]
         conditioning = Conditioning(envs=branches, batched_keys=self.adapter.batched_env_keys)
-        return Encoded(conditioning, hits=hits, misses=len(texts) - hits)
+        return Encoded(conditioning, hits=counts["hits"], misses=counts["misses"])
+
+    def _get(
+        self,
+        key: tuple,
+        encode: Callable[[], dict[str, Any]],
+        seen: dict[tuple, dict[str, Any]],
+        counts: dict[str, int],
+    ) -> dict[str, Any]:
+        """The entry of ``key``: from this request (``seen``), from the cache (a hit) or encoded (a
+        miss)."""
+        if key in seen:
+            return seen[key]
+        entry = seen[key] = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            counts["hits"] += 1
+            return entry
+        entry = seen[key] = encode()
+        counts["misses"] += 1
+        if self.max_entries:
+            self._entries[key] = entry
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return entry

@@ -33,11 +33,13 @@ from rollout_core.transformer_call import apply_guidance, call_transformer, stac
 from rollout_core.tree import Tree
 from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import FamilyAdapter, MediaShape
+from rollout_server.images import read as read_image
 from rollout_server.prompt_cache import Conditioning, PromptCache
 from rollout_server.sampler import SamplerPlan, SamplerState, init, regroup, stochastic_steps
 from rollout_server.validation import check_prompt_tokens
 
 if TYPE_CHECKING:
+    from rollout_server.limits import Limits
     from rollout_server.metrics import ServerMetrics
     from rollout_server.parallel import SequenceParallel
 
@@ -72,6 +74,7 @@ class Rollout:
     envs: dict[tuple[str, int], tuple[dict[str, Any], tuple]]  # (branch, prompt) -> env, signature
     prompt_cache_hits: int  # distinct texts whose conditioning came from the prompt cache
     prompts_encoded: int  # distinct texts encoded for this rollout
+    condition_images: list[rollout_pb2.ConditionImageInfo]  # per prompt, for image-conditioned families
     stream: Any = None  # rank 0: the StreamEncoder of its gRPC stream
     pieces: Iterator | None = None  # rank 0, once its steps are done: its decode, a piece at a time
     shared_steps: int = 0  # steps whose forwards carried other rollouts' rows too
@@ -169,15 +172,16 @@ class Runner:
         self,
         adapter: FamilyAdapter,
         parallel: "SequenceParallel",
-        max_batch_size: int,
-        max_forward_elements: int,
+        limits: "Limits",
         prompt_cache_entries: int,
         metrics: "ServerMetrics",
     ):
         self.adapter = adapter
         self.parallel = parallel
-        self.max_batch_size = max_batch_size
-        self.max_forward_elements = max_forward_elements
+        self.limits = limits
+        self.max_batch_size = limits.max_batch_size
+        # A forward takes at most the elements of one row at the largest admitted shape.
+        self.max_forward_elements = limits.max_latent_elements
         self.metrics = metrics
         # Used by the worker only, and on every rank alike: each sees the same requests in order.
         self.prompt_cache = PromptCache(adapter, prompt_cache_entries)
@@ -195,8 +199,12 @@ class Runner:
         cfg = cfg_scale > 1.0
         shape = MediaShape.of(request)
         negative_prompt = request.negative_prompt if cfg else None
+        condition_images = [
+            read_image(image.data, self.limits, shape.width, shape.height, adapter.image_encoding)
+            for image in request.condition_images  # checked at admission already
+        ]
         encoded = self.prompt_cache.encode(
-            list(request.prompts), negative_prompt, request.guidance_scale, shape
+            list(request.prompts), negative_prompt, request.guidance_scale, shape, condition_images
         )
         conditioning = encoded.conditioning
         sigmas, timesteps = adapter.schedule(request.num_steps, shape)
@@ -250,6 +258,7 @@ class Runner:
             envs=envs,
             prompt_cache_hits=encoded.hits,
             prompts_encoded=encoded.misses,
+            condition_images=[image.info for image in condition_images],
         )
 
     @torch.inference_mode()

@@ -102,6 +102,8 @@ def features(adapter: families.base.FamilyAdapter, weights_root: Path | None) ->
         names.append(wire.FEATURE_VIDEO)
     if len(adapter.experts) > 1:
         names.append(wire.FEATURE_EXPERTS)
+    if adapter.takes_images:
+        names.append(wire.FEATURE_CONDITION_IMAGES)
     return names
 
 

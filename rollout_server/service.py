@@ -459,7 +459,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if request is None:
             raise Refused(self._rejection("-", InvalidRequest([("request", NOT_A_PROTOBUF)])))
         try:
-            resolved = resolve(request, self.serving)
+            # Off the event loop: conditioning images are decoded to be checked.
+            resolved = await asyncio.to_thread(resolve, request, self.serving)
         except InvalidRequest as error:
             raise Refused(self._rejection(quoted(request.request_id or "-"), error)) from None
         try:

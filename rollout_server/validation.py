@@ -15,6 +15,7 @@ from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, steps
 from rollout_core.layout import DEFAULT_GROUP_SIZE, sample_layout
 from rollout_core.tree import Tree
+from rollout_server import images
 from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape
 from rollout_server.limits import MAX_POLICY_VERSION, Limits
@@ -67,6 +68,10 @@ class ServingContext:
     # Sequence parallelism: one sample's generated tokens must divide by seq_len_divisor.
     generated_tokens: Callable[[MediaShape], int] | None = None
     seq_len_divisor: int = 1
+    # Image-conditioned families: one conditioning image per prompt, whose tokens (when concatenated
+    # on the sequence) the split cuts together with the generated ones.
+    takes_images: bool = False
+    conditioning_tokens: Callable[[MediaShape], int] = lambda shape: 0
 
     @classmethod
     def of(
@@ -86,6 +91,8 @@ class ServingContext:
             latent_shape=adapter.latent_shape,
             generated_tokens=adapter.generated_tokens,
             seq_len_divisor=seq_len_divisor,
+            takes_images=adapter.takes_images,
+            conditioning_tokens=adapter.conditioning_tokens,
         )
 
 
@@ -142,6 +149,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
                     (f"prompts[{i}]", f"longer than {limits.max_prompt_chars} characters ({len(prompt)})")
                 )
     bad.extend(layout_problems)
+    bad.extend(_image_problems(request, context))
     if layout is not None:
         resolved.request_id = layout.request_id
         resolved.samples_per_prompt = layout.group_size
@@ -170,8 +178,10 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
             )
     divisor = context.seq_len_divisor
     if divisor > 1 and not any(field in ("height", "width", "num_frames") for field, _ in bad):
-        # The split image tokens are gathered back at the output: they must cut into equal parts.
-        tokens = context.generated_tokens(MediaShape.of(resolved))
+        # The split image tokens (and the conditioning image's, appended to them) are gathered back at
+        # the output: they must cut into equal parts.
+        shape = MediaShape.of(resolved)
+        tokens = context.generated_tokens(shape) + context.conditioning_tokens(shape)
         if tokens % divisor:
             size = f"{resolved.height} x {resolved.width} pixels, {frames} frame(s)"
             bad.append(
@@ -250,6 +260,25 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     if bad:
         raise InvalidRequest(bad)
     return resolved
+
+
+def _image_problems(request: rollout_pb2.RolloutRequest, context: ServingContext) -> list[tuple[str, str]]:
+    """The conditioning images: one per prompt for an image-conditioned family, none otherwise, each
+    checked and decoded (see rollout_server.images); counted before any is read."""
+    count = len(request.condition_images)
+    if not context.takes_images:
+        return [("condition_images", "this model takes no conditioning images")] if count else []
+    if count > context.limits.max_samples:  # as many as prompts at most: never read a million
+        return [("condition_images", f"{count} images exceed {context.limits.max_samples} prompts")]
+    if count != len(request.prompts):
+        return [("condition_images", f"{count} images for {len(request.prompts)} prompts: one per prompt")]
+    bad = []
+    for i, image in enumerate(request.condition_images):
+        try:
+            images.check(image.data, context.limits)
+        except images.BadImage as error:
+            bad.append((f"condition_images[{i}]", str(error)))
+    return bad
 
 
 def _branch_problems(

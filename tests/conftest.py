@@ -29,7 +29,18 @@ class FamilyResources:
     def folder(self, family: str) -> Path:
         from rollout_server.presets import resolve_model
 
+        if FAMILIES[family].missing:
+            pytest.skip(
+                f"the {FAMILIES[family].preset} preset cannot be built here: {FAMILIES[family].missing}"
+            )
         return self.once("folder", family, lambda: resolve_model(FAMILIES[family].preset, self.cache_dir))
+
+    def adapter(self, family: str):
+        from rollout_server import families
+
+        return self.once(
+            "adapter", family, lambda: families.load(self.folder(family), torch.device("cpu"), torch.float32)
+        )
 
     def server(self, family: str):
         self.folder(family)  # built here first, not by the server
@@ -79,7 +90,11 @@ class FamilyResources:
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+    """The preset cache, one for every test worker of the run: each preset is built once."""
+    root = tmp_path_factory.getbasetemp()
+    cache = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "preset-cache"
+    cache.mkdir(exist_ok=True)
+    return cache
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +110,12 @@ def family_resources(cache_dir, tmp_path_factory):
 @pytest.fixture
 def family_folder(family_resources, family) -> Path:
     return family_resources.folder(family)
+
+
+@pytest.fixture
+def adapter(family_resources, family):
+    """The family's adapter, loaded in the test process."""
+    return family_resources.adapter(family)
 
 
 @pytest.fixture

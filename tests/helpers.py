@@ -4,6 +4,7 @@ replay parity, weight-update helpers and grpcurl. The fixtures built from these 
 import copy
 import dataclasses
 import importlib.util
+import io
 import json
 import re
 import shutil
@@ -17,6 +18,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import PIL.Image
 import pytest
 import reference
 import torch
@@ -24,6 +26,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
+from transformers.utils import is_torchvision_available
 
 from rollout.v1 import rollout_pb2
 from rollout_client import (
@@ -37,6 +40,7 @@ from rollout_client import (
     replay_log_probs,
 )
 from rollout_core import codec
+from rollout_server import families
 from rollout_server.local import LocalServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,6 +143,10 @@ class Family:
     experts: tuple[str, ...] = ("transformer",)
     # The expert of each of the 4 steps of ``family_request``.
     step_transformers: tuple[str, ...] = ("transformer",) * 4
+    # How the conditioning image's latents enter the call (image-conditioned families), and where.
+    conditioning: tuple[str, str] = ("CONDITIONING_CONCAT_NONE", "")
+    # Why the preset cannot be built on this machine (a library it needs is missing); "" if it can.
+    missing: str = ""
 
 
 # FluxTransformer2DModel's kwargs besides hidden_states and timestep (guidance is None without an embedding).
@@ -187,6 +195,21 @@ FAMILIES = {
         latent_shape=(16, 16),  # 4 x 4 packed tokens of 4 x 4 channels
         replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
         replay_latent_dtypes=("float32", "bfloat16"),
+    ),
+    # FLUX.1 Kontext: FLUX's call with the conditioning image's packed latents appended to the tokens.
+    "flux-kontext": Family(
+        preset="tiny-flux-kontext",
+        transformer="FluxTransformer2DModel",
+        pipeline="FluxKontextPipeline",
+        prompts=("make the fox red", "two cats on the snow"),
+        base_seed=61,
+        cfg_on={"true_cfg_scale": 3.0, "negative_prompt": "blurry, low quality"},
+        cfg_off={},
+        timestep_divisor=1000.0,
+        cfg_rule=("true_cfg", 3.0),
+        env_keys=FLUX_ENV_KEYS | {"image_latents"},
+        latent_shape=(16, 16),  # 4 x 4 packed tokens of 4 x 4 channels; as many of the image's
+        conditioning=("CONDITIONING_CONCAT_SEQUENCE", "image_latents"),
     ),
     # The pretrained shapes preset: FLUX's family without a guidance embedding (guidance is None in
     # its env), a 4x VAE and 24 text tokens.
@@ -242,6 +265,33 @@ FAMILIES = {
         ),
         latent_shape=(16, 4 * 16),  # 4 x 4 packed tokens of 4 x 16 channels
     ),
+    # Qwen-Image-Edit: Qwen-Image's call with the image's packed latents appended to the tokens, and
+    # prompt embeddings that read the image (the Qwen2.5-VL encoder's vision tokens).
+    "qwen-image-edit": Family(
+        preset="tiny-qwen-image-edit",
+        transformer="QwenImageTransformer2DModel",
+        pipeline="QwenImageEditPipeline",
+        prompts=("make the fox red", LONG_PROMPT),
+        base_seed=81,
+        cfg_on={"true_cfg_scale": 4.0, "negative_prompt": "blurry"},
+        cfg_off={"true_cfg_scale": 1.0},
+        timestep_divisor=1000.0,
+        cfg_rule=("true_cfg_norm_rescale", 4.0),
+        env_keys=frozenset(
+            {
+                "encoder_hidden_states",
+                "encoder_hidden_states_mask",
+                "img_shapes",
+                "guidance",
+                "attention_kwargs",
+                "return_dict",
+                "image_latents",
+            }
+        ),
+        latent_shape=(16, 4 * 16),  # 4 x 4 packed tokens of 4 x 16 channels; as many of the image's
+        conditioning=("CONDITIONING_CONCAT_SEQUENCE", "image_latents"),
+        missing="" if is_torchvision_available() else "its Qwen2VLProcessor needs torchvision, not installed",
+    ),
     "wan": WAN,
     # Wan 2.2: two experts; of 4 steps (timesteps 999, 900, 750, 500) the last two are below the
     # boundary (875) and run transformer_2.
@@ -252,13 +302,46 @@ FAMILIES = {
         experts=("transformer", "transformer_2"),
         step_transformers=("transformer", "transformer", "transformer_2", "transformer_2"),
     ),
+    # Wan 2.1 image-to-video: Wan's call with the first frame's mask and latents concatenated to the
+    # channels, and cross-attention to its CLIP image embeddings too.
+    "wan-i2v": dataclasses.replace(
+        WAN,
+        preset="tiny-wan-i2v",
+        pipeline="WanImageToVideoPipeline",
+        prompts=("the fox runs off", "the cats turn around"),
+        base_seed=71,
+        env_keys=WAN.env_keys | {"encoder_hidden_states_image", "condition"},
+        replay_samplers=("FLOW_SDE", "CPS"),
+        conditioning=("CONDITIONING_CONCAT_CHANNELS", "condition"),
+    ),
 }
+
+
+def condition_png(index: int, width: int = 64, height: int = 64) -> bytes:
+    """A conditioning image, different for each ``index``: a colour gradient with a square on it."""
+    rng = np.random.default_rng(index)
+    ys, xs = np.mgrid[0:height, 0:width]
+    pixels = np.stack([xs * 255 // width, ys * 255 // height, np.full_like(xs, 40 * index % 256)], axis=-1)
+    top, left = rng.integers(0, height // 2), rng.integers(0, width // 2)
+    pixels[top : top + height // 3, left : left + width // 3] = rng.integers(0, 256, 3)
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(pixels.astype(np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def condition_image(index: int) -> PIL.Image.Image:
+    """The image ``family_request`` sends for prompt ``index``, as the server reads it (64 x 64 RGB)."""
+    return PIL.Image.open(io.BytesIO(condition_png(index))).convert("RGB")
 
 
 def family_request(family: str, sampler: str, cfg: bool, **fields) -> rollout_pb2.RolloutRequest:
     """Two prompts, two samples each, 4 steps at 64 x 64 without images, CFG on or off as the family
-    does it; ``fields`` override (None leaves a field unset)."""
+    does it, and a conditioning image per prompt for an image-conditioned family; ``fields`` override
+    (None leaves a field unset)."""
     spec = FAMILIES[family]
+    if families.ADAPTERS[spec.pipeline].takes_images:
+        images = [rollout_pb2.ConditionImage(data=condition_png(p)) for p in range(len(spec.prompts))]
+        fields = {"condition_images": images, **fields}
     base = {
         "prompts": list(spec.prompts),
         "samples_per_prompt": 2,
@@ -314,6 +397,18 @@ def split_events(events: Iterable) -> Rollout:
     images = [event for event in middle if isinstance(event, Image)]
     assert [type(event) for event in middle] == [Step] * len(steps) + [Image] * len(images), kinds
     return Rollout(events, started, steps, images, finished)
+
+
+def stream_at_sp2(cache_dir: Path, log_path: Path, preset: str, request) -> Rollout:
+    """The events of ``request`` from a fresh server of ``preset`` at --sp 2, stopped cleanly after."""
+    server = start_server(cache_dir, log_path, "--model", preset, "--sp", "2")
+    try:
+        with RolloutClient(server.address, timeout=300) as client:
+            run = split_events(client.stream(request))
+    finally:
+        assert server.stop() == 0
+    assert run.started.message.sp_degree == 2
+    return run
 
 
 def stream_events(client: RolloutClient, *fields: dict, **more) -> Rollout:

@@ -47,6 +47,17 @@ def guidance(rule: str, scale: float, v: dict[str, np.ndarray]) -> np.ndarray:
     return combined * norm
 
 
+def bare_velocity(model, x, timestep, env, conditioning) -> np.ndarray:
+    """One branch's float64 velocity from a bare forward: the conditioning latents (SEQUENCE, CHANNELS)
+    appended to x on dim 1, and the prediction cut back to x's part."""
+    env = dict(env)
+    hidden_states = x
+    if conditioning.env_key:
+        hidden_states = torch.cat([x, env.pop(conditioning.env_key)], dim=1)
+    prediction = model(hidden_states=hidden_states, timestep=timestep, **env)[0]
+    return prediction[:, : x.shape[1]].double().numpy()
+
+
 def bare_log_probs(transformer, trajectory) -> dict[int, float]:
     """A trainer's replay written from scratch: a bare diffusers forward with the streamed env, and the
     float64 formulas above. Returns {step: log-prob} for every stochastic step."""
@@ -59,7 +70,7 @@ def bare_log_probs(transformer, trajectory) -> dict[int, float]:
         model = transformer[trajectory.step_transformers[i]] if isinstance(transformer, dict) else transformer
         with torch.no_grad():
             v = {
-                branch: model(hidden_states=x, timestep=timestep, **env)[0].double().numpy()
+                branch: bare_velocity(model, x, timestep, env, call.conditioning)
                 for branch, env in trajectory.env.items()
             }
         velocity = guidance(call.guidance_rule, call.guidance_rule_scale, v)

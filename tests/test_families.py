@@ -6,13 +6,22 @@ import pytest
 from helpers import command_line_exit
 
 from rollout_server import errors, families
-from rollout_server.families.flux import FluxAdapter
-from rollout_server.families.qwen_image import QwenImageAdapter
+from rollout_server.families.flux import FluxAdapter, FluxKontextAdapter
+from rollout_server.families.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from rollout_server.families.sd3 import SD3Adapter
+from rollout_server.families.wan_i2v import WanImageToVideoAdapter
 
 
 @pytest.mark.parametrize(
-    ("family", "adapter"), [("flux", FluxAdapter), ("sd3", SD3Adapter), ("qwen-image", QwenImageAdapter)]
+    ("family", "adapter"),
+    [
+        ("flux", FluxAdapter),
+        ("sd3", SD3Adapter),
+        ("qwen-image", QwenImageAdapter),
+        ("flux-kontext", FluxKontextAdapter),
+        ("qwen-image-edit", QwenImageEditAdapter),
+        ("wan-i2v", WanImageToVideoAdapter),
+    ],
 )
 def test_preset_folder_is_detected(family_folder, family, adapter):
     detected = families.detect(family_folder)

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from rollout.v1 import rollout_pb2
 from rollout_client import Trajectory, replay_log_probs
 from rollout_core import wire
-from rollout_core.transformer_call import NO_CONDITIONING
+from rollout_core.transformer_call import LatentConditioning
 
 
 def replay_case(family: str, sampler: str, cfg: bool, dtype: str | None):
@@ -63,7 +63,8 @@ def test_streamed_log_probs_replay(
         assert call.timestep_divisor == spec.timestep_divisor
         rule = spec.cfg_rule if cfg else ("none", 1.0)
         assert (call.guidance_rule, call.guidance_rule_scale) == rule
-        assert call.conditioning == NO_CONDITIONING
+        concat, env_key = spec.conditioning
+        assert call.conditioning == LatentConditioning(rollout_pb2.ConditioningConcat.Value(concat), env_key)
         assert set(trajectory.env) == ({"positive", "negative"} if cfg else {"positive"})
         for env in trajectory.env.values():
             assert set(env) == spec.env_keys

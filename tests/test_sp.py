@@ -22,6 +22,7 @@ from helpers import (
     scrape,
     split_events,
     start_server,
+    stream_at_sp2,
 )
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -263,13 +264,7 @@ def test_shapes_sp2_matches_sp1(family_resources, cache_dir, tmp_path):
 
     scenes = request(prompts=["a red circle", "two blue squares"], true_cfg_scale=3.0, negative_prompt="")
     runs = {1: split_events(family_resources.client("shapes").stream(scenes))}
-    server = start_server(cache_dir, tmp_path / "shapes-sp2.log", "--model", "shapes", "--sp", "2")
-    try:
-        with RolloutClient(server.address, timeout=300) as shapes_client:
-            runs[2] = split_events(shapes_client.stream(scenes))
-    finally:
-        assert server.stop() == 0
-    assert runs[2].started.message.sp_degree == 2
+    runs[2] = stream_at_sp2(cache_dir, tmp_path / "shapes-sp2.log", "shapes", scenes)
     # The split attention rounds differently from the whole one. Guided v = (1 - s) v_uncond + s v_cond
     # takes each branch's difference up to 2 + 3 times at s = 3, and a trained network carries a
     # difference in its input on to the next steps: up to 6.1e-5 here, against 1e-5 for the random

@@ -111,6 +111,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--true-cfg", dest="true_cfg_scale", type=float, help="true CFG scale (> 1 enables it)")
     r.add_argument("--negative-prompt", help="negative prompt for true CFG")
     r.add_argument(
+        "--image",
+        dest="images",
+        type=Path,
+        action="append",
+        metavar="FILE",
+        help="conditioning image (PNG or JPEG) of an editing or image-to-video model: one per prompt, "
+        "in order, or one for every prompt",
+    )
+    r.add_argument(
         "--stochastic-steps",
         type=_step_list,
         metavar="I,J,...",
@@ -131,6 +140,15 @@ def build_request(args: argparse.Namespace) -> rollout_pb2.RolloutRequest:
     for name, prefix in ENUM_PREFIXES.items():
         if name in fields:
             fields[name] = prefix + fields[name].upper().replace("-", "_")
+    images = args.images or []
+    if len(images) not in (0, 1, len(args.prompts)):
+        raise ValueError(
+            f"{len(images)} --image files for {len(args.prompts)} prompts: one per prompt, or one"
+        )
+    files = [path.read_bytes() for path in images]
+    if len(files) == 1:
+        files *= len(args.prompts)
+    fields["condition_images"] = [rollout_pb2.ConditionImage(data=data) for data in files]
     return rollout_pb2.RolloutRequest(prompts=args.prompts, **fields)
 
 
@@ -160,11 +178,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "info":
                 print(json_format.MessageToJson(client.server_info(), preserving_proto_field_name=True))
                 return 0
-            events = stream_with_progress(client, build_request(args))
+            request = build_request(args)
+            events = stream_with_progress(client, request)
+        except (ValueError, OSError) as error:
+            print(f"rollout-client: {error}", file=sys.stderr)
+            return EXIT_USAGE
         except grpc.RpcError as error:
             print(f"rollout-client: {describe_error(error)}", file=sys.stderr)
             return EXIT_RPC_ERROR
-    trajectories = save_rollout(args.out, events)
+    trajectories = save_rollout(args.out, events, [image.data for image in request.condition_images])
     print(f"wrote {len(trajectories)} samples to {args.out}")
     return 0
 

@@ -156,7 +156,8 @@ class RolloutClient:
 
     def rollout(self, request: rollout_pb2.RolloutRequest | None = None, **fields) -> list[Trajectory]:
         """Run a rollout to the end and return one Trajectory per sample."""
-        return collect(self.stream(request, **fields))
+        request = as_request(request, fields)
+        return collect(self.stream(request), [image.data for image in request.condition_images])
 
     def update_weights(
         self,

@@ -92,10 +92,11 @@ def summary(started: Started, finished: Finished, trajectories: list[Trajectory]
     }
 
 
-def save_rollout(out: Path, events: list[Event]) -> list[Trajectory]:
+def save_rollout(out: Path, events: list[Event], condition_images: list[bytes] = ()) -> list[Trajectory]:
     """Write images (a video's first frame), animated previews of videos, trajectories, the contact
-    sheet (a row per prompt, labelled with it) and rollout.json into ``out``."""
-    trajectories = collect(events)
+    sheet (a row per prompt, labelled with it; the prompt's conditioning image first when the request
+    had ``condition_images``) and rollout.json into ``out``."""
+    trajectories = collect(events, condition_images)
     started = next(e for e in events if isinstance(e, Started))
     finished = next(e for e in events if isinstance(e, Finished))
     out.mkdir(parents=True, exist_ok=True)
@@ -113,7 +114,19 @@ def save_rollout(out: Path, events: list[Event]) -> list[Trajectory]:
             )
     if images:
         resolved = started.message.resolved
-        sheet = contact_sheet(images, columns=resolved.samples_per_prompt, row_labels=resolved.prompts)
+        columns = resolved.samples_per_prompt
+        if condition_images:  # each row: the input, then the prompt's samples
+            inputs = [
+                next(t for t in trajectories if t.prompt_index == p).conditioning()
+                for p in range(len(resolved.prompts))
+            ]
+            images = [
+                image
+                for p, row in enumerate(inputs)
+                for image in (row, *images[p * columns : (p + 1) * columns])
+            ]
+            columns += 1
+        sheet = contact_sheet(images, columns=columns, row_labels=resolved.prompts)
         sheet.save(out / "contact-sheet.png")
     document = summary(started, finished, trajectories)
     (out / "rollout.json").write_text(json.dumps(document, indent=2) + "\n")

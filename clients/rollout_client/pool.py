@@ -382,7 +382,9 @@ class RolloutPool:
         for attempt in range(self.max_retries + 1):
             replica = self._acquire(samples, request.min_policy_version, avoid)
             try:
-                trajectories = collect(self._events(replica, request))
+                trajectories = collect(
+                    self._events(replica, request), [image.data for image in request.condition_images]
+                )
                 break
             except grpc.RpcError as error:
                 if error.code() not in REPLICA_FAILURES or attempt == self.max_retries:

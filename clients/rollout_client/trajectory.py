@@ -6,12 +6,13 @@ latents of their common prefix in memory (``PathLatents``), as they do on the wi
 
 import io
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from google.protobuf import json_format
 from PIL import Image as PILImage
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -82,6 +83,10 @@ class Trajectory:
     noise_levels: list[float] = field(default_factory=list)  # [T]; empty: noise_level at every step
     node_path: list[int] = field(default_factory=list)  # a tree leaf's nodes, root first
     tree: Tree | None = None  # a tree leaf's tree (one object for all its leaves; not saved)
+    # Image-conditioned families: the prompt's conditioning image file as the client sent it, and how
+    # the server read it (ConditionImageInfo's JSON mapping). Its latents are in ``env``.
+    condition_png: bytes | None = None
+    condition_image: dict[str, Any] = field(default_factory=dict)
 
     def noise_level_at(self, i: int) -> float:
         """The noise level step i used (a tree's branch step may have its own)."""
@@ -97,6 +102,10 @@ class Trajectory:
     def frames(self) -> list[PILImage.Image]:
         """The sample's decoded frames in order (one for an image)."""
         return [PILImage.open(io.BytesIO(png)) for png in self.frames_png]
+
+    def conditioning(self) -> PILImage.Image | None:
+        """The conditioning image, as sent."""
+        return PILImage.open(io.BytesIO(self.condition_png)) if self.condition_png else None
 
     def save(self, path: str | Path) -> None:
         """Write tensors, env, frames and metadata to one safetensors file (names: ``rollout_core.wire``)."""
@@ -115,6 +124,8 @@ class Trajectory:
         }
         for j, png in enumerate(self.frames_png):
             tensors[wire.frame_name(j)] = torch.frombuffer(bytearray(png), dtype=torch.uint8)
+        if self.condition_png:
+            tensors[wire.CONDITION_IMAGE] = torch.frombuffer(bytearray(self.condition_png), dtype=torch.uint8)
         scalars = {
             k: getattr(self, k)
             for k in (
@@ -130,6 +141,7 @@ class Trajectory:
                 "step_transformers",
                 "noise_levels",
                 "node_path",
+                "condition_image",
             )
         }
         metadata = {
@@ -164,6 +176,9 @@ class Trajectory:
             env=env,
             transformer_call=TransformerCall.from_json(metadata["transformer_call"]),
             **_frames([frame.numpy().tobytes() for frame in frames]),
+            condition_png=tensors[wire.CONDITION_IMAGE].numpy().tobytes()
+            if wire.CONDITION_IMAGE in tensors
+            else None,
         )
 
 
@@ -175,9 +190,12 @@ class Collector:
     appear in them (until then latents are NaN with ``latent_mask`` False, log-probs NaN).
     ``ready(i)`` says whether step i can be scored now (x_i, x_{i+1} and its log-probs have arrived).
     A tree rollout gives one trajectory per leaf that was not pruned; ``tree`` is its tree.
+    ``condition_images``: the request's conditioning image files, one per prompt, which the
+    trajectories carry (the stream does not send them back).
     """
 
-    def __init__(self):
+    def __init__(self, condition_images: Sequence[bytes] = ()):
+        self.condition_images = list(condition_images)
         self.started: Started | None = None
         self.finished: Finished | None = None
         self.tree: Tree | None = None
@@ -273,11 +291,22 @@ class Collector:
             leaves = [leaf for leaf in self.tree.leaves if leaf.id not in self.pruned]
             latents = [self._leaf_latents(leaf.id) for leaf in leaves]
             log_probs = [self.log_probs[self._leaf_rows[leaf.id]] for leaf in leaves]
-            return _trajectories(self.started, latents, self.mask, log_probs, self.images, self.tree, leaves)
+            return _trajectories(
+                self.started,
+                latents,
+                self.mask,
+                log_probs,
+                self.images,
+                self.condition_images,
+                self.tree,
+                leaves,
+            )
         latents = self.latents
         if latents is None:
             latents = torch.zeros(len(message.seeds), 0, *message.layout.shape)
-        return _trajectories(self.started, latents, self.mask, self.log_probs, self.images)
+        return _trajectories(
+            self.started, latents, self.mask, self.log_probs, self.images, self.condition_images
+        )
 
 
 def _frames(frames: list[bytes]) -> dict[str, Any]:
@@ -285,9 +314,10 @@ def _frames(frames: list[bytes]) -> dict[str, Any]:
     return {"image_png": frames[0] if frames else None, "frames_png": frames}
 
 
-def collect(events: Iterable[Event]) -> list[Trajectory]:
-    """Gather a whole rollout stream into one Trajectory per sample (prompt-major order)."""
-    collector = Collector()
+def collect(events: Iterable[Event], condition_images: Sequence[bytes] = ()) -> list[Trajectory]:
+    """Gather a whole rollout stream into one Trajectory per sample (prompt-major order); see
+    ``Collector`` for ``condition_images``."""
+    collector = Collector(condition_images)
     for event in events:
         collector.add(event)
     if collector.started is None or collector.finished is None:
@@ -296,10 +326,13 @@ def collect(events: Iterable[Event]) -> list[Trajectory]:
 
 
 def _trajectories(
-    started: Started, latents, mask, log_probs, images, tree=None, leaves=()
+    started: Started, latents, mask, log_probs, images, condition_images, tree=None, leaves=()
 ) -> list[Trajectory]:
     """Row k of ``latents`` and ``log_probs`` is sample k, or a tree's k-th of ``leaves``."""
     message = started.message
+    condition_infos = [
+        json_format.MessageToDict(info, preserving_proto_field_name=True) for info in message.condition_images
+    ]
     resolved = message.resolved
     transformer_call = TransformerCall.from_proto(message.transformer_call)
     sigmas = torch.tensor(list(message.sigmas), dtype=torch.float32)
@@ -340,6 +373,8 @@ def _trajectories(
                 noise_levels=list(message.noise_levels),
                 node_path=node_path,
                 tree=tree,
+                condition_png=condition_images[p] if condition_images else None,
+                condition_image=condition_infos[p] if condition_infos else {},
             )
         )
     return trajectories

@@ -77,14 +77,17 @@ def sample_layout(
 def prompt_groups(
     request: rollout_pb2.RolloutRequest, layout: SampleLayout, prompt_indices
 ) -> rollout_pb2.RolloutRequest:
-    """``request`` cut to the groups of ``prompt_indices`` (in that order), with the seeds, group size
-    and request id of its ``layout``: the part draws the noise the whole request would."""
+    """``request`` cut to the groups of ``prompt_indices`` (in that order, with their conditioning
+    images), with the seeds, group size and request id of its ``layout``: the part draws the noise the
+    whole request would."""
     part = rollout_pb2.RolloutRequest()
     part.CopyFrom(request)
     part.request_id = layout.request_id
     part.samples_per_prompt = layout.group_size
     part.ClearField("base_seed")
-    del part.prompts[:], part.seeds[:]
+    del part.prompts[:], part.seeds[:], part.condition_images[:]
     part.prompts.extend(request.prompts[p] for p in prompt_indices)
+    if request.condition_images:  # one per prompt
+        part.condition_images.extend(request.condition_images[p] for p in prompt_indices)
     part.seeds.extend(seed for p in prompt_indices for seed in layout.group_seeds(p))
     return part

@@ -50,6 +50,7 @@ LATENT_MASK = "latent_mask"
 LOG_PROBS = "log_probs"
 _FRAME_PREFIX = "frame_png/"
 LEGACY_IMAGE_PNG = "image_png"  # the one image of files written before frames
+CONDITION_IMAGE = "condition_image"  # the conditioning image file, as the client sent it
 
 # GetServerInfo.features: the optional capabilities of a server, which a client checks for before it
 # asks for one. Later servers add names; what a name means never changes.
@@ -59,6 +60,7 @@ FEATURE_VIDEO = "video"  # requests take num_frames > 1 (limits.max_frames, limi
 FEATURE_EXPERTS = "experts"  # several transformers (Wan 2.2): steps name theirs, updates a target
 FEATURE_TREE = "tree"  # requests take branches (tree rollouts), and PruneRollout is served
 FEATURE_WEIGHT_SYNC = "weight_sync"  # InitWeightSync, UpdateWeightsFromGroup, DestroyWeightSync
+FEATURE_CONDITION_IMAGES = "condition_images"  # requests carry a conditioning image per prompt
 
 _ENV_PREFIX = "env/"
 # An env JSON entry that stands for a tensor of the buffer: {"tensor": "<name>"}.

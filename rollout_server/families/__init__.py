@@ -7,17 +7,26 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout_server.errors import UnsupportedModel
-from rollout_server.families.flux import FluxAdapter
-from rollout_server.families.qwen_image import QwenImageAdapter
+from rollout_server.families.flux import FluxAdapter, FluxKontextAdapter
+from rollout_server.families.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from rollout_server.families.sd3 import SD3Adapter
 from rollout_server.families.wan import WanAdapter
+from rollout_server.families.wan_i2v import WanImageToVideoAdapter
 
 if TYPE_CHECKING:
     from rollout_server.families.base import FamilyAdapter
 
 ADAPTERS: dict[str, type["FamilyAdapter"]] = {
     adapter.pipeline_type.__name__: adapter
-    for adapter in (FluxAdapter, SD3Adapter, QwenImageAdapter, WanAdapter)
+    for adapter in (
+        FluxAdapter,
+        FluxKontextAdapter,
+        SD3Adapter,
+        QwenImageAdapter,
+        QwenImageEditAdapter,
+        WanAdapter,
+        WanImageToVideoAdapter,
+    )
 }
 
 

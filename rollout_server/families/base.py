@@ -80,6 +80,13 @@ class FamilyAdapter(ABC):
     # How conditioning latents enter the transformer's hidden states, and the env entry holding them:
     # none for text-to-image and text-to-video.
     conditioning: ClassVar[LatentConditioning] = NO_CONDITIONING
+    # Image-conditioned families (editing, image-to-video) take one conditioning image per prompt.
+    takes_images: ClassVar[bool] = False
+    # Whether the text encoding reads the conditioning image (a vision-language encoder): then a
+    # text's env is encoded, and cached, per (text, image).
+    text_reads_image: ClassVar[bool] = False
+    # How ``encode_image`` turns the image into env entries, in words (the started event says it).
+    image_encoding: ClassVar[str] = ""
     # Whether a sample's decode keeps state between its pieces (a causal video VAE's cache).
     decode_keeps_state: ClassVar[bool] = False
     # The transformer inputs that carry the generated (image or video) tokens, whose count
@@ -155,10 +162,26 @@ class FamilyAdapter(ABC):
         """A readable description of how latents are packed."""
 
     @abstractmethod
-    def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict[str, Any]:
+    def encode_text(
+        self, text: str, guidance_scale: float, shape: MediaShape, image: Image.Image | None = None
+    ) -> dict[str, Any]:
         """The frozen env of one text (a prompt, or the negative prompt: both take the same path),
         encoded as a batch of one: every ``forward()`` keyword argument besides ``hidden_states`` and
-        ``timestep``, those named in ``batched_env_keys`` with a leading batch dimension of 1."""
+        ``timestep``, those named in ``batched_env_keys`` with a leading batch dimension of 1. ``image``
+        (the prompt's conditioning image, as ``encode_image`` gets it) is given only to a family whose
+        ``text_reads_image``."""
+
+    def encode_image(self, image: Image.Image, shape: MediaShape) -> dict[str, Any]:
+        """The env entries of one conditioning image, an RGB image of exactly ``shape``'s width x
+        height: the conditioning latents under ``conditioning.env_key`` (batch dimension 1) and what
+        else the transformer reads of the image (position ids, image embeddings). They are merged over
+        the text's env (``encode_text``), for every branch."""
+        raise NotImplementedError(f"{type(self).__name__} takes no conditioning image")
+
+    def conditioning_tokens(self, shape: MediaShape) -> int:
+        """Tokens the conditioning adds to the generated ones on the sequence axis (the split axis):
+        0 unless conditioning is concatenated on the sequence."""
+        return 0
 
     @abstractmethod
     def text_elements(self) -> int:

@@ -82,7 +82,7 @@ class SD3Adapter(FamilyAdapter):
         return patches + TEXT_TOKENS, 4 * config.num_attention_heads * config.attention_head_dim
 
     @torch.no_grad()
-    def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
+    def encode_text(self, text: str, guidance_scale: float, shape: MediaShape, image=None) -> dict:
         # guidance_scale is SD3's CFG scale, applied when the branches are combined. The negative prompt
         # takes this path too: without clip_skip it is the pipeline's negative-branch computation.
         embeds, _, pooled, _ = self.pipe.encode_prompt(

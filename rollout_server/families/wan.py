@@ -95,7 +95,7 @@ class WanAdapter(FamilyAdapter):
     def latent_shape(self, shape: MediaShape) -> tuple[int, ...]:
         spatial = self.pipe.vae_scale_factor_spatial
         latent_frames = (shape.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
-        channels = self.pipe.transformer.config.in_channels
+        channels = self.pipe.vae.config.z_dim  # an image-to-video transformer reads more channels
         return (channels, latent_frames, shape.height // spatial, shape.width // spatial)
 
     def generated_tokens(self, shape: MediaShape) -> int:
@@ -119,10 +119,12 @@ class WanAdapter(FamilyAdapter):
         return frames * (rows // patch_rows) * (cols // patch_cols), max(config.ffn_dim, 3 * inner)
 
     @torch.no_grad()
-    def encode_text(self, text: str, guidance_scale: float, shape: MediaShape) -> dict:
-        embeds, _ = self.pipe.encode_prompt(
+    def encode_text(self, text: str, guidance_scale: float, shape: MediaShape, image=None) -> dict:
+        # WanPipeline's encoding, also for its image-to-video twin: the same code, except that the
+        # twin's requires ftfy to clean the text, which this one applies when it is installed.
+        embeds = WanPipeline._get_t5_prompt_embeds(
+            self.pipe,
             prompt=text,
-            do_classifier_free_guidance=False,
             max_sequence_length=MAX_SEQUENCE_LENGTH,
             device=self.device,
             dtype=self.dtype,

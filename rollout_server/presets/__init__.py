@@ -6,6 +6,7 @@ yields a fresh folder instead of silently reusing a stale one.
 """
 
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import importlib
@@ -27,10 +28,13 @@ logger = logging.getLogger(__name__)
 PRESETS: dict[str, tuple[str, str, str]] = {
     "tiny-flux": ("flux", "build_flux_preset", "tiny"),
     "small-flux": ("flux", "build_flux_preset", "small"),
+    "tiny-flux-kontext": ("flux", "build_flux_kontext_preset", "tiny"),
     "tiny-sd3": ("sd3", "build_sd3_preset", "tiny"),
     "tiny-qwen-image": ("qwen_image", "build_qwen_image_preset", "tiny"),
+    "tiny-qwen-image-edit": ("qwen_image", "build_qwen_image_edit_preset", "tiny"),
     "tiny-wan": ("wan", "build_wan_preset", "tiny"),
     "tiny-wan2.2": ("wan", "build_wan_preset", "tiny-2.2"),
+    "tiny-wan-i2v": ("wan_i2v", "build_wan_i2v_preset", "tiny"),
     "shapes": ("shapes", "build_shapes_preset", "pretrained"),
 }
 
@@ -39,6 +43,7 @@ _BUILDER_SOURCES = (
     "sd3.py",
     "qwen_image.py",
     "wan.py",
+    "wan_i2v.py",
     "shapes.py",
     "tokenizers.py",
     "components.py",
@@ -93,7 +98,9 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
 def _build_preset_once(name: str, cache_dir: Path) -> Path:
     """Builds into a temporary sibling and renames it into place, so readers never see a partial preset.
 
-    When two processes race, both build, one rename wins and the loser discards its copy.
+    Processes that start together on one cache (replicas of a node, test workers) take turns on a lock
+    file: the first builds, the others find its preset. Where the lock is not shared (a network file
+    system without locks), both build, one rename wins and the loser discards its copy.
     """
     models_dir = cache_dir / "models"
     target = models_dir / f"{name}-{preset_fingerprint()}"
@@ -101,6 +108,15 @@ def _build_preset_once(name: str, cache_dir: Path) -> Path:
         return target
 
     models_dir.mkdir(parents=True, exist_ok=True)
+    with open(models_dir / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "model_index.json").is_file():
+            return target
+        return _build(name, target)
+
+
+def _build(name: str, target: Path) -> Path:
+    models_dir = target.parent
     logger.info("Building model preset %r into %s", name, target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=models_dir))
     try:
@@ -121,10 +137,13 @@ def _build_preset_once(name: str, cache_dir: Path) -> Path:
 PRESET_DEFAULTS: dict[str, dict[str, int | float]] = {
     "tiny-flux": {"height": 128, "width": 128, "num_steps": 10},
     "small-flux": {"height": 256, "width": 256, "num_steps": 10},
+    "tiny-flux-kontext": {"height": 128, "width": 128, "num_steps": 10},
     "tiny-sd3": {"height": 128, "width": 128, "num_steps": 10},
     "tiny-qwen-image": {"height": 128, "width": 128, "num_steps": 10},
+    "tiny-qwen-image-edit": {"height": 128, "width": 128, "num_steps": 10},
     "tiny-wan": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
     "tiny-wan2.2": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
+    "tiny-wan-i2v": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
     # The size it was pretrained at, and true CFG against the empty caption it was also trained on.
     "shapes": {"height": 64, "width": 64, "num_steps": 20, "true_cfg_scale": 3.0},
 }

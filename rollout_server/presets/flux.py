@@ -3,14 +3,20 @@
 Every component is the real diffusers/transformers class with FLUX.1-dev's structure (guidance embedding,
 2x2 latent packing, 8x VAE downsampling, CLIP pooled + T5 sequence conditioning, dynamic-shift flow-matching
 scheduler); only the widths, depths and vocabularies are shrunk. Weights are random but seeded, so a preset
-always produces the same files and the same images.
+always produces the same files and the same images. FLUX.1 Kontext dev has FLUX.1-dev's components and
+configs, under FluxKontextPipeline (which appends a conditioning image's tokens to the generated ones).
 """
 
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import (
+    FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
+    FluxPipeline,
+    FluxTransformer2DModel,
+)
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
@@ -107,12 +113,24 @@ def build_flux_preset(folder: Path, size: str) -> None:
     flux_pipeline(folder, FLUX_PRESET_CONFIGS[size]).save_pretrained(folder, safe_serialization=True)
 
 
+def build_flux_kontext_preset(folder: Path, size: str) -> None:
+    """Builds the `size` preset's components and saves them as a float32 FluxKontextPipeline into
+    `folder`."""
+    pipe = flux_pipeline(folder, FLUX_PRESET_CONFIGS[size], pipeline_class=FluxKontextPipeline)
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
 def flux_pipeline(
-    folder: Path, cfg: FluxPresetConfig, corpus: str = CORPUS, text_tokens: int = 512, guidance: bool = True
-) -> FluxPipeline:
-    """A seeded, randomly initialised FluxPipeline of `cfg`'s sizes, its tokenizers trained on `corpus`
-    and written into `folder`; prompts are padded to `text_tokens` T5 tokens, and `guidance` says
-    whether the transformer embeds the guidance scale (FLUX.1-dev's guidance distillation)."""
+    folder: Path,
+    cfg: FluxPresetConfig,
+    corpus: str = CORPUS,
+    text_tokens: int = 512,
+    guidance: bool = True,
+    pipeline_class: type[FluxPipeline | FluxKontextPipeline] = FluxPipeline,
+) -> FluxPipeline | FluxKontextPipeline:
+    """A seeded, randomly initialised `pipeline_class` of `cfg`'s sizes, its tokenizers trained on
+    `corpus` and written into `folder`; prompts are padded to `text_tokens` T5 tokens, and `guidance`
+    says whether the transformer embeds the guidance scale (FLUX.1-dev's guidance distillation)."""
     folder = Path(folder)
     write_clip_tokenizer(folder / "tokenizer", cfg.clip_vocab_size, corpus)
     write_t5_tokenizer(folder / "tokenizer_2", cfg.t5_vocab_size, corpus, text_tokens)
@@ -157,7 +175,7 @@ def flux_pipeline(
     torch.manual_seed(3)
     text_encoder_2 = t5_encoder(tokenizer_2, cfg)
 
-    return FluxPipeline(
+    return pipeline_class(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
         vae=vae,
         text_encoder=text_encoder,

@@ -4,6 +4,8 @@ Every component is the real diffusers/transformers class with Qwen-Image's struc
 latents with 3-D RoPE, 8x video VAE with per-channel latent statistics, a Qwen2.5-VL text encoder behind the
 chat prompt template, byte-level BPE Qwen2 tokenizer, dynamic-shift scheduler); only the widths, depths and
 vocabulary are shrunk. Weights are random but seeded, so a preset always produces the same files and images.
+Qwen-Image-Edit has Qwen-Image's components under QwenImageEditPipeline, its tokenizer trained on the edit
+template, and the Qwen2-VL processor that feeds the conditioning image to the text encoder's vision tower.
 """
 
 from dataclasses import dataclass
@@ -13,10 +15,18 @@ import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
+    QwenImageEditPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+    Qwen2VLImageProcessorPil,
+    Qwen2VLProcessor,
+)
+from transformers.utils import is_torchvision_available
 
 from .tokenizers import write_qwen2_tokenizer
 
@@ -74,17 +84,54 @@ QWEN_IMAGE_SCHEDULER_CONFIG = {
 }
 
 
-def _prompt_template() -> str:
-    """The installed QwenImagePipeline's prompt template, read off an empty pipeline (__init__ sets it)."""
-    empty = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None)
-    return empty.prompt_template_encode.format("")
+# Qwen2.5-VL's image processor (14-pixel patches merged 2x2 into one token, OpenAI CLIP's normalisation),
+# whose pixel bounds keep a tiny preset's images at their size (to the nearest 28 pixels), up to
+# 448 x 448 (256 tokens). Saved as a Qwen2VLImageProcessor: loading picks the backend.
+QWEN_VL_PROCESSOR_CONFIG = {
+    "patch_size": 14,  # Qwen2.5-VL's vision config default, which the presets keep
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "min_pixels": 28 * 28 * 4,
+    "max_pixels": 28 * 28 * 256,
+}
+
+
+def _prompt_template(pipeline_class: type[QwenImagePipeline | QwenImageEditPipeline]) -> str:
+    """The installed pipeline's prompt template, read off an empty pipeline (__init__ sets it)."""
+    components, _ = pipeline_class._get_signature_keys(pipeline_class)
+    return pipeline_class(**dict.fromkeys(components)).prompt_template_encode.format("")
 
 
 def build_qwen_image_preset(folder: Path, size: str = "tiny") -> None:
     """Builds the `size` preset and saves it as a float32 QwenImagePipeline into `folder`."""
-    cfg = QWEN_IMAGE_PRESET_CONFIGS[size]
+    pipe = QwenImagePipeline(
+        **qwen_image_components(folder, QWEN_IMAGE_PRESET_CONFIGS[size], QwenImagePipeline)
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def build_qwen_image_edit_preset(folder: Path, size: str = "tiny") -> None:
+    """Builds the `size` preset's components and saves them as a float32 QwenImageEditPipeline into
+    `folder`, with the processor that tokenizes the edit template and cuts the image into patches."""
+    if not is_torchvision_available():
+        # Qwen2VLProcessor requires a video processor, which transformers has only with torchvision.
+        raise ImportError(f"the {size} Qwen-Image-Edit preset needs torchvision: its Qwen2VLProcessor does")
+    components = qwen_image_components(folder, QWEN_IMAGE_PRESET_CONFIGS[size], QwenImageEditPipeline)
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil(**QWEN_VL_PROCESSOR_CONFIG),
+        tokenizer=components["tokenizer"],
+    )
+    pipe = QwenImageEditPipeline(**components, processor=processor)
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def qwen_image_components(
+    folder: Path, cfg: QwenImagePresetConfig, pipeline_class: type[QwenImagePipeline | QwenImageEditPipeline]
+) -> dict:
+    """Seeded, randomly initialised Qwen-Image components of `cfg`'s sizes, by pipeline component name;
+    the tokenizer is trained on `pipeline_class`'s prompt template and written into `folder`."""
     folder = Path(folder)
-    write_qwen2_tokenizer(folder / "tokenizer", _prompt_template())
+    write_qwen2_tokenizer(folder / "tokenizer", _prompt_template(pipeline_class))
     tokenizer = Qwen2Tokenizer.from_pretrained(folder / "tokenizer")
 
     # A fixed seed per component keeps each one stable when another component's config changes.
@@ -147,11 +194,10 @@ def build_qwen_image_preset(folder: Path, size: str = "tiny") -> None:
         )
     )
 
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
-    pipe.save_pretrained(folder, safe_serialization=True)
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "transformer": transformer,
+    }

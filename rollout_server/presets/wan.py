@@ -9,7 +9,7 @@ Every component is the real diffusers/transformers class with Wan's structure:
 
 Only the widths, depths and vocabulary are shrunk. The "tiny-2.2" size adds Wan 2.2's second expert,
 ``transformer_2``, which the pipeline runs on the steps whose timestep is below
-``boundary_ratio * 1000``.
+``boundary_ratio * 1000``. The image-to-video preset builds its components with the same functions.
 """
 
 import dataclasses
@@ -53,6 +53,8 @@ WAN_PRESET_CONFIGS = {
     ),
 }
 WAN_PRESET_CONFIGS["tiny-2.2"] = dataclasses.replace(WAN_PRESET_CONFIGS["tiny"], two_experts=True)
+# Wan's VAE latent channels (its default latents_mean / latents_std are for 16).
+LATENT_CHANNELS = 16
 # Wan2.2-T2V-A14B hands the steps below timestep 875 to its low-noise expert.
 WAN22_BOUNDARY_RATIO = 0.875
 # Wan 2.1 text-to-video: UniPC in flow-prediction mode with shifted flow sigmas.
@@ -64,42 +66,44 @@ WAN_SCHEDULER_CONFIG = {
 }
 
 
-def build_wan_preset(folder: Path, size: str) -> None:
-    """Builds the `size` preset ("tiny", or "tiny-2.2" with two experts) as a float32 WanPipeline."""
-    cfg = WAN_PRESET_CONFIGS[size]
-    folder = Path(folder)
-    write_t5_tokenizer(folder / "tokenizer", cfg.umt5_vocab_size)
-    tokenizer = T5TokenizerFast.from_pretrained(folder / "tokenizer")
-
-    # A fixed seed per component keeps each one stable when another component's config changes.
+def wan_vae(cfg: WanPresetConfig) -> AutoencoderKLWan:
+    """The causal 3D VAE, seeded."""
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(
+    return AutoencoderKLWan(
         base_dim=cfg.vae_base_dim,
-        z_dim=16,  # the default latents_mean / latents_std are Wan's 16 channels
+        z_dim=LATENT_CHANNELS,
         dim_mult=[1, 2, 4, 4],
         num_res_blocks=cfg.vae_num_res_blocks,
         attn_scales=[],
         temperal_downsample=[False, True, True],  # 4x in time, 8x in space
     )
 
-    def expert(seed: int) -> WanTransformer3DModel:
-        torch.manual_seed(seed)
-        return WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=cfg.num_attention_heads,
-            attention_head_dim=cfg.attention_head_dim,
-            in_channels=vae.config.z_dim,
-            out_channels=vae.config.z_dim,
-            text_dim=cfg.umt5_d_model,
-            ffn_dim=cfg.ffn_dim,
-            num_layers=cfg.num_layers,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-        )
 
-    transformer = expert(1)
-    transformer_2 = expert(3) if cfg.two_experts else None
+def wan_transformer(cfg: WanPresetConfig, seed: int, **config) -> WanTransformer3DModel:
+    """A denoising transformer seeded with ``seed``; ``config`` adds to or overrides Wan 2.1
+    text-to-video's (16 latent channels in and out, cross-attention to the text)."""
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        **{
+            "patch_size": (1, 2, 2),
+            "num_attention_heads": cfg.num_attention_heads,
+            "attention_head_dim": cfg.attention_head_dim,
+            "in_channels": LATENT_CHANNELS,
+            "out_channels": LATENT_CHANNELS,
+            "text_dim": cfg.umt5_d_model,
+            "ffn_dim": cfg.ffn_dim,
+            "num_layers": cfg.num_layers,
+            "cross_attn_norm": True,
+            "qk_norm": "rms_norm_across_heads",
+            **config,
+        }
+    )
 
+
+def wan_text_encoder(folder: Path, cfg: WanPresetConfig) -> tuple[T5TokenizerFast, UMT5EncoderModel]:
+    """The UMT5 encoder, seeded, and its tokenizer, written to ``folder/tokenizer`` and loaded back."""
+    write_t5_tokenizer(folder / "tokenizer", cfg.umt5_vocab_size)
+    tokenizer = T5TokenizerFast.from_pretrained(folder / "tokenizer")
     torch.manual_seed(2)
     text_encoder = UMT5EncoderModel(
         UMT5Config(
@@ -115,14 +119,22 @@ def build_wan_preset(folder: Path, size: str) -> None:
             eos_token_id=tokenizer.eos_token_id,
         )
     )
+    return tokenizer, text_encoder
 
+
+def build_wan_preset(folder: Path, size: str) -> None:
+    """Builds the `size` preset ("tiny", or "tiny-2.2" with two experts) as a float32 WanPipeline."""
+    cfg = WAN_PRESET_CONFIGS[size]
+    folder = Path(folder)
+    # A fixed seed per component keeps each one stable when another component's config changes.
+    tokenizer, text_encoder = wan_text_encoder(folder, cfg)
     pipe = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
-        vae=vae,
+        vae=wan_vae(cfg),
         scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
-        transformer=transformer,
-        transformer_2=transformer_2,
+        transformer=wan_transformer(cfg, seed=1),
+        transformer_2=wan_transformer(cfg, seed=3) if cfg.two_experts else None,
         boundary_ratio=WAN22_BOUNDARY_RATIO if cfg.two_experts else None,
     )
     pipe.save_pretrained(folder, safe_serialization=True)

@@ -1,0 +1,209 @@
+"""FLUX.1 Kontext on the tiny-flux-kontext preset: a conditioning image's env is FluxKontextPipeline's
+own (its VAE latents packed into tokens, their position ids), the text's env holds nothing of the
+image, and a rollout steps as the pipeline's own loop does, through the adapter and over gRPC; at
+SP=2 the split cuts the generated and the image's tokens together. Replay parity is in test_replay.py
+with the other families."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    FAMILIES,
+    TOLERANCE,
+    assert_replays,
+    assert_same_numbers,
+    condition_image,
+    family_request,
+    split_events,
+    stream_at_sp2,
+)
+
+from rollout.v1 import rollout_pb2
+from rollout_core import wire
+from rollout_core.transformer_call import LatentConditioning, apply_guidance, call_transformer, stack_envs
+from rollout_server.families.base import MediaShape
+
+SHAPE = MediaShape(frames=1, height=64, width=64)
+TOKENS = (64 // 16) ** 2  # 8x VAE, 2x2 patches
+CONDITIONING = LatentConditioning(rollout_pb2.CONDITIONING_CONCAT_SEQUENCE, "image_latents")
+
+
+@pytest.fixture
+def family() -> str:
+    return "flux-kontext"
+
+
+def run_pipeline(pipe, prompts, images, x0: torch.Tensor, guidance_scale: float, cfg: dict):
+    """FluxKontextPipeline's own final latents from ``x0``, and its images, at the request's size: no
+    resize to a preferred Kontext resolution, and ``max_area`` that of the request, which it would
+    rescale to."""
+    latents = []
+
+    def record_latents(pipe, step, timestep, tensors):
+        latents.append(tensors["latents"])
+        return {}
+
+    images = pipe(
+        image=images,
+        prompt=list(prompts),
+        height=SHAPE.height,
+        width=SHAPE.width,
+        max_area=SHAPE.height * SHAPE.width,
+        _auto_resize=False,
+        num_inference_steps=4,
+        guidance_scale=guidance_scale,
+        latents=x0,
+        callback_on_step_end=record_latents,
+        **cfg,
+    ).images
+    return latents[-1], images
+
+
+@torch.no_grad()  # as the pipeline runs: T5's attention rounds differently with autograd
+def test_env_is_the_pipelines_own(adapter, family_pipeline):
+    """The image's entries are those FluxKontextPipeline.prepare_latents and __call__ build, bitwise,
+    and follow the independent formula: the VAE's latent mode, shifted and scaled, cut into 2x2
+    patches row-major; ids (0, row, column) for the generated tokens, then (1, row, column) for the
+    image's. The text's entries are its encode_prompt's and the embedded guidance, without img_ids."""
+    pipe, image = family_pipeline, condition_image(0)
+    text_env = adapter.encode_text("make the fox red", 2.5, SHAPE)
+    image_env = adapter.encode_image(image, SHAPE)
+    assert "img_ids" not in text_env and set(image_env) == {"image_latents", "img_ids"}
+
+    pixels = pipe.image_processor.preprocess(image, SHAPE.height, SHAPE.width)
+    noise = torch.randn(1, TOKENS, 16, generator=torch.Generator().manual_seed(0))
+    _, image_latents, latent_ids, image_ids = pipe.prepare_latents(
+        pixels, 1, 4, SHAPE.height, SHAPE.width, torch.float32, torch.device("cpu"), latents=noise
+    )
+    assert torch.equal(image_env["image_latents"], image_latents)
+    assert torch.equal(image_env["img_ids"], torch.cat([latent_ids, image_ids]))
+
+    vae = pipe.vae
+    z = (vae.encode(pixels).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor
+    patches = z.view(1, 4, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, TOKENS, 16)
+    assert torch.equal(image_env["image_latents"], patches)
+    grid = [(row, col) for row in range(4) for col in range(4)]
+    ids = [(first, row, col) for first in (0, 1) for row, col in grid]
+    assert image_env["img_ids"].tolist() == [list(map(float, i)) for i in ids]
+
+    embeds, pooled, txt_ids = pipe.encode_prompt(prompt=["make the fox red"], prompt_2=None)
+    assert torch.equal(text_env["encoder_hidden_states"], embeds)
+    assert torch.equal(text_env["pooled_projections"], pooled)
+    assert torch.equal(text_env["txt_ids"], txt_ids)
+    assert torch.equal(text_env["guidance"], torch.tensor([2.5]))
+
+
+def test_forward_activation_counts_the_image_tokens(adapter):
+    """The tokens the first block's joint attention runs over: the generated ones, the image's (as
+    many: the image is at the request's size) and the text's, as forward_activation counts them."""
+    env = {**adapter.encode_text("a fox", 2.5, SHAPE), **adapter.encode_image(condition_image(0), SHAPE)}
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append(kwargs["hidden_states"].shape[1] + kwargs["encoder_hidden_states"].shape[1])
+
+    block = adapter.transformer.transformer_blocks[0]
+    handle = block.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        x = torch.zeros(1, *adapter.latent_shape(SHAPE))
+        v = call_transformer(adapter.transformer, x, 1000.0, env, torch.float32, 1000.0, adapter.conditioning)
+    finally:
+        handle.remove()
+    assert v.shape == x.shape
+    assert adapter.conditioning_tokens(SHAPE) == adapter.generated_tokens(SHAPE) == TOKENS
+    assert seen == [adapter.forward_activation(SHAPE)[0]] == [2 * TOKENS + adapter.text_tokens]
+
+
+@pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "cfg"])
+def test_ode_loop_matches_the_pipeline(adapter, family_pipeline, cfg):
+    """Euler over the adapter's schedule, each velocity from the transformer rule with the adapter's
+    envs (text merged with image, batched as the server batches them) and true CFG: within 1e-5 of
+    FluxKontextPipeline's own loop from the same x_0, whose sigmas (the shift of the generated
+    tokens only) are the adapter's, bitwise."""
+    spec = FAMILIES["flux-kontext"]
+    settings = spec.cfg_on if cfg else spec.cfg_off
+    images = [condition_image(p) for p in range(len(spec.prompts))]
+    x0 = torch.randn(len(images), *adapter.latent_shape(SHAPE), generator=torch.Generator().manual_seed(3))
+    sigmas, timesteps = adapter.schedule(4, SHAPE)
+
+    texts = {"positive": spec.prompts}
+    if cfg:
+        texts["negative"] = [settings["negative_prompt"]] * len(images)
+    envs = {
+        branch: stack_envs(
+            [
+                {**adapter.encode_text(text, 2.5, SHAPE), **adapter.encode_image(image, SHAPE)}
+                for text, image in zip(per_prompt, images, strict=True)
+            ],
+            adapter.batched_env_keys,
+        )
+        for branch, per_prompt in texts.items()
+    }
+    rule = ("true_cfg", settings["true_cfg_scale"]) if cfg else ("none", 1.0)
+    x = x0
+    for i in range(4):
+        velocities = {
+            branch: call_transformer(
+                adapter.transformer, x, timesteps[i], env, torch.float32, 1000.0, adapter.conditioning
+            )
+            for branch, env in envs.items()
+        }
+        x = x + (sigmas[i + 1] - sigmas[i]) * apply_guidance(*rule, velocities)
+
+    pipe = family_pipeline
+    final, _ = run_pipeline(pipe, spec.prompts, images, x0, 2.5, settings)
+    assert torch.equal(pipe.scheduler.sigmas, sigmas)
+    torch.testing.assert_close(x, final, atol=1e-5, rtol=0)
+
+
+def test_server_info(family_client):
+    info = family_client.server_info()
+    assert (info.family, info.pipeline_class) == ("flux-kontext", "FluxKontextPipeline")
+    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
+        "true_cfg_scale",
+        "true_cfg",
+        "timestep / 1000",
+    )
+    assert wire.FEATURE_CONDITION_IMAGES in info.features
+    defaults = info.defaults
+    assert (defaults.height, defaults.width, defaults.num_steps) == (128, 128, 10)  # the preset's
+    assert (defaults.guidance_scale, defaults.true_cfg_scale) == (2.5, 1.0)  # FLUX.1 Kontext dev's
+    assert info.limits.side_multiple == 16
+
+
+@torch.no_grad()
+def test_ode_rollout_matches_the_pipeline(adapter, family_client, family_pipeline):
+    """Over gRPC with true CFG: the stream states the sequence concatenation of image_latents, its env
+    holds the pipeline's own image latents, and from the same x_0 FluxKontextPipeline reaches the
+    streamed final latents and images."""
+    spec = FAMILIES["flux-kontext"]
+    request = family_request("flux-kontext", "ODE", cfg=True, samples_per_prompt=1, images=True)
+    trajectories = family_client.rollout(request)
+    pipe = family_pipeline
+    images = [condition_image(p) for p in range(len(spec.prompts))]
+    for trajectory, image in zip(trajectories, images, strict=True):
+        assert trajectory.transformer_call.conditioning == CONDITIONING
+        image_env = adapter.encode_image(image, SHAPE)  # the pipeline's own: test_env_is_the_pipelines_own
+        for env in trajectory.env.values():
+            assert torch.equal(env["image_latents"], image_env["image_latents"])
+            assert torch.equal(env["img_ids"], image_env["img_ids"])
+            assert torch.equal(env["guidance"], torch.tensor([2.5]))  # the default, unset in the request
+    x0 = torch.stack([t.latents[0] for t in trajectories])
+    final, decoded = run_pipeline(pipe, request.prompts, images, x0, 2.5, spec.cfg_on)
+    torch.testing.assert_close(torch.stack([t.latents[-1] for t in trajectories]), final, atol=1e-5, rtol=0)
+    for trajectory, image in zip(trajectories, decoded, strict=True):
+        assert trajectory.image().size == (SHAPE.width, SHAPE.height)
+        diff = np.asarray(trajectory.image(), dtype=int) - np.asarray(image, dtype=int)
+        assert np.abs(diff).max() <= 1  # uint8 rounding of nearly equal latents
+
+
+def test_sp2_matches_sp1(family_client, family_transformer, cache_dir, tmp_path):
+    """At SP=2 the ranks split the 16 generated and 16 image tokens together and gather them back:
+    noise and log-probs bitwise as at SP=1, latents and velocities within 1e-5, with true CFG, and
+    the stream replays through a plain transformer."""
+    debug = [rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_VELOCITY]
+    request = family_request("flux-kontext", "FLOW_SDE", cfg=True, samples_per_prompt=1, debug_tensors=debug)
+    runs = {1: split_events(family_client.stream(request))}
+    runs[2] = stream_at_sp2(cache_dir, tmp_path / "sp2.log", "tiny-flux-kontext", request)
+    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True, tolerance=TOLERANCE)
+    assert_replays(family_transformer, runs[2].trajectories())
