@@ -13,8 +13,8 @@ UNSEEN_TEXT = "Quokkas juggle 9876 glowing xylophones in Zurich!"
 
 
 @pytest.fixture(scope="module")
-def tiny_flux(tmp_path_factory):
-    return resolve_model("tiny-flux", cache_dir=tmp_path_factory.mktemp("cache"))
+def tiny_flux(cache_dir):
+    return resolve_model("tiny-flux", cache_dir=cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,9 @@ def test_second_resolve_reuses_the_build(tiny_flux, caplog):
         assert resolve_model("tiny-flux", cache_dir=tiny_flux.parent.parent) == tiny_flux
     assert not caplog.records
     assert (tiny_flux / "model_index.json").stat().st_mtime_ns == index_mtime
-    assert [p.name for p in tiny_flux.parent.iterdir()] == [tiny_flux.name]  # no staging leftovers
+    assert not [
+        p for p in tiny_flux.parent.iterdir() if p.name.startswith(f".{tiny_flux.name}")
+    ]  # no staging left
 
 
 def test_builds_are_byte_identical(tiny_flux, tmp_path, caplog):

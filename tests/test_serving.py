@@ -440,6 +440,9 @@ def test_help_is_quiet_and_lists_every_preset():
         "tiny-qwen-image",
         "tiny-wan",
         "tiny-wan2.2",
+        "tiny-flux-kontext",
+        "tiny-qwen-image-edit",
+        "tiny-wan-i2v",
     }
 
 

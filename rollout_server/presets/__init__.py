@@ -108,7 +108,9 @@ def _build_preset_once(name: str, cache_dir: Path) -> Path:
         return target
 
     models_dir.mkdir(parents=True, exist_ok=True)
-    with open(models_dir / f".{target.name}.lock", "w") as lock:
+    locks = cache_dir / "locks"
+    locks.mkdir(exist_ok=True)
+    with open(locks / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / "model_index.json").is_file():
             return target
