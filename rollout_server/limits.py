@@ -57,10 +57,11 @@ class Limits:
     # Nodes of one tree rollout (its widest point is bounded by max_running_samples).
     max_tree_nodes: int = 1024
     # A conditioning image file, and its pixels as its header states them: checked before decoding,
-    # so a small file that claims a huge image (a decompression bomb) costs nothing. 16 Mi pixels
-    # (4096 x 4096) decode to 48 MiB of RGB, one image at a time.
+    # so a small file that claims a huge image (a decompression bomb) costs nothing. 4 Mi pixels
+    # (2048 x 2048: an image is resized to the generated size, at most max_side a side) decode to
+    # 12 MiB of RGB, one image at a time, in tens of milliseconds.
     max_image_bytes: int = 4 * 1024 * 1024
-    max_image_pixels: int = 16 * 1024 * 1024
+    max_image_pixels: int = 4 * 1024 * 1024
 
     @property
     def min_message_bytes(self) -> int:

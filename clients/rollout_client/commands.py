@@ -2,13 +2,16 @@
 seconds to import): connect, stream a rollout with a progress bar, write it to disk."""
 
 import argparse
+import io
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from google.protobuf import json_format
+from PIL import Image as PILImage
 from tqdm import tqdm
 
 from rollout.v1 import rollout_pb2
@@ -92,7 +95,7 @@ def summary(started: Started, finished: Finished, trajectories: list[Trajectory]
     }
 
 
-def save_rollout(out: Path, events: list[Event], condition_images: list[bytes] = ()) -> list[Trajectory]:
+def save_rollout(out: Path, events: list[Event], condition_images: Sequence[bytes] = ()) -> list[Trajectory]:
     """Write images (a video's first frame), animated previews of videos, trajectories, the contact
     sheet (a row per prompt, labelled with it; the prompt's conditioning image first when the request
     had ``condition_images``) and rollout.json into ``out``."""
@@ -116,10 +119,7 @@ def save_rollout(out: Path, events: list[Event], condition_images: list[bytes] =
         resolved = started.message.resolved
         columns = resolved.samples_per_prompt
         if condition_images:  # each row: the input, then the prompt's samples
-            inputs = [
-                next(t for t in trajectories if t.prompt_index == p).conditioning()
-                for p in range(len(resolved.prompts))
-            ]
+            inputs = [PILImage.open(io.BytesIO(data)) for data in condition_images]
             images = [
                 image
                 for p, row in enumerate(inputs)
