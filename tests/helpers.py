@@ -334,6 +334,26 @@ def condition_image(index: int) -> PIL.Image.Image:
     return PIL.Image.open(io.BytesIO(condition_png(index))).convert("RGB")
 
 
+def joint_attention_tokens(adapter, env: dict, shape) -> int:
+    """The tokens the first transformer block's joint attention runs over (generated, conditioning and
+    text) in one forward of ``env`` by the transformer-call rule, which must give x's shape back."""
+    from rollout_core.transformer_call import call_transformer
+
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append(kwargs["hidden_states"].shape[1] + kwargs["encoder_hidden_states"].shape[1])
+
+    handle = adapter.transformer.transformer_blocks[0].register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        x = torch.zeros(1, *adapter.latent_shape(shape))
+        v = call_transformer(adapter.transformer, x, 1000.0, env, torch.float32, 1000.0, adapter.conditioning)
+    finally:
+        handle.remove()
+    assert v.shape == x.shape
+    return seen[0]
+
+
 def family_request(family: str, sampler: str, cfg: bool, **fields) -> rollout_pb2.RolloutRequest:
     """Two prompts, two samples each, 4 steps at 64 x 64 without images, CFG on or off as the family
     does it, and a conditioning image per prompt for an image-conditioned family; ``fields`` override

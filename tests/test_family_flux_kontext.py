@@ -14,6 +14,7 @@ from helpers import (
     assert_same_numbers,
     condition_image,
     family_request,
+    joint_attention_tokens,
     split_events,
     stream_at_sp2,
 )
@@ -97,21 +98,9 @@ def test_forward_activation_counts_the_image_tokens(adapter):
     """The tokens the first block's joint attention runs over: the generated ones, the image's (as
     many: the image is at the request's size) and the text's, as forward_activation counts them."""
     env = {**adapter.encode_text("a fox", 2.5, SHAPE), **adapter.encode_image(condition_image(0), SHAPE)}
-    seen = []
-
-    def record(module, args, kwargs):
-        seen.append(kwargs["hidden_states"].shape[1] + kwargs["encoder_hidden_states"].shape[1])
-
-    block = adapter.transformer.transformer_blocks[0]
-    handle = block.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        x = torch.zeros(1, *adapter.latent_shape(SHAPE))
-        v = call_transformer(adapter.transformer, x, 1000.0, env, torch.float32, 1000.0, adapter.conditioning)
-    finally:
-        handle.remove()
-    assert v.shape == x.shape
+    attended = joint_attention_tokens(adapter, env, SHAPE)
     assert adapter.conditioning_tokens(SHAPE) == adapter.generated_tokens(SHAPE) == TOKENS
-    assert seen == [adapter.forward_activation(SHAPE)[0]] == [2 * TOKENS + adapter.text_tokens]
+    assert attended == adapter.forward_activation(SHAPE)[0] == 2 * TOKENS + adapter.text_tokens
 
 
 @pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "cfg"])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
-from helpers import FAMILIES, condition_image, family_request
+from helpers import FAMILIES, condition_image, family_request, joint_attention_tokens
 
 from rollout.v1 import rollout_pb2
 from rollout_core import wire
@@ -100,26 +100,14 @@ def test_forward_activation_counts_the_image_tokens(adapter, family_pipeline):
     them; forward_activation counts the same with the longest prompt the pipeline takes."""
     image = condition_image(0)
     env = {**adapter.encode_text("a fox", 1.0, SHAPE, image), **adapter.encode_image(image, SHAPE)}
-    seen = []
-
-    def record(module, args, kwargs):
-        seen.append(kwargs["hidden_states"].shape[1] + kwargs["encoder_hidden_states"].shape[1])
-
-    block = adapter.transformer.transformer_blocks[0]
-    handle = block.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        x = torch.zeros(1, *adapter.latent_shape(SHAPE))
-        v = call_transformer(adapter.transformer, x, 1000.0, env, torch.float32, 1000.0, adapter.conditioning)
-    finally:
-        handle.remove()
-    assert v.shape == x.shape
+    attended = joint_attention_tokens(adapter, env, SHAPE)
     assert adapter.conditioning_tokens(SHAPE) == adapter.generated_tokens(SHAPE) == TOKENS
     pipe = family_pipeline
     prompt_tokens = len(pipe.tokenizer("a fox").input_ids)
     text = env["encoder_hidden_states"].shape[1]
     assert text == 7 + vision_tokens(pipe) + prompt_tokens  # markers, image, prompt, closing
-    assert seen == [2 * TOKENS + text]
-    longest = seen[0] - prompt_tokens + pipe.tokenizer_max_length
+    assert attended == 2 * TOKENS + text
+    longest = attended - prompt_tokens + pipe.tokenizer_max_length
     assert adapter.forward_activation(SHAPE)[0] == longest
 
 
