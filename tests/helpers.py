@@ -163,6 +163,45 @@ FLUX_ENV_KEYS = frozenset(
 )
 SHORT_PROMPT = "a fox"
 LONG_PROMPT = "A cozy cabin in the mountains covered with fresh snow, warm light in the windows."
+# FLUX.1-dev: packed 2x2 tokens, embedded guidance, true CFG.
+FLUX = Family(
+    preset="tiny-flux",
+    transformer="FluxTransformer2DModel",
+    pipeline="FluxPipeline",
+    prompts=("a red fox in the snow", "two cats"),
+    base_seed=11,
+    cfg_on={"true_cfg_scale": 3.0, "negative_prompt": "blurry, low quality"},
+    cfg_off={},
+    timestep_divisor=1000.0,
+    cfg_rule=("true_cfg", 3.0),
+    env_keys=FLUX_ENV_KEYS,
+    latent_shape=(16, 16),  # 4 x 4 packed tokens of 4 x 4 channels
+    replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
+    replay_latent_dtypes=("float32", "bfloat16"),
+)
+# Qwen-Image: every prompt has its own text length, and true CFG rescales to the positive norm.
+QWEN_IMAGE = Family(
+    preset="tiny-qwen-image",
+    transformer="QwenImageTransformer2DModel",
+    pipeline="QwenImagePipeline",
+    prompts=(SHORT_PROMPT, LONG_PROMPT),
+    base_seed=31,
+    cfg_on={"true_cfg_scale": 4.0, "negative_prompt": "blurry"},
+    cfg_off={"true_cfg_scale": 1.0},
+    timestep_divisor=1000.0,
+    cfg_rule=("true_cfg_norm_rescale", 4.0),
+    env_keys=frozenset(
+        {
+            "encoder_hidden_states",
+            "encoder_hidden_states_mask",
+            "img_shapes",
+            "guidance",
+            "attention_kwargs",
+            "return_dict",
+        }
+    ),
+    latent_shape=(16, 4 * 16),  # 4 x 4 packed tokens of 4 x 16 channels
+)
 # Wan 2.1: video latents, the raw integer timestep, classic CFG on guidance_scale.
 WAN = Family(
     preset="tiny-wan",
@@ -181,34 +220,17 @@ WAN = Family(
 )
 
 FAMILIES = {
-    "flux": Family(
-        preset="tiny-flux",
-        transformer="FluxTransformer2DModel",
-        pipeline="FluxPipeline",
-        prompts=("a red fox in the snow", "two cats"),
-        base_seed=11,
-        cfg_on={"true_cfg_scale": 3.0, "negative_prompt": "blurry, low quality"},
-        cfg_off={},
-        timestep_divisor=1000.0,
-        cfg_rule=("true_cfg", 3.0),
-        env_keys=FLUX_ENV_KEYS,
-        latent_shape=(16, 16),  # 4 x 4 packed tokens of 4 x 4 channels
-        replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
-        replay_latent_dtypes=("float32", "bfloat16"),
-    ),
+    "flux": FLUX,
     # FLUX.1 Kontext: FLUX's call with the conditioning image's packed latents appended to the tokens.
-    "flux-kontext": Family(
+    "flux-kontext": dataclasses.replace(
+        FLUX,
         preset="tiny-flux-kontext",
-        transformer="FluxTransformer2DModel",
         pipeline="FluxKontextPipeline",
         prompts=("make the fox red", "two cats on the snow"),
         base_seed=61,
-        cfg_on={"true_cfg_scale": 3.0, "negative_prompt": "blurry, low quality"},
-        cfg_off={},
-        timestep_divisor=1000.0,
-        cfg_rule=("true_cfg", 3.0),
         env_keys=FLUX_ENV_KEYS | {"image_latents"},
-        latent_shape=(16, 16),  # 4 x 4 packed tokens of 4 x 4 channels; as many of the image's
+        replay_samplers=("FLOW_SDE", "CPS"),
+        replay_latent_dtypes=(None,),
         conditioning=("CONDITIONING_CONCAT_SEQUENCE", "image_latents"),
     ),
     # The pretrained shapes preset: FLUX's family without a guidance embedding (guidance is None in
@@ -242,53 +264,16 @@ FAMILIES = {
         ),
         latent_shape=(16, 8, 8),
     ),
-    # Qwen-Image: every prompt has its own text length, and true CFG rescales to the positive norm.
-    "qwen-image": Family(
-        preset="tiny-qwen-image",
-        transformer="QwenImageTransformer2DModel",
-        pipeline="QwenImagePipeline",
-        prompts=(SHORT_PROMPT, LONG_PROMPT),
-        base_seed=31,
-        cfg_on={"true_cfg_scale": 4.0, "negative_prompt": "blurry"},
-        cfg_off={"true_cfg_scale": 1.0},
-        timestep_divisor=1000.0,
-        cfg_rule=("true_cfg_norm_rescale", 4.0),
-        env_keys=frozenset(
-            {
-                "encoder_hidden_states",
-                "encoder_hidden_states_mask",
-                "img_shapes",
-                "guidance",
-                "attention_kwargs",
-                "return_dict",
-            }
-        ),
-        latent_shape=(16, 4 * 16),  # 4 x 4 packed tokens of 4 x 16 channels
-    ),
+    "qwen-image": QWEN_IMAGE,
     # Qwen-Image-Edit: Qwen-Image's call with the image's packed latents appended to the tokens, and
     # prompt embeddings that read the image (the Qwen2.5-VL encoder's vision tokens).
-    "qwen-image-edit": Family(
+    "qwen-image-edit": dataclasses.replace(
+        QWEN_IMAGE,
         preset="tiny-qwen-image-edit",
-        transformer="QwenImageTransformer2DModel",
         pipeline="QwenImageEditPipeline",
         prompts=("make the fox red", LONG_PROMPT),
         base_seed=81,
-        cfg_on={"true_cfg_scale": 4.0, "negative_prompt": "blurry"},
-        cfg_off={"true_cfg_scale": 1.0},
-        timestep_divisor=1000.0,
-        cfg_rule=("true_cfg_norm_rescale", 4.0),
-        env_keys=frozenset(
-            {
-                "encoder_hidden_states",
-                "encoder_hidden_states_mask",
-                "img_shapes",
-                "guidance",
-                "attention_kwargs",
-                "return_dict",
-                "image_latents",
-            }
-        ),
-        latent_shape=(16, 4 * 16),  # 4 x 4 packed tokens of 4 x 16 channels; as many of the image's
+        env_keys=QWEN_IMAGE.env_keys | {"image_latents"},
         conditioning=("CONDITIONING_CONCAT_SEQUENCE", "image_latents"),
         missing="" if is_torchvision_available() else "its Qwen2VLProcessor needs torchvision, not installed",
     ),
@@ -332,6 +317,42 @@ def condition_png(index: int, width: int = 64, height: int = 64) -> bytes:
 def condition_image(index: int) -> PIL.Image.Image:
     """The image ``family_request`` sends for prompt ``index``, as the server reads it (64 x 64 RGB)."""
     return PIL.Image.open(io.BytesIO(condition_png(index))).convert("RGB")
+
+
+def adapter_ode(
+    adapter, x0, texts: dict[str, list[str]], images, guidance_scale: float, rule, shape, steps=4
+):
+    """An image-conditioned family's ODE by hand: Euler over the adapter's schedule from ``x0``, each
+    velocity by the transformer-call rule with the expert of its step and each branch's env (the
+    branch's ``texts``, one per image, each merged with its image's entries and batched as the server
+    batches rows), the branches combined by the guidance ``rule``."""
+    from rollout_core.transformer_call import apply_guidance, call_transformer, stack_envs
+
+    def env(text, image):
+        read = image if adapter.text_reads_image else None
+        return {
+            **adapter.encode_text(text, guidance_scale, shape, read),
+            **adapter.encode_image(image, shape),
+        }
+
+    envs = {
+        branch: stack_envs(
+            [env(t, i) for t, i in zip(per_image, images, strict=True)], adapter.batched_env_keys
+        )
+        for branch, per_image in texts.items()
+    }
+    sigmas, timesteps = adapter.schedule(steps, shape)
+    x = x0
+    for i in range(steps):
+        expert = adapter.experts[adapter.expert_for(float(timesteps[i]))]
+        velocities = {
+            branch: call_transformer(
+                expert, x, timesteps[i], env, torch.float32, adapter.timestep_divisor, adapter.conditioning
+            )
+            for branch, env in envs.items()
+        }
+        x = x + (sigmas[i + 1] - sigmas[i]) * apply_guidance(*rule, velocities)
+    return x
 
 
 def joint_attention_tokens(adapter, env: dict, shape) -> int:

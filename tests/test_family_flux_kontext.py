@@ -10,6 +10,7 @@ import torch
 from helpers import (
     FAMILIES,
     TOLERANCE,
+    adapter_ode,
     assert_replays,
     assert_same_numbers,
     condition_image,
@@ -21,7 +22,7 @@ from helpers import (
 
 from rollout.v1 import rollout_pb2
 from rollout_core import wire
-from rollout_core.transformer_call import LatentConditioning, apply_guidance, call_transformer, stack_envs
+from rollout_core.transformer_call import LatentConditioning
 from rollout_server.families.base import MediaShape
 
 SHAPE = MediaShape(frames=1, height=64, width=64)
@@ -113,31 +114,13 @@ def test_ode_loop_matches_the_pipeline(adapter, family_pipeline, cfg):
     settings = spec.cfg_on if cfg else spec.cfg_off
     images = [condition_image(p) for p in range(len(spec.prompts))]
     x0 = torch.randn(len(images), *adapter.latent_shape(SHAPE), generator=torch.Generator().manual_seed(3))
-    sigmas, timesteps = adapter.schedule(4, SHAPE)
+    sigmas, _ = adapter.schedule(4, SHAPE)
 
     texts = {"positive": spec.prompts}
     if cfg:
         texts["negative"] = [settings["negative_prompt"]] * len(images)
-    envs = {
-        branch: stack_envs(
-            [
-                {**adapter.encode_text(text, 2.5, SHAPE), **adapter.encode_image(image, SHAPE)}
-                for text, image in zip(per_prompt, images, strict=True)
-            ],
-            adapter.batched_env_keys,
-        )
-        for branch, per_prompt in texts.items()
-    }
     rule = ("true_cfg", settings["true_cfg_scale"]) if cfg else ("none", 1.0)
-    x = x0
-    for i in range(4):
-        velocities = {
-            branch: call_transformer(
-                adapter.transformer, x, timesteps[i], env, torch.float32, 1000.0, adapter.conditioning
-            )
-            for branch, env in envs.items()
-        }
-        x = x + (sigmas[i + 1] - sigmas[i]) * apply_guidance(*rule, velocities)
+    x = adapter_ode(adapter, x0, texts, images, 2.5, rule, SHAPE)
 
     pipe = family_pipeline
     final, _ = run_pipeline(pipe, spec.prompts, images, x0, 2.5, settings)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
-from helpers import FAMILIES, condition_image, family_request, joint_attention_tokens
+from helpers import FAMILIES, adapter_ode, condition_image, family_request, joint_attention_tokens
 
 from rollout.v1 import rollout_pb2
 from rollout_core import wire
-from rollout_core.transformer_call import LatentConditioning, apply_guidance, call_transformer
+from rollout_core.transformer_call import LatentConditioning
 from rollout_server.families.base import MediaShape, denormalized
 
 SPEC = FAMILIES["qwen-image-edit"]
@@ -138,26 +138,13 @@ def test_ode_loop_matches_the_pipeline(adapter, family_pipeline, at_request_size
     settings = SPEC.cfg_on if cfg else SPEC.cfg_off
     images = [condition_image(p) for p in range(len(SPEC.prompts))]
     x0 = torch.randn(len(images), *adapter.latent_shape(SHAPE), generator=torch.Generator().manual_seed(3))
-    sigmas, timesteps = adapter.schedule(4, SHAPE)
+    sigmas, _ = adapter.schedule(4, SHAPE)
     rule = SPEC.cfg_rule if cfg else ("none", 1.0)
 
     finals = []
     for p, (prompt, image) in enumerate(zip(SPEC.prompts, images, strict=True)):
-        texts = {"positive": prompt, **({"negative": settings["negative_prompt"]} if cfg else {})}
-        envs = {
-            branch: {**adapter.encode_text(text, 1.0, SHAPE, image), **adapter.encode_image(image, SHAPE)}
-            for branch, text in texts.items()
-        }
-        x = x0[p : p + 1]
-        for i in range(4):
-            velocities = {
-                branch: call_transformer(
-                    adapter.transformer, x, timesteps[i], env, torch.float32, 1000.0, adapter.conditioning
-                )
-                for branch, env in envs.items()
-            }
-            x = x + (sigmas[i + 1] - sigmas[i]) * apply_guidance(*rule, velocities)
-        finals.append(x)
+        texts = {"positive": [prompt], **({"negative": [settings["negative_prompt"]]} if cfg else {})}
+        finals.append(adapter_ode(adapter, x0[p : p + 1], texts, [image], 1.0, rule, SHAPE))
 
     pipe = family_pipeline
     final = pipeline_latents(pipe, SPEC.prompts, images, x0, settings)

@@ -17,6 +17,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, 
 from helpers import (
     FAMILIES,
     TOLERANCE,
+    adapter_ode,
     assert_replays,
     assert_same_numbers,
     condition_image,
@@ -27,7 +28,7 @@ from helpers import (
 
 from rollout.v1 import rollout_pb2
 from rollout_core import wire
-from rollout_core.transformer_call import LatentConditioning, apply_guidance, call_transformer, stack_envs
+from rollout_core.transformer_call import LatentConditioning
 from rollout_server import families
 from rollout_server.errors import UnsupportedModel
 from rollout_server.families.base import MediaShape
@@ -101,34 +102,13 @@ def pipeline_latents(pipe, text, negative, image, x0, sigmas, timesteps, guidanc
         pipe.scheduler = unipc
 
 
-def adapter_ode(adapter, prompts, negative, images, x0, guidance_scale, num_steps=4) -> torch.Tensor:
-    """Euler over the adapter's schedule, each velocity from the transformer rule with the adapter's
-    envs (text merged with image, batched as the server batches them), the expert of each step, and
-    classic CFG."""
-    sigmas, timesteps = adapter.schedule(num_steps, SHAPE)
-    texts = {"positive": prompts}
+def wan_ode(adapter, prompts, negative, images, x0, guidance_scale) -> torch.Tensor:
+    """``adapter_ode`` with Wan's classic CFG: a negative branch when ``guidance_scale`` > 1."""
+    texts = {"positive": list(prompts)}
     if guidance_scale > 1:
         texts["negative"] = [negative] * len(images)
-    envs = {
-        branch: stack_envs(
-            [
-                {**adapter.encode_text(text, guidance_scale, SHAPE), **adapter.encode_image(image, SHAPE)}
-                for text, image in zip(per_prompt, images, strict=True)
-            ],
-            adapter.batched_env_keys,
-        )
-        for branch, per_prompt in texts.items()
-    }
     rule = ("true_cfg", guidance_scale) if guidance_scale > 1 else ("none", 1.0)
-    x = x0
-    for i in range(num_steps):
-        expert = adapter.experts[adapter.expert_for(float(timesteps[i]))]
-        velocities = {
-            branch: call_transformer(expert, x, timesteps[i], env, torch.float32, 1.0, adapter.conditioning)
-            for branch, env in envs.items()
-        }
-        x = x + (sigmas[i + 1] - sigmas[i]) * apply_guidance(*rule, velocities)
-    return x
+    return adapter_ode(adapter, x0, texts, images, guidance_scale, rule, SHAPE)
 
 
 def test_the_adapter_concatenates_on_channels(adapter):
@@ -204,7 +184,7 @@ def test_ode_loop_matches_the_pipeline(adapter, family_pipeline, cfg):
     images = [condition_image(p) for p in range(len(SPEC.prompts))]
     x0 = torch.randn(len(images), *adapter.latent_shape(SHAPE), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        x = adapter_ode(adapter, SPEC.prompts, "blurry", images, x0, guidance_scale)
+        x = wan_ode(adapter, SPEC.prompts, "blurry", images, x0, guidance_scale)
     sigmas, timesteps = adapter.schedule(4, SHAPE)
     for p, (text, image) in enumerate(zip(SPEC.prompts, images, strict=True)):
         final = pipeline_latents(
@@ -228,7 +208,7 @@ def test_wan22_experts_read_no_image_embeddings(wan22_folder, family_pipeline):
     assert experts == list(FAMILIES["wan2.2"].step_transformers)
     x0 = torch.randn(1, *adapter.latent_shape(SHAPE), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        x = adapter_ode(adapter, ["a kite"], "blurry", [image], x0, 5.0)
+        x = wan_ode(adapter, ["a kite"], "blurry", [image], x0, 5.0)
     pipe = WanImageToVideoPipeline.from_pretrained(wan22_folder, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     final = pipeline_latents(pipe, "a kite", "blurry", image, x0, sigmas, timesteps, 5.0)
