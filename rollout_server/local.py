@@ -39,6 +39,12 @@ class LocalServer:
             process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn, cwd=cwd
             )
+        return cls.once_serving(process, log_path, timeout)
+
+    @classmethod
+    def once_serving(cls, process: "subprocess.Popen", log_path: Path, timeout: float) -> "LocalServer":
+        """The server that ``process`` (anything with Popen's poll, returncode, send_signal, wait and
+        kill) runs, once its log at ``log_path`` names its address and it accepts connections."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             match = next(filter(None, map(SERVING_LINE.search, log_path.read_text().splitlines())), None)

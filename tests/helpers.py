@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ import PIL.Image
 import pytest
 import reference
 import torch
+from forked import ForkedProcess
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -44,6 +46,9 @@ from rollout_server import families
 from rollout_server.local import LocalServer
 
 ROOT = Path(__file__).resolve().parents[1]
+# The torch threads of every server a test starts: 1 by default (two test workers share 2 cores);
+# TEST_SERVER_THREADS=2 runs the suite with servers whose kernels split their reductions otherwise.
+SERVER_THREADS = os.environ.get("TEST_SERVER_THREADS", "1")
 # Replay parity (docs/design.md, invariant 1): a replayed log-prob is within this of the streamed one.
 TOLERANCE = 1e-5
 SAMPLERS = {
@@ -58,9 +63,11 @@ LATENT_DTYPES = {"float32": rollout_pb2.TENSOR_DTYPE_FLOAT32, "bfloat16": rollou
 # Servers -------------------------------------------------------------------------------------------
 
 
-def start_server(cache_dir: Path, log_path: Path, *args: str) -> LocalServer:
-    """A real ``rollout-server serve`` on a free loopback port, sharing the session's preset cache."""
-    return LocalServer.start(log_path, "--cache-dir", str(cache_dir), "--threads", "1", *args)
+def start_server(cache_dir: Path, log_path: Path, *args: str, timeout: float = 120.0) -> LocalServer:
+    """A real ``rollout-server serve`` on a free loopback port, sharing the session's preset cache, in
+    a process forked from the preloaded fork server (forked.py)."""
+    argv = ["serve", "--port", "0", "--cache-dir", str(cache_dir), "--threads", SERVER_THREADS, *args]
+    return LocalServer.once_serving(ForkedProcess(argv, log_path), log_path, timeout)
 
 
 def example_module(name: str):
@@ -69,6 +76,18 @@ def example_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_example(name: str, *argv) -> None:
+    """Run ``examples/{name}.py ARGV`` in this process, as its command line would: a failure raises
+    (SystemExit with the run's one-line reason). The torch threads and global RNG state of the test
+    process are restored after: an example sets both for its run."""
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            example_module(name).main([str(arg) for arg in argv])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def command_line_exit(*argv: str) -> str:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import ray
-from helpers import make_request
+from helpers import SERVER_THREADS, make_request
 
 from rollout_client import RolloutPool
 
@@ -59,7 +59,7 @@ def test_replica_actors_serve_a_pool_and_come_back_after_a_kill(ray_cluster, cac
     replicas = launch(
         2,
         "tiny-flux",
-        serve_args=["--threads", "1", "--cache-dir", str(cache_dir)],
+        serve_args=["--threads", SERVER_THREADS, "--cache-dir", str(cache_dir)],
         ports=[free_port(), free_port()],
     )
     try:
@@ -97,7 +97,7 @@ def test_rollout_server_ray_prints_addresses_serves_and_stops(tmp_path, cache_di
     command = [
         sys.executable,
         *("-m", "rollout_server", "ray", "--replicas", "2", "--base-port", str(base)),
-        *("--", "--threads", "1", "--cache-dir", str(cache_dir)),
+        *("--", "--threads", SERVER_THREADS, "--cache-dir", str(cache_dir)),
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from helpers import health_status, imported_modules, metrics_url, scrape, start_server
+from helpers import SERVER_THREADS, health_status, imported_modules, metrics_url, scrape, start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RetryPolicy, RolloutClient
@@ -492,7 +492,7 @@ def test_model_path_is_absolute_with_a_relative_cache_dir(tiny_flux_folder, cach
     workdir.mkdir()
     relative = os.path.relpath(cache_dir, workdir)
     server = LocalServer.start(
-        tmp_path / "server.log", "--cache-dir", relative, "--threads", "1", cwd=workdir
+        tmp_path / "server.log", "--cache-dir", relative, "--threads", SERVER_THREADS, cwd=workdir
     )
     try:
         with grpc.insecure_channel(server.address) as channel:

@@ -7,12 +7,10 @@ test_replay.py and SP=2 parity in test_sp.py, with the other presets."""
 
 import csv
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import ROOT, TOLERANCE, example_module, start_server
+from helpers import TOLERANCE, example_module, run_example, start_server
 from PIL import Image
 
 from rollout.v1 import rollout_pb2
@@ -50,8 +48,6 @@ MEASURE = rollout_pb2.RolloutRequest(
     noise_level=1.0,
     latents=rollout_pb2.LATENT_SELECTION_NONE,
 )
-WAIT_SECONDS = 600  # a safety net against a trainer that hangs, not a timing assertion
-TRAINER = ROOT / "examples" / "train_grpo.py"
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +64,7 @@ def training_server(cache_dir, family_resources, tmp_path_factory):
 
 def run_trainer(server, flags: list[str], out) -> list[dict]:
     """examples/train_grpo.py against ``server``, writing to ``out``: its metrics.csv rows."""
-    command = [sys.executable, TRAINER, "--server", server.address, *flags, "--out", out]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_SECONDS)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_example("train_grpo", "--server", server.address, *flags, "--out", out)
     with open(out / "metrics.csv") as file:
         return list(csv.DictReader(file))
 
@@ -84,7 +78,9 @@ def test_the_base_model_is_right_on_some_scenes_and_wrong_on_others(family_resou
     assert result.table["single"][0] > 0  # it draws at least some of the easiest scenes right
 
 
-def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lora(training_server, tmp_path):
+def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lora(
+    training_server, tmp_path, capsys
+):
     """`make train-shapes` in miniature: on policy every iteration, the eval tables and grids before
     and after, and the final adapter pushed by eval_shapes.py scores exactly as the trainer's own
     final eval did (the same request on the same weights)."""
@@ -100,11 +96,9 @@ def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lor
         assert Image.open(out / name).format == "PNG"
 
     table_path = tmp_path / "eval.json"
-    evaluate = [sys.executable, ROOT / "examples" / "eval_shapes.py", "--server", training_server.address]
     flags = ["--lora", out / "lora", "--samples", "1", "--steps", "4", "--seed", "2024", "--json", table_path]
-    evaluated = subprocess.run([*evaluate, *flags], capture_output=True, text=True, timeout=WAIT_SECONDS)
-    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
-    assert "| overall |" in evaluated.stdout
+    run_example("eval_shapes", "--server", training_server.address, *flags)
+    assert "| overall |" in capsys.readouterr().out
     assert json.loads(table_path.read_text()) == tables["after"]
 
 

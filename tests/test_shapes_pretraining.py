@@ -3,17 +3,13 @@ length, and examples/pretrain_shapes.py trains its VAE and transformer (both los
 weights that load into the pipeline it started from."""
 
 import json
-import subprocess
-import sys
 
 import torch
-from helpers import ROOT
+from helpers import run_example
 from safetensors.torch import load_file
 
 from rollout_server import families
 from rollout_server.presets.shapes import TEXT_TOKENS, untrained_shapes_pipeline
-
-PRETRAIN = ROOT / "examples" / "pretrain_shapes.py"
 
 
 def test_a_flux_folder_pads_prompts_to_its_own_text_length(tmp_path, tiny_flux_folder):
@@ -28,12 +24,11 @@ def test_a_flux_folder_pads_prompts_to_its_own_text_length(tmp_path, tiny_flux_f
 
 
 def test_pretraining_lowers_both_losses_and_writes_loadable_weights(tmp_path):
-    command = [
-        *(sys.executable, PRETRAIN, "--out", tmp_path, "--threads", "1", "--eval-steps", "0"),
+    run_example(
+        "pretrain_shapes",
+        *("--out", tmp_path, "--threads", "1", "--eval-steps", "0"),
         *("--vae-steps", "20", "--vae-batch", "4", "--steps", "20", "--batch", "8"),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    )
     weights = tmp_path / "weights"
     record = json.loads((weights / "PRETRAINED.json").read_text())
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)

@@ -14,6 +14,7 @@ import grpc
 import pytest
 import torch
 from helpers import (
+    SERVER_THREADS,
     TOLERANCE,
     assert_replays,
     assert_same_numbers,
@@ -91,7 +92,12 @@ def test_torchrun_launch_matches_sp1(client, cache_dir, tmp_path):
     """``torchrun --nproc-per-node 2 -m rollout_server serve`` forms the same 2-rank group."""
     torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2")
     server = LocalServer.start(
-        tmp_path / "torchrun.log", "--cache-dir", str(cache_dir), "--threads", "1", launcher=torchrun
+        tmp_path / "torchrun.log",
+        "--cache-dir",
+        str(cache_dir),
+        "--threads",
+        SERVER_THREADS,
+        launcher=torchrun,
     )
     try:
         with RolloutClient(server.address, timeout=300) as torchrun_client:
@@ -203,58 +209,32 @@ def test_a_failure_names_a_rank_whose_process_is_still_exiting():
         rank_1.wait()
 
 
-def test_qwen_image_sp2_matches_sp1_with_uneven_prompt_lengths(cache_dir, tmp_path):
+def test_qwen_image_sp2_matches_sp1_with_uneven_prompt_lengths(family_resources, cache_dir, tmp_path):
     """Qwen-Image splits its text tokens too: prompts of odd, different lengths run through diffusers'
     uneven Ulysses split and still match SP=1 bitwise on noise and log-probs."""
-    from diffusers import QwenImageTransformer2DModel
-
     qwen = request(
         prompts=["a fox", "an old lighthouse on a rocky cliff at dusk, oil painting"],
         true_cfg_scale=4.0,
         negative_prompt="blurry",
     )
-    runs = {}
-    for sp in (1, 2):
-        server = start_server(
-            cache_dir, tmp_path / f"qwen-sp{sp}.log", "--model", "tiny-qwen-image", "--sp", str(sp)
-        )
-        try:
-            with RolloutClient(server.address, timeout=300) as qwen_client:
-                runs[sp] = split_events(qwen_client.stream(qwen))
-                model_path = qwen_client.server_info().model_path
-        finally:
-            assert server.stop() == 0
+    runs = {1: split_events(family_resources.client("qwen-image").stream(qwen))}
+    runs[2] = stream_at_sp2(cache_dir, tmp_path / "qwen-sp2.log", "tiny-qwen-image", qwen)
     lengths = {env["encoder_hidden_states"].shape[1] for env in runs[2].started.env["positive"]}
     assert len(lengths) == 2 and any(length % 2 for length in lengths)
     assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True)
-    transformer = QwenImageTransformer2DModel.from_pretrained(f"{model_path}/transformer").eval()
-    assert_replays(transformer, runs[2].trajectories())
+    assert_replays(family_resources.transformer("qwen-image"), runs[2].trajectories())
 
 
-def test_wan_sp2_splits_video_tokens_and_matches_sp1(cache_dir, tmp_path):
+def test_wan_sp2_splits_video_tokens_and_matches_sp1(family_resources, cache_dir, tmp_path):
     """Wan's video tokens (latent frames x rows x columns) split across the ranks through its
     context-parallel plan: noise and log-probs bitwise as at SP=1, with CFG."""
-    preset = "tiny-wan"
-    from diffusers import WanTransformer3DModel
-
     video = request(num_frames=9, guidance_scale=5.0, negative_prompt="blurry")
-    runs = {}
-    for sp in (1, 2):
-        server = start_server(cache_dir, tmp_path / f"wan-sp{sp}.log", "--model", preset, "--sp", str(sp))
-        try:
-            with RolloutClient(server.address, timeout=300) as wan_client:
-                runs[sp] = split_events(wan_client.stream(video))
-                model_path = wan_client.server_info().model_path
-        finally:
-            assert server.stop() == 0
+    runs = {1: split_events(family_resources.client("wan").stream(video))}
+    runs[2] = stream_at_sp2(cache_dir, tmp_path / "wan-sp2.log", "tiny-wan", video)
     assert tuple(runs[2].started.message.layout.shape) == (16, 3, 8, 8)  # 9 frames: 3 x 4 x 4 tokens
-    assert runs[2].started.message.sp_degree == 2
     assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True)
-    experts = runs[2].trajectories()[0].step_transformers
-    transformers = {
-        name: WanTransformer3DModel.from_pretrained(f"{model_path}/{name}").eval() for name in set(experts)
-    }
-    assert_replays(transformers, runs[2].trajectories())
+    assert set(runs[2].trajectories()[0].step_transformers) == {"transformer"}  # Wan 2.1: one expert
+    assert_replays(family_resources.transformer("wan"), runs[2].trajectories())
 
 
 def test_shapes_sp2_matches_sp1(family_resources, cache_dir, tmp_path):

@@ -1,0 +1,66 @@
+"""Test servers forked from one interpreter that has imported the server's modules.
+
+Importing torch, diffusers, transformers and peft costs a new interpreter about 9 CPU seconds, and a
+run starts about 70 servers; forking from a process that imported them once costs milliseconds. The
+forked process runs ``rollout-server serve`` exactly as the console script does (``cli.run``: the same
+argument parsing, signal handling and exit), with its output in a log file. The fork server imports
+and runs nothing else (no torch kernel, no gRPC object exists before a fork). Tests of the command
+itself, of torchrun and of a working directory start real interpreters (``LocalServer.start``)."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+# What a server imports before it reads its arguments; the rest is imported in the forked process.
+PRELOAD = ["forked", "rollout_server.cli", "rollout_server.server", "rollout_server.families"]
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(PRELOAD)
+
+
+def _serve(argv: list[str], log_path: str) -> None:
+    """The forked process: ``rollout-server ARGV`` with stdout and stderr in ``log_path``."""
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.argv = ["rollout-server", *argv]  # --sp N starts its other ranks from sys.argv
+    from rollout_server import cli
+
+    cli.run()
+
+
+class ForkedProcess:
+    """``subprocess.Popen``'s interface (what LocalServer and the tests use) over a forked process."""
+
+    def __init__(self, argv: list[str], log_path: Path):
+        self.args = argv
+        log_path.write_text("")  # there before the process is: the caller reads it at once
+        self._process = _CONTEXT.Process(target=_serve, args=(argv, str(log_path)), daemon=True)
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
