@@ -21,11 +21,12 @@ serve: $(STAMP) $(STUBS)
 	$(VENV)/bin/rollout-server serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 # Test files run on this many worker processes (pytest-xdist), a file's tests on one worker together, so
-# its module fixtures (servers) start once; 1 runs them in this process.
-TEST_WORKERS ?= 2
+# its module fixtures (servers) start once, the slowest files first (tests/conftest.py); 1 runs them
+# in this process. 3 on 2 cores: a third worker computes while another waits on a server's timer.
+TEST_WORKERS ?= 3
 
 test: $(STAMP) $(STUBS)
-	$(PY) -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 demo: $(STAMP) $(STUBS)
 	$(PY) examples/demo.py --out demo-output

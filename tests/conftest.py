@@ -12,6 +12,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
+# The files that take longest, longest first (docs/testing.md has the table): under `--dist loadfile
+# --no-loadscope-reorder` the workers take files in this order, and a long file taken last would run
+# alone at the end. The other files follow in their usual order.
+SLOWEST_FIRST = (
+    "test_shapes_model.py",
+    "test_train.py",
+    "test_ray.py",
+    "test_sp.py",
+    "test_serving.py",
+    "test_weight_sync.py",
+    "test_pool.py",
+    "test_tree.py",
+    "test_demo.py",
+    "test_replay.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: position for position, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file keeps its order
+
+
 class FamilyResources:
     """Per-family resources, each built on first use and kept for the session: the preset folder, one
     server and its client, and the transformer and pipeline loaded the trainer's way (plain diffusers
