@@ -423,9 +423,14 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             async for message in stream:
                 await self._write(context, message)
-        except (asyncio.CancelledError, CallerLeft):
+        except asyncio.CancelledError:
             outcome = "CANCELLED"  # the caller left or its deadline passed
             raise
+        except CallerLeft:
+            # A write failed because the call is over: the handler ends quietly. gRPC's closing
+            # status then fails as a cancelled call's does, which it ignores; raising would have it
+            # log an unexpected error and a failed error status.
+            outcome = "CANCELLED"
         except StreamStalled as error:
             outcome, failure = failure_status(f"request {request_id}", error)
             unsent = error.write

@@ -1,6 +1,7 @@
 """What the tests share: the tiny model families, local servers, request builders, event splitting,
 replay parity, weight-update helpers and grpcurl. The fixtures built from these live in conftest.py."""
 
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -76,6 +77,18 @@ def example_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def at_server_threads():
+    """Compute inside at the servers' torch thread count: a CPU kernel splits its reductions by the
+    threads it runs on, so a reference compared bitwise with a server's output must use as many."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(SERVER_THREADS))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_example(name: str, *argv) -> None:

@@ -48,26 +48,36 @@ def finished(stub, fields: dict) -> rollout_pb2.RolloutFinished:
     return messages[-1].finished
 
 
+def small_seconds(stub) -> float:
+    """How long the small rollout takes on an idle server, call included."""
+    began = time.monotonic()
+    finished(stub, SMALL)
+    return time.monotonic() - began
+
+
 def seconds_to_free_after_cancel(stub, fields: dict, cancel_after: str) -> float:
     """Start ``fields``, cancel it once its ``cancel_after`` event arrives, and return how long a
-    small rollout sent right then takes to finish."""
+    small rollout sent right then waits for the worker: its time to finish, less its time alone.
+    (With its own time left in, a server on 2 threads, whose forwards are shorter beside the small
+    rollout's fixed cost, came out above the bound while freeing the worker after one forward.)"""
+    alone = small_seconds(stub)
     call = stub.Rollout(make_request(fields), timeout=300)
     while next(call).WhichOneof("event") != cancel_after:
         pass
     call.cancel()
     cancelled_at = time.monotonic()
     finished(stub, SMALL)
-    return time.monotonic() - cancelled_at
+    return time.monotonic() - cancelled_at - alone
 
 
 def test_a_cancel_waits_for_one_forward_not_the_round(stub):
     finished(stub, SMALL)  # warm
     round_seconds = finished(stub, FORWARDS).denoise_seconds
-    freed = seconds_to_free_after_cancel(stub, FORWARDS, cancel_after="started")
-    assert freed <= FREED_WITHIN * round_seconds, (freed, round_seconds)
+    waited = seconds_to_free_after_cancel(stub, FORWARDS, cancel_after="started")
+    assert waited <= FREED_WITHIN * round_seconds, (waited, round_seconds)
 
 
 def test_a_cancel_waits_for_one_decode_piece_not_the_video(stub):
     decode_seconds = finished(stub, DECODE).decode_seconds
-    freed = seconds_to_free_after_cancel(stub, DECODE, cancel_after="step")
-    assert freed <= FREED_WITHIN * decode_seconds, (freed, decode_seconds)
+    waited = seconds_to_free_after_cancel(stub, DECODE, cancel_after="step")
+    assert waited <= FREED_WITHIN * decode_seconds, (waited, decode_seconds)

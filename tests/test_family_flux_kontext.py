@@ -13,6 +13,7 @@ from helpers import (
     adapter_ode,
     assert_replays,
     assert_same_numbers,
+    at_server_threads,
     condition_image,
     family_request,
     joint_attention_tokens,
@@ -155,7 +156,8 @@ def test_ode_rollout_matches_the_pipeline(adapter, family_client, family_pipelin
     images = [condition_image(p) for p in range(len(spec.prompts))]
     for trajectory, image in zip(trajectories, images, strict=True):
         assert trajectory.transformer_call.conditioning == CONDITIONING
-        image_env = adapter.encode_image(image, SHAPE)  # the pipeline's own: test_env_is_the_pipelines_own
+        with at_server_threads():  # the pipeline's own (test_env_is_the_pipelines_own), as the server ran it
+            image_env = adapter.encode_image(image, SHAPE)
         for env in trajectory.env.values():
             assert torch.equal(env["image_latents"], image_env["image_latents"])
             assert torch.equal(env["img_ids"], image_env["img_ids"])
