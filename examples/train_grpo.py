@@ -100,6 +100,7 @@ from rollout_client.grpo import (
     tree_edges,
 )
 from rollout_client.nft import final_latents, nft_loss, noise_levels, noised, optimality, velocities
+from rollout_client.weight_sync import ChecksumMismatch
 from rollout_core import checksum
 from rollout_core.layout import prompt_groups, sample_layout
 from rollout_server.local import LocalServer
@@ -625,7 +626,8 @@ class ServerStalled(Exception):
 
 
 class ServerFailure(Exception):
-    """The server failed for good (after the retries) or refused a call: the run stops."""
+    """The server failed for good (after the retries), refused a call, or serves other weights than
+    the trainer pushed: the run stops, with one line saying why."""
 
 
 class Watchdog:
@@ -1071,12 +1073,17 @@ class Pusher:
                 served = pushed.weights_checksum
             bound = list(client.server_info().lora_adapter.modules)
         if served != expected:
-            raise RuntimeError(f"the server serves weights {served}, not the trained {expected}")
+            raise ServerFailure(f"the server serves weights {served}, not the trained {expected}")
         if bound != self.trained:
-            raise RuntimeError(f"the server's LoRA binds {bound}, not the trained {self.trained}")
+            raise ServerFailure(f"the server's LoRA binds {bound}, not the trained {self.trained}")
         return version
 
     def _push_over_group(self, weights, version: int, kind: str, expected: str) -> str:
+        if self.group is not None and not all(self.group.joined()):
+            # The server restarted, or joined another trainer's group: it is not in this one, so it
+            # gets a new group (leaving the old one needs no call: the server already has).
+            say("the server is no longer in the weight-sync group: forming a new one")
+            self.group = None
         if self.group is None:
             self.group = self.client.init_weight_sync(
                 master_address=self.args.sync_address, timeout=self.args.stall_timeout
@@ -1085,6 +1092,8 @@ class Pusher:
             [applied] = self.group.update_weights(
                 weights, version, kind, self.lora_config, expect_checksum=expected
             )
+        except ChecksumMismatch as mismatch:
+            raise ServerFailure(f"the push of policy {version} over the group: {mismatch}") from None
         except Exception:
             self.group = None  # a failed update may have torn the group down: a retry joins a new one
             raise

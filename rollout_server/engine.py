@@ -44,20 +44,24 @@ from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import (
     HEARTBEAT,
+    MAX_STUCK_JOINS,
     ROUND,
     STOP,
+    SYNC_INSTALL,
     SYNC_JOIN,
     SYNC_LEAVE,
     SYNC_UPDATE,
     UPDATE,
     SequenceParallel,
     WeightSyncOptions,
+    stuck_joins,
 )
 from rollout_server.policy import Policy
 from rollout_server.runner import Rollout, Runner, tree_of
 from rollout_server.sampler import advance
 from rollout_server.scheduler import STREAM_BUFFER, Outbox, RolloutJob, Round, Scheduler, UpdateJob
 from rollout_server.stream import StreamEncoder, latents_sent, started_event
+from rollout_server.validation import quoted
 from rollout_server.weights import group
 
 if TYPE_CHECKING:
@@ -105,6 +109,7 @@ class GroupApplied:
 # rank 0's to report).
 FOLLOWED_SYNC = {
     SYNC_JOIN: Policy.follow_join,
+    SYNC_INSTALL: Policy.follow_install,
     SYNC_UPDATE: Policy.follow_update,
     SYNC_LEAVE: Policy.follow_leave,
 }
@@ -230,9 +235,28 @@ class Engine:
         )
 
     def join_weight_sync(self, options: WeightSyncOptions) -> Future:
-        """Have every rank join a weight-sync group, between rollouts; the future ends once all have
-        joined (WeightSyncFailed if the rendezvous fails: no group is left)."""
-        return self.scheduler.submit_update(functools.partial(self.policy.join_sync, options))
+        """Have every rank join a weight-sync group without holding a rollout: the ranks start joining
+        between two rounds, each on a thread of its own, and install the group between two later
+        rounds, once rank 0's join ended or ``options.timeout_seconds`` passed. The future ends once
+        every rank installed it; WeightSyncFailed (no group is left) if any could not, in time."""
+        joined: Future = Future()
+        if (stuck := stuck_joins()) >= MAX_STUCK_JOINS:
+            joined.set_exception(
+                WeightSyncFailed(f"{stuck} earlier joins still wait on stores that never answer; retry later")
+            )
+            return joined
+
+        def coordinate() -> None:
+            try:
+                pending = self.scheduler.submit_control(functools.partial(self.policy.start_join, options))
+                pending.result().wait_finished()
+                install = functools.partial(self.policy.install_join, options.group_id)
+                joined.set_result(self.scheduler.submit_control(install).result())
+            except BaseException as error:  # noqa: BLE001 - the caller's future carries it
+                joined.set_exception(error)
+
+        threading.Thread(target=coordinate, name="weight-sync-join", daemon=True).start()
+        return joined
 
     def leave_weight_sync(self) -> Future:
         """Every rank leaves its weight-sync group; the future says whether there was one."""
@@ -247,11 +271,22 @@ class Engine:
     def check_group_update(self, message: rollout_pb2.GroupUpdateManifest) -> group.GroupManifest:
         """The manifest of a group update, checked whole against the current weights (InvalidRequest
         naming its field, StaleUpdate, NoWeightSyncGroup): off the event loop, as check_update."""
-        if self.parallel.weight_sync is None:
-            raise NoWeightSyncGroup("the server is in no weight-sync group: call InitWeightSync first")
+        self._check_group(message.group_id)
         manifest = group.parse_manifest(message, self.max_update_bytes)
         self.policy.check(manifest.update, prefix="manifest.")
         return manifest
+
+    def _check_group(self, group_id: str) -> None:
+        """NoWeightSyncGroup unless the server is in the group ``group_id`` names (a manifest without
+        one comes from a client older than the field: it is taken for the group joined)."""
+        sync = self.parallel.weight_sync
+        if sync is None:
+            raise NoWeightSyncGroup("the server is in no weight-sync group: call InitWeightSync first")
+        if group_id and group_id != sync.options.group_id:
+            raise NoWeightSyncGroup(
+                f"manifest.group_id {quoted(group_id)} names a group this server is no longer in (it is in "
+                f"weight-sync group {sync.options.group_name!r} now): the update is refused"
+            )
 
     def update_from_group(
         self, manifest: group.GroupManifest, on_ready: Callable[[], None], start: Future
@@ -262,8 +297,7 @@ class Engine:
         it. The future ends with a ``GroupApplied``, or the failure."""
 
         def run() -> GroupApplied:
-            if self.parallel.weight_sync is None:
-                raise NoWeightSyncGroup("the server left its weight-sync group before the update ran")
+            self._check_group(manifest.message.group_id)
             self.policy.check(manifest.update, prefix="manifest.")
             on_ready()
             self._wait_for_start(start)
@@ -325,11 +359,13 @@ class Engine:
                     self.parallel.broadcast_command(STOP)
                     self._end_all(ShuttingDown("the server is shutting down"))
                     return
+                for job in planned.control:
+                    self._lead_update(job)
                 if planned.update is not None:
                     self._lead_update(planned.update)
                 elif planned.idle:
                     self.parallel.broadcast_command(HEARTBEAT)
-                else:
+                elif planned.moves_rollouts:
                     self.parallel.broadcast_command(ROUND, encode_round(planned))
                     joining = [(job.key, job.request) for job in planned.join]
                     ended = self._run_round(planned.drop, joining, planned.prune, planned.step)

@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,7 @@ ATTENTION_SPLITS = ("ulysses", "ring", "ulysses+ring")
 MESH_DIMS = ("ring", "ulysses")
 # Commands rank 0 broadcasts to the others.
 HEARTBEAT, ROUND, UPDATE, STOP = "heartbeat", "round", "update", "stop"
-SYNC_JOIN, SYNC_UPDATE, SYNC_LEAVE = "sync-join", "sync-update", "sync-leave"
+SYNC_JOIN, SYNC_INSTALL, SYNC_UPDATE, SYNC_LEAVE = "sync-join", "sync-install", "sync-update", "sync-leave"
 # How long a failed collective waits for a spawned rank's process to exit, so the error can name it.
 _EXIT_WAIT_SECONDS = 2.0
 
@@ -306,6 +307,7 @@ class WeightSyncOptions:
     group_name: str
     backend: str
     timeout_seconds: float
+    group_id: str  # given by the server: every group update names it
 
 
 class WeightSync:
@@ -360,6 +362,82 @@ class WeightSync:
     def close(self) -> None:
         """Leave the group (its sockets close; the trainer's next collective fails)."""
         self._group = self._store = None
+
+
+# Joins still blocked past their deadline (a store that accepts and never answers holds its thread
+# until the peer closes the socket); more than this many, and InitWeightSync is refused.
+MAX_STUCK_JOINS = 4
+_joins: list[threading.Thread] = []
+
+
+def stuck_joins() -> int:
+    """How many joins of this process still run (past their deadline, if none is pending)."""
+    _joins[:] = [thread for thread in _joins if thread.is_alive()]
+    return len(_joins)
+
+
+class PendingJoin:
+    """A ``WeightSync`` being formed on a thread of its own, so that a store or a peer that never
+    answers holds that thread alone, never the engine's worker. torch's store client and gloo's
+    rendezvous do not all honour their timeout (a store that accepts the connection and never answers
+    blocks the handshake until the peer closes it): the deadline, ``timeout_seconds`` from now, is
+    kept here. A join abandoned at its deadline closes its group if it ever forms."""
+
+    def __init__(self, options: WeightSyncOptions, rank: int, device: torch.device):
+        self.options = options
+        self.deadline = time.monotonic() + options.timeout_seconds
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._sync: WeightSync | None = None
+        self._error: WeightSyncFailed | None = None
+        self._abandoned = False
+        thread = threading.Thread(
+            target=self._join, args=(rank, device), name=f"weight-sync-join-{options.group_id}", daemon=True
+        )
+        _joins.append(thread)
+        thread.start()
+
+    def _join(self, rank: int, device: torch.device) -> None:
+        try:
+            sync = WeightSync(self.options, rank, device)
+        except WeightSyncFailed as error:
+            self._error = error
+        else:
+            with self._lock:
+                if self._abandoned:
+                    sync.close()
+                else:
+                    self._sync = sync
+        self._finished.set()
+
+    def wait_finished(self) -> None:
+        """Until the join ends or its deadline passes."""
+        self._finished.wait(max(0.0, self.deadline - time.monotonic()))
+
+    def result(self) -> WeightSync:
+        """The joined group, once joined or the deadline passed; WeightSyncFailed if it failed or is
+        not done by then (it is abandoned)."""
+        self.wait_finished()
+        with self._lock:
+            if self._sync is not None:
+                return self._sync
+            if self._error is not None:
+                raise self._error
+            self._abandoned = True
+        options = self.options
+        raise WeightSyncFailed(
+            f"joining weight-sync group {options.group_name!r} did not finish within "
+            f"{options.timeout_seconds:g} s (timeout_seconds): no answer from the trainer's store at "
+            f"{options.master_address}:{options.master_port}, or not every rank of the group arrived"
+        )
+
+    def abandon(self) -> None:
+        """Give the join up: its group, joined or not yet, is closed."""
+        with self._lock:
+            self._abandoned = True
+            sync, self._sync = self._sync, None
+        if sync is not None:
+            sync.close()
 
 
 def address_towards(options: WeightSyncOptions) -> str:

@@ -11,7 +11,9 @@ that takes the server down.
 
 An update arrives on rank 0 over gRPC (the other ranks get it from rank 0, ``weights.ranks``) or, from
 a weight-sync group, on every rank at once (``weights.group``): a broadcast that fails anywhere
-leaves every rank's weights as they were and every rank out of the group.
+leaves every rank's weights as they were and every rank out of the group. Joining a group is no
+barrier: the ranks rendezvous on threads of their own while rollouts run (``start_join``), and
+install the group between two rounds (``install_join``).
 """
 
 import dataclasses
@@ -27,7 +29,15 @@ from peft import get_peft_model_state_dict
 from rollout.v1 import rollout_pb2
 from rollout_core import checksum
 from rollout_server.errors import RankFailure, WeightSyncFailed
-from rollout_server.parallel import SYNC_JOIN, SYNC_LEAVE, SYNC_UPDATE, WeightSync, WeightSyncOptions
+from rollout_server.parallel import (
+    SYNC_INSTALL,
+    SYNC_JOIN,
+    SYNC_LEAVE,
+    SYNC_UPDATE,
+    PendingJoin,
+    WeightSync,
+    WeightSyncOptions,
+)
 from rollout_server.weights import group, ranks, spec
 from rollout_server.weights.apply import apply_update, peft_name
 from rollout_server.weights.update import FULL, LORA
@@ -58,6 +68,7 @@ class Policy:
             self._digest(target, None)
         self.checksum = checksum.combine(self._lines)
         self.rank_checksums = [self.checksum]  # as every rank computed it after the last update
+        self._pending_join: PendingJoin | None = None  # a weight-sync group being joined
 
     @property
     def spec(self) -> spec.TransformerSpec:
@@ -102,22 +113,53 @@ class Policy:
 
         self._apply_on_every_rank(checked)
 
-    def join_sync(self, options: WeightSyncOptions) -> None:
-        """Rank 0: have every rank join the weight-sync group ``options`` describes (leaving the one
-        joined before); WeightSyncFailed, with no group left, if any rank could not."""
+    def start_join(self, options: WeightSyncOptions) -> PendingJoin:
+        """Rank 0, between two rounds: every rank leaves its weight-sync group (and any join still
+        pending) and starts joining the group ``options`` describes, each on a thread of its own, so
+        rounds go on while the ranks rendezvous. Returns rank 0's join."""
         self.parallel.broadcast_command(SYNC_JOIN, json.dumps(dataclasses.asdict(options)).encode())
-        self._join_on_every_rank(options)
+        return self._start_join_here(options)
 
     def follow_join(self, payload: bytes) -> None:
-        self._join_on_every_rank(WeightSyncOptions(**json.loads(payload)))
+        self._start_join_here(WeightSyncOptions(**json.loads(payload)))
 
-    def _join_on_every_rank(self, options: WeightSyncOptions) -> None:
+    def _start_join_here(self, options: WeightSyncOptions) -> PendingJoin:
         self._leave_here()
-        joined, failure = None, None
+        self._pending_join = PendingJoin(options, options.rank_offset + self.parallel.rank, self.device)
+        return self._pending_join
+
+    def install_join(self, group_id: str) -> None:
+        """Rank 0, between two rounds, once its own join ended or its deadline passed: every rank
+        installs the group it joined, if all of them joined it; WeightSyncFailed, with no group left,
+        otherwise. The ranks join at the same rendezvous, so when rank 0's join ended the others' have
+        too (or end within their deadline); when rank 0's failed, they give theirs up at once."""
+        pending = self._pending_join
+        if pending is None or pending.options.group_id != group_id:
+            raise WeightSyncFailed("the join was replaced by a later InitWeightSync or a DestroyWeightSync")
+        self._pending_join = None
         try:
-            joined = WeightSync(options, options.rank_offset + self.parallel.rank, self.device)
+            joined, failure = pending.result(), None
         except WeightSyncFailed as error:
-            failure = error
+            joined, failure = None, error
+        self.parallel.broadcast_command(SYNC_INSTALL, json.dumps(failure is None).encode())
+        self._install_here(joined, failure)
+
+    def follow_install(self, payload: bytes) -> None:
+        # Commands arrive in rank 0's order: this rank's pending join is the one rank 0 installs.
+        pending, self._pending_join = self._pending_join, None
+        joined, failure = None, WeightSyncFailed("rank 0 of the server could not join the group")
+        if pending is None:
+            failure = WeightSyncFailed(f"rank {self.parallel.rank} has no join pending")
+        elif json.loads(payload):
+            try:
+                joined, failure = pending.result(), None
+            except WeightSyncFailed as error:
+                failure = error
+        else:
+            pending.abandon()
+        self._install_here(joined, failure)
+
+    def _install_here(self, joined: WeightSync | None, failure: WeightSyncFailed | None) -> None:
         if not self.parallel.all_succeeded(failure is None):
             if joined is not None:
                 joined.close()
@@ -133,6 +175,10 @@ class Policy:
         self._leave_here()
 
     def _leave_here(self) -> bool:
+        """Leave the group joined, and give up a join still pending; whether there was a group."""
+        if self._pending_join is not None:
+            self._pending_join.abandon()
+            self._pending_join = None
         sync, self.parallel.weight_sync = self.parallel.weight_sync, None
         if sync is not None:
             sync.close()

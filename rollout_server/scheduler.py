@@ -13,6 +13,8 @@ Rollouts and weight updates wait in one queue, in arrival order. The engine's wo
 * **barrier**: a weight update at the head of the queue stops later rollouts from joining; once the
   running rollouts (all started on the old weights) have finished, the update is applied alone, and
   the rollouts behind it start on the new weights. No rollout ever mixes two policy versions.
+* **control**: short jobs that must run on the worker between two rounds but change nothing a
+  rollout computes (starting and installing a weight-sync group's join) run first, with no barrier;
 * **prune**: nodes of tree rollouts that a PruneRollout stopped since the last round;
 * **step**: every running rollout takes its next step together, except the parked ones: a rollout
   whose client has not yet taken its buffered messages (``Outbox.full``) stays out of the batch,
@@ -136,7 +138,8 @@ class RolloutJob:
 @dataclass(eq=False)
 class UpdateJob:
     """A change of the served weights, or of the weight-sync group: ``run`` on the engine's worker,
-    alone, once the rollouts queued before it have finished; ``done`` ends with what it returns."""
+    alone, once the rollouts queued before it have finished (or, for a control job, between two
+    rounds); ``done`` ends with what it returns."""
 
     run: Callable[[], Any]
     done: Future = field(default_factory=Future)
@@ -154,12 +157,17 @@ class Round:
     join: list[RolloutJob] = field(default_factory=list)
     prune: dict[int, list[int]] = field(default_factory=dict)  # key -> nodes of a tree rollout
     step: list[int] = field(default_factory=list)  # keys of the rollouts that step, in join order
+    control: list[UpdateJob] = field(default_factory=list)  # run first, no barrier
     update: UpdateJob | None = None
     stop: bool = False
 
     @property
+    def moves_rollouts(self) -> bool:
+        return bool(self.drop or self.join or self.prune or self.step)
+
+    @property
     def idle(self) -> bool:
-        return not (self.drop or self.join or self.prune or self.step or self.update or self.stop)
+        return not (self.moves_rollouts or self.control or self.update or self.stop)
 
 
 class Scheduler:
@@ -169,6 +177,7 @@ class Scheduler:
         self.memory = memory  # None: no memory bound
         self._changed = threading.Condition()
         self._queue: deque[RolloutJob | UpdateJob] = deque()
+        self._control: list[UpdateJob] = []
         self.running: dict[int, RolloutJob] = {}
         self._keys = itertools.count()
         self._stopping = False
@@ -201,6 +210,15 @@ class Scheduler:
         job.done.add_done_callback(lambda _: self.wake())  # a cancel frees its place at once
         with self._changed:
             self._queue.append(job)
+            self._changed.notify()
+        return job.done
+
+    def submit_control(self, run: Callable[[], Any]) -> Future:
+        """Have the worker ``run`` a control job before its next round, without waiting for the running
+        rollouts; the future ends with what it returns."""
+        job = UpdateJob(run)
+        with self._changed:
+            self._control.append(job)
             self._changed.notify()
         return job.done
 
@@ -257,10 +275,11 @@ class Scheduler:
         with self._changed:
             jobs = [*self.running.values()] + [
                 job
-                for job in self._queue
+                for job in (*self._queue, *self._control)
                 if isinstance(job, RolloutJob) or job.done.set_running_or_notify_cancel()
             ]
             self._queue.clear()
+            self._control.clear()
             self.running.clear()
             return jobs
 
@@ -283,6 +302,8 @@ class Scheduler:
         if self._stopping:
             return Round(stop=True)
         planned = Round(drop=[key for key, job in self.running.items() if job.dropped])
+        planned.control = [job for job in self._control if job.done.set_running_or_notify_cancel()]
+        self._control.clear()
         for key in planned.drop:
             del self.running[key]
         self._queue = deque(job for job in self._queue if not job.dropped)

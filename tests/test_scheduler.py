@@ -108,6 +108,21 @@ def test_an_update_is_a_barrier(loop):
     assert scheduler.next_round(TIMEOUT).join == [b]
 
 
+def test_a_control_job_runs_at_the_next_round_without_a_barrier(loop):
+    """A control job (a weight-sync join starting or being installed) comes with the next round,
+    once: a keeps stepping and b, behind it in the queue, joins in the same round."""
+    scheduler = Scheduler(max_queued=8, max_running_samples=64)
+    a, b = job(loop, 1), job(loop, 1)
+    scheduler.submit(a)
+    assert scheduler.next_round(TIMEOUT).join == [a]
+    done = scheduler.submit_control(object())
+    scheduler.submit(b)
+    planned = scheduler.next_round(TIMEOUT)
+    assert [control.done for control in planned.control] == [done] and planned.update is None
+    assert planned.join == [b] and planned.step == [a.key, b.key]
+    assert scheduler.next_round(TIMEOUT).control == []
+
+
 def test_a_cancelled_update_frees_its_place_at_once(loop):
     """Two updates wait behind rollout a; the first one's caller leaves (its future is cancelled, as
     a gRPC cancel does). Once a has finished, the second one comes next, not an idle round."""

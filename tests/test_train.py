@@ -9,6 +9,8 @@ import copy
 import csv
 import json
 import math
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,8 +27,11 @@ from helpers import (
     assert_replays,
     example_module,
     make_request,
+    metrics_url,
     next_version,
+    perturbed,
     run_example,
+    scrape,
     start_server,
     with_lora,
 )
@@ -266,6 +271,61 @@ def test_full_parameter_training_syncs_over_the_group_from_two_ranks(cache_dir, 
         assert "joined weight-sync group" in (tmp_path / "server.log").read_text()
     finally:
         server.stop()
+
+
+def test_full_parameter_training_forms_a_new_group_when_its_server_restarts(cache_dir, tmp_path):
+    """--train full over the group: the server is killed while the trainer streams a rollout (the
+    trainer is stopped meanwhile, so the rollout is still open), and a new one comes up on its port,
+    in no group. The trainer retries, sees from the server's info that the server is not in its
+    group, forms a new one and pushes its policy there: every iteration on policy, and the server
+    ends serving the saved transformer. (Before, the retry pushed into the old group and the run
+    stopped on FAILED_PRECONDITION.)"""
+    server = start_server(cache_dir, tmp_path / "server.log", "--metrics-port", "0")
+    port, metrics = server.address.rsplit(":", 1)[1], metrics_url(server)
+    out = tmp_path / "full"
+    flags = ("--iterations", "4", "--train", "full", "--lr", "1e-4", "--retries", "6")
+    process, log = start_trainer(server.address, out, *flags)
+    try:
+        wait_until(process, log, lambda: metrics_rows(out) >= 1)
+        while True:  # until the trainer is stopped inside a rollout of a later iteration
+            wait_until(process, log, lambda: scrape(metrics)[("rollout_server_in_flight_rollouts", ())] > 0)
+            process.send_signal(signal.SIGSTOP)
+            if scrape(metrics)[("rollout_server_in_flight_rollouts", ())] > 0:
+                break
+            process.send_signal(signal.SIGCONT)
+        assert metrics_rows(out) < 4
+        server.stop(signal.SIGKILL)
+        server = start_server(cache_dir, tmp_path / "restarted.log", "--port", port)
+        process.send_signal(signal.SIGCONT)
+        assert process.wait(timeout=WAIT_SECONDS) == 0, log.read_text()
+        with RolloutClient(server.address, timeout=60) as client:
+            info = client.server_info()
+    finally:
+        process.kill()
+        server.stop()
+    assert "the server is no longer in the weight-sync group: forming a new one" in log.read_text()
+    rows = read_metrics(out)
+    assert len(rows) == 4 and all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)
+    trained = AutoModel.from_pretrained(str(out / "transformer"))
+    assert info.weights_checksum == checksum.weights_checksum(
+        checksum.policy_tensors({"transformer": trained.state_dict()})
+    )
+
+
+def test_a_policy_the_server_does_not_serve_stops_the_run(train_client, tiny_flux_folder, tmp_path):
+    """The trainer's --model-path is another transformer than the server's: the adapter it pushes
+    lands on the server's base, whose checksum is not the trainer's. The run stops with one line
+    naming both checksums, not a traceback."""
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_flux_folder, other)
+    base = AutoModel.from_pretrained(str(other), subfolder="transformer")
+    perturbed(base, seed=5).save_pretrained(str(other / "transformer"))
+    with pytest.raises(SystemExit) as stopped:
+        run_trainer(train_client.address, tmp_path / "train", "--model-path", str(other))
+    message = str(stopped.value.code)
+    assert message.startswith("train_grpo.py: stopped: ") and "\n" not in message
+    mismatch = r"the server serves weights \S+, not the trained \S+; no iteration had finished"
+    assert re.search(mismatch, message)
 
 
 def test_async_rollouts_are_at_most_one_version_stale(train_client, tmp_path):

@@ -7,6 +7,7 @@ independent references."""
 
 import copy
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -215,6 +216,7 @@ def test_bad_manifests_are_refused_before_any_byte_moves(clients, base):
     def entry(name=name, dtype="F32", shape=tuple(tensor.shape), bucket=0):
         return rollout_pb2.GroupTensor(name=name, dtype=dtype, shape=shape, bucket=bucket)
 
+    shape = "manifest.tensors[0].shape"
     cases = {
         "unknown name": (manifest(entry(name="blocks.9.nothing")), "manifest.tensors", "unknown tensor"),
         "wrong shape": (manifest(entry(shape=(3, 3))), "manifest.tensors", "has shape [3, 3]"),
@@ -222,7 +224,10 @@ def test_bad_manifests_are_refused_before_any_byte_moves(clients, base):
         "duplicate": (manifest(entry(), entry(bucket=1)), "manifest.tensors[1].name", "listed twice"),
         "bucket gap": (manifest(entry(bucket=2)), "manifest.tensors[0].bucket", "must be 0"),
         "not a dtype": (manifest(entry(dtype="F8")), "manifest.tensors[0].dtype", "must be one of"),
-        "over the limit": (manifest(entry(shape=(2**40, 2**20))), "manifest.tensors", "above the limit"),
+        "over the limit": (manifest(entry(shape=(2**40, 2**20))), shape, "above the limit"),
+        # Its size overflows 64 bits: refused from the sizes, before any tensor (even a meta one) is made.
+        "overflowing": (manifest(entry(shape=(2**40, 2**40))), shape, "above the limit"),
+        "overflowing strides": (manifest(entry(shape=(0, 2**40, 2**40))), shape, "above the limit"),
         "FULL missing": (manifest(entry(), kind=FULL), "manifest.tensors", "missing"),
         "no kind": (manifest(entry(), kind=0), "manifest.header.kind", "must be"),
     }
@@ -274,6 +279,54 @@ def test_init_refuses_hostile_options_and_survives_a_dead_store(clients):
     with pytest.raises(grpc.RpcError) as none:
         raw_update(client, rollout_pb2.GroupUpdateManifest())
     assert none.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_store_that_never_answers_holds_no_rollout_and_the_join_ends_at_its_timeout(clients):
+    """The trainer's address accepts the connection and never answers (a stopped trainer, a port of
+    some other service). Both ranks of the SP=2 server connect to it; while they wait, rollouts run;
+    the server answers UNAVAILABLE once ``timeout_seconds`` passed (the store is still silent: nothing
+    ended the wait but the server's own deadline), in no group, and joins a real group after."""
+    client = clients[0]
+    timeout = 6  # the join's; a rollout here takes a small fraction of it
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        request = rollout_pb2.InitWeightSyncRequest(
+            master_address="127.0.0.1",
+            master_port=silent.getsockname()[1],
+            world_size=3,
+            rank_offset=1,
+            group_name="silent",
+            timeout_seconds=timeout,
+        )
+        joining = client.stub.InitWeightSync.future(request, timeout=10 * timeout)
+        connection, _ = silent.accept()  # a rank's store client connected: the join has begun
+        with connection, RolloutClient(client.address, timeout=5 * timeout) as rolling:
+            assert len(rolling.rollout(**REQUEST)) == 2
+            assert not joining.done()  # the rollout ran while the join waited
+            with pytest.raises(grpc.RpcError) as failed:
+                joining.result()
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"did not finish within {timeout} s (timeout_seconds)" in failed.value.details()
+    assert health_status(client.channel) == 1 and not client.server_info().HasField("weight_sync")
+    with client.init_weight_sync(timeout=60) as group:
+        assert client.server_info().weight_sync.group_id == group.group_ids[0]
+
+
+def test_an_update_for_a_replaced_group_is_refused_at_once_and_the_live_group_goes_on(clients, base):
+    """A second trainer's group replaces the first on the server; the first trainer's next update
+    names its own group, so it is refused before anything waits or moves (with the old, unbound
+    manifests it was received on the new group, which the server then left at the timeout)."""
+    client = clients[1]
+    version = client.server_info().policy_version + 1
+    name, tensor = next(iter(base.state_dict().items()))
+    old, live = WeightSyncGroup([client], timeout=60), WeightSyncGroup([client], timeout=60)
+    assert old.joined() == [False] and live.joined() == [True]
+    [outcome] = old.update({name: tensor + 1}, version, "subset")
+    assert outcome.error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "names a group this server is no longer in" in outcome.error.details()
+    assert client.server_info().weight_sync.group_id == live.group_ids[0]
+    [applied] = live.update_weights({name: tensor + 2}, version, "subset")
+    assert applied.policy_version == version == client.server_info().policy_version
+    live.close()
 
 
 def test_a_server_that_refuses_to_join_fails_the_group_at_once(clients):

@@ -68,11 +68,14 @@ def full_tensors(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 class _Call:
-    """One server's UpdateWeightsFromGroup call: requests go in through a queue."""
+    """One server's UpdateWeightsFromGroup call: requests go in through a queue. The manifest names
+    the group as that server knows it (the id its InitWeightSync answered)."""
 
-    def __init__(self, client: "RolloutClient", manifest: rollout_pb2.GroupUpdateManifest):
+    def __init__(self, client: "RolloutClient", manifest: rollout_pb2.GroupUpdateManifest, group_id: str):
+        named = rollout_pb2.GroupUpdateManifest(group_id=group_id)
+        named.MergeFrom(manifest)
         self._requests: queue.Queue = queue.Queue()
-        self._requests.put(rollout_pb2.UpdateWeightsFromGroupRequest(manifest=manifest))
+        self._requests.put(rollout_pb2.UpdateWeightsFromGroupRequest(manifest=named))
         self._responses = client.stub.UpdateWeightsFromGroup(
             iter(self._requests.get, None), timeout=client.timeout, metadata=client.metadata
         )
@@ -153,6 +156,9 @@ class WeightSyncGroup:
             self._group = self._store = None
             raise failed[0]  # a server's answer first: it says why
         self._group = created.result()
+        # Each server's id for this group: its updates name it, and a server that answers another id
+        # (or none) in GetServerInfo has left the group (``joined``).
+        self.group_ids = [join.result().group.group_id for join in joins]
 
     def _join(self, index: int) -> rollout_pb2.InitWeightSyncResponse:
         client = self.clients[index]
@@ -234,7 +240,7 @@ class WeightSyncGroup:
             expect_checksum = checksum.weights_checksum(
                 checksum.policy_tensors({target or "transformer": tensors})
             )
-        calls = [_Call(client, manifest) for client in self.clients]
+        calls = [_Call(client, manifest, k) for client, k in zip(self.clients, self.group_ids, strict=True)]
         outcomes = [Outcome() for _ in calls]
         with ThreadPoolExecutor(len(calls)) as executor:
             answers = list(executor.map(_answer, calls))
@@ -269,6 +275,15 @@ class WeightSyncGroup:
                 f"the servers report {sorted(served)} after the update; expected {expect_checksum or 'one'}"
             )
         return outcomes
+
+    def joined(self) -> list[bool]:
+        """Whether each server is still in this group (one that restarted, or joined another, is
+        not): its GetServerInfo names the group's id (and name: a server older than ids gives none)."""
+        joined = []
+        for client, group_id in zip(self.clients, self.group_ids, strict=True):
+            info = client.server_info().weight_sync
+            joined.append((info.group_id, info.group_name) == (group_id, self.group_name))
+        return joined
 
     def _replaces_whole_policy(self, target: str) -> bool:
         return all(list(info.transformers) == [target or "transformer"] for info in self.infos)

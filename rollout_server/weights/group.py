@@ -11,6 +11,7 @@ parameters' data when the update is applied.
 import dataclasses
 import math
 import re
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,10 @@ MAX_TENSORS = 2**17
 MAX_NAME_CHARS = 1024
 MAX_WORLD_SIZE = 4096
 DEFAULT_TIMEOUT_SECONDS = 120.0
-MAX_TIMEOUT_SECONDS = 3600.0
+# A join needs every rank of the group at one rendezvous, and a bucket's broadcast a model's worth
+# of bytes at network speed: seconds, or minutes for the largest models on gloo. Waiting for the
+# trainer's start holds rollouts at the update's barrier, so the bound stays at minutes.
+MAX_TIMEOUT_SECONDS = 300.0
 BACKENDS = ("gloo", "nccl")
 HOST_CHARACTERS = re.compile(r"[A-Za-z0-9.:\-]{1,253}")
 GROUP_NAME = re.compile(r"[A-Za-z0-9._\-]{1,64}")
@@ -39,9 +43,10 @@ GROUP_NAME = re.compile(r"[A-Za-z0-9._\-]{1,64}")
 def parse_init(
     request: rollout_pb2.InitWeightSyncRequest, ranks: int, device: torch.device, max_timeout: float | None
 ) -> WeightSyncOptions:
-    """The options of an InitWeightSync request for a server of ``ranks`` ranks on ``device``;
-    InvalidRequest naming every bad field. ``max_timeout``: under sequence parallelism the group's
-    collectives must end within the ranks' own collective timeout."""
+    """The options of an InitWeightSync request for a server of ``ranks`` ranks on ``device``, with a
+    fresh group id that every update over the group must name; InvalidRequest naming every bad field.
+    ``max_timeout``: under sequence parallelism the group's collectives must end within the ranks' own
+    collective timeout."""
     bad = []
     if not HOST_CHARACTERS.fullmatch(request.master_address):
         bad.append(("master_address", "must be a host name or IP address (letters, digits, '.', ':', '-')"))
@@ -77,6 +82,7 @@ def parse_init(
         group_name=request.group_name,
         backend=backend,
         timeout_seconds=timeout,
+        group_id=secrets.token_hex(8),
     )
 
 
@@ -115,6 +121,10 @@ def parse_manifest(message: rollout_pb2.GroupUpdateManifest, max_bytes: int) -> 
             )
         if len(entry.shape) > MAX_DIMS or any(n > MAX_DIM for n in entry.shape):
             raise reject(f"{where}.shape", f"must be at most {MAX_DIMS} sizes, each at most 2^40")
+        # Zeros aside: torch computes every stride, and [0, 2^40, 2^40] overflows them.
+        span = math.prod(max(n, 1) for n in entry.shape) * BY_SAFETENSORS[entry.dtype].itemsize
+        if span > max_bytes:
+            raise reject(f"{where}.shape", f"its sizes span {span} bytes, above the limit of {max_bytes}")
         tensors[entry.name] = torch.empty(list(entry.shape), dtype=BY_SAFETENSORS[entry.dtype], device="meta")
     sizes = [math.prod(t.shape) * t.dtype.itemsize for t in tensors.values()]
     if sum(sizes) > max_bytes:
