@@ -127,7 +127,8 @@ PROMPT_SETS = ("scenes", "shapes")  # PROMPTS above, or the shapes task's train 
 ALGORITHMS = ("flowgrpo", "nft")
 TRAINED = ("lora", "full")  # --train
 WEIGHT_SYNCS = ("auto", "grpc", "group")  # --weight-sync
-TREE_ADVANTAGES = ("branch-mean", "branch-log-prob", "backed-up")
+TREE_ADVANTAGES = ("branch-mean", "branch-log-prob", "backed-up")  # the first is the default
+DEFAULT_PRUNE_KEEP = 4
 # FLUX's attention and feed-forward layers, with the latent projections in and out.
 FLUX_TARGETS = ["x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
 COLUMNS = [
@@ -266,14 +267,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--prune-keep",
         type=int_at_least(2, " (a prompt's advantages compare at least two of its nodes)"),
-        default=4,
-        help="with --prune-at: the nodes each prompt keeps there, the best half and the worst half",
+        help="with --prune-at: the nodes each prompt keeps there, the best half and the worst half "
+        f"(default {DEFAULT_PRUNE_KEEP})",
     )
     parser.add_argument(
         "--tree-advantages",
         choices=TREE_ADVANTAGES,
-        default="branch-mean",
-        help="with --tree: BranchGRPO's fused rewards (mean or log-prob weighted), or TreeGRPO's backed-up",
+        help="with --tree: BranchGRPO's fused rewards (mean or log-prob weighted), or TreeGRPO's backed-up "
+        f"(default {TREE_ADVANTAGES[0]})",
     )
     parser.add_argument("--steps", type=int, default=6, help="denoising steps")
     parser.add_argument("--size", type=int, default=128, help="image height and width")
@@ -391,6 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         branches = branch_points(args.tree)
     except ValueError as error:
         parser.error(f"--tree: {error}")
+    if any(not 0 <= branch.step < args.steps or branch.factor < 1 for branch in branches):
+        parser.error("--tree: every branch step must be in [0, --steps), every factor at least 1")
     leaves_per_prompt = args.group_size * math.prod(branch.factor for branch in branches)
     if leaves_per_prompt < 2:
         parser.error(
@@ -405,13 +408,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 parser.error(f"--{flag.replace('_', '-')} does not go with --tree")
         if args.algorithm == "nft":
             parser.error("--tree trains edges with FlowGRPO's loss: it does not go with --algorithm nft")
-        if any(not 0 <= branch.step < args.steps or branch.factor < 1 for branch in branches):
-            parser.error("--tree: every branch step must be in [0, --steps), every factor at least 1")
-    if args.prune_at is not None and not (args.tree and args.prune_at < args.steps - 1):
-        # The prune stops nodes at the next step, which must exist.
-        parser.error("--prune-at prunes a tree: it needs --tree, and a step below --steps - 1")
-    if args.prune_at is not None and args.async_:
-        parser.error("--prune-at prunes as the rollout streams to the trainer: it needs sync mode")
+    elif args.tree_advantages is not None:
+        parser.error("--tree-advantages scores the nodes of a tree: it needs --tree")
+    args.tree_advantages = args.tree_advantages or TREE_ADVANTAGES[0]
+    if args.prune_keep is None:
+        args.prune_keep = DEFAULT_PRUNE_KEEP
+    elif args.prune_at is None:
+        parser.error("--prune-keep is what --prune-at keeps: it needs --prune-at")
+    if args.prune_at is not None:
+        check_prune_flags(parser, args, branches)
     if args.algorithm == "nft":
         # NFT scores no step: nothing to window or to score early, no step Gaussians for the KL, and
         # its old velocities must be the rollout policy's, which a stale rollout is not.
@@ -440,6 +445,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if changed:
             parser.error(f"--resume: this command sets {', '.join(changed)}")
     return args
+
+
+def check_prune_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, branches: list[rollout_pb2.Branch]
+) -> None:
+    """--prune-at and --prune-keep must prune something, in time: after the tree's first fork (the
+    roots before it are whole groups), before the last step (the prune stops nodes at the next one),
+    keeping fewer nodes than a prompt has there."""
+    forks = [branch.step for branch in branches if branch.factor > 1]
+    at = args.prune_at
+    if not forks:
+        parser.error("--prune-at prunes a tree: it needs --tree, with a factor above 1")
+    if args.async_:
+        parser.error("--prune-at prunes as the rollout streams to the trainer: it needs sync mode")
+    if at < forks[0]:
+        parser.error(
+            f"--prune-at {at} is before --tree's first fork at step {forks[0]}: only roots are there"
+        )
+    if at >= args.steps - 1:
+        parser.error(
+            f"--prune-at must be below --steps - 1 ({args.steps - 1}): its prune stops the next step"
+        )
+    nodes = args.group_size * math.prod(branch.factor for branch in branches if branch.step <= at)
+    if args.prune_keep >= nodes:
+        parser.error(
+            f"--prune-keep {args.prune_keep} prunes nothing: a prompt has {nodes} nodes at step {at} "
+            "(--group-size times --tree's factors up to it)"
+        )
 
 
 def branch_points(text: str) -> list[rollout_pb2.Branch]:

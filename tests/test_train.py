@@ -413,8 +413,15 @@ def test_arguments_that_cannot_train_are_refused(trainer, capsys, flag, value, m
         (["--tree", "9:2", "--steps", "6"], "--tree: every branch step must be in [0, --steps)"),
         (["--tree", "1-2"], "--tree: not step:factor[:noise_level]: '1-2'"),
         (["--tree", "1:1", "--group-size", "1"], "argument --group-size: must be at least 2"),
+        (["--tree", "1:0"], "--tree: every branch step must be in [0, --steps), every factor at least 1"),
         (["--prune-at", "1"], "--prune-at prunes a tree: it needs --tree"),
+        (["--tree", "1:1", "--prune-at", "1"], "--prune-at prunes a tree: it needs --tree, with a factor"),
         (["--tree", "1:2", "--prune-at", "1", "--async"], "--prune-at prunes as the rollout streams"),
+        (["--tree", "2:2", "--prune-at", "1"], "--prune-at 1 is before --tree's first fork at step 2"),
+        (["--tree", "1:2", "--prune-at", "5", "--steps", "6"], "--prune-at must be below --steps - 1 (5)"),
+        (["--tree", "1:2", "--prune-at", "1", "--prune-keep", "1000"], "--prune-keep 1000 prunes nothing"),
+        (["--tree", "1:2", "--prune-keep", "4"], "--prune-keep is what --prune-at keeps: it needs"),
+        (["--tree-advantages", "backed-up"], "--tree-advantages scores the nodes of a tree: it needs --tree"),
     ],
 )
 def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, message):
