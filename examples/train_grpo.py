@@ -43,7 +43,9 @@ advantage (``--tree-advantages``: BranchGRPO's depth-normalised fused rewards, m
 log-prob-weighted, or TreeGRPO's backed-up leaf advantages; ``rollout_client.grpo``). With
 ``--prune-at S --prune-keep K`` the trainer terminates nodes early: when step S arrives, each node
 that took it is scored by the reward of its predicted final image, and per prompt all but the K/2
-best and K/2 worst are pruned with their subtrees (``PruneRollout``).
+best and K/2 worst are pruned with their subtrees (``PruneRollout``). The request names S as its
+prune point, so the server runs step S + 1 only once the trainer has answered: the prune stops its
+nodes there, and metrics.csv counts the nodes asked for and those the server stopped.
 
 ``--train full`` trains every parameter of the transformer instead of a LoRA, and pushes it over a
 weight-sync group by default (``--weight-sync``; ``rollout_client.WeightSyncGroup``): every push checks
@@ -101,7 +103,7 @@ from rollout_client.grpo import (
 )
 from rollout_client.nft import final_latents, nft_loss, noise_levels, noised, optimality, velocities
 from rollout_client.weight_sync import ChecksumMismatch
-from rollout_core import checksum
+from rollout_core import checksum, wire
 from rollout_core.layout import prompt_groups, sample_layout
 from rollout_server.local import LocalServer
 
@@ -126,7 +128,8 @@ PROMPT_SETS = ("scenes", "shapes")  # PROMPTS above, or the shapes task's train 
 ALGORITHMS = ("flowgrpo", "nft")
 TRAINED = ("lora", "full")  # --train
 WEIGHT_SYNCS = ("auto", "grpc", "group")  # --weight-sync
-TREE_ADVANTAGES = ("branch-mean", "branch-log-prob", "backed-up")
+TREE_ADVANTAGES = ("branch-mean", "branch-log-prob", "backed-up")  # the first is the default
+DEFAULT_PRUNE_KEEP = 4
 # FLUX's attention and feed-forward layers, with the latent projections in and out.
 FLUX_TARGETS = ["x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
 COLUMNS = [
@@ -146,6 +149,8 @@ COLUMNS = [
     "eval_accuracy",
     "transformer_rows",
     "pruned_leaves",
+    "prune_asked",
+    "prune_stopped",
     "eval_seconds",
 ]
 CHECKPOINT = "checkpoint.pt"
@@ -263,14 +268,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--prune-keep",
         type=int_at_least(2, " (a prompt's advantages compare at least two of its nodes)"),
-        default=4,
-        help="with --prune-at: the nodes each prompt keeps there, the best half and the worst half",
+        help="with --prune-at: the nodes each prompt keeps there, the best half and the worst half "
+        f"(default {DEFAULT_PRUNE_KEEP})",
     )
     parser.add_argument(
         "--tree-advantages",
         choices=TREE_ADVANTAGES,
-        default="branch-mean",
-        help="with --tree: BranchGRPO's fused rewards (mean or log-prob weighted), or TreeGRPO's backed-up",
+        help="with --tree: BranchGRPO's fused rewards (mean or log-prob weighted), or TreeGRPO's backed-up "
+        f"(default {TREE_ADVANTAGES[0]})",
     )
     parser.add_argument("--steps", type=int, default=6, help="denoising steps")
     parser.add_argument("--size", type=int, default=128, help="image height and width")
@@ -388,6 +393,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         branches = branch_points(args.tree)
     except ValueError as error:
         parser.error(f"--tree: {error}")
+    if any(not 0 <= branch.step < args.steps or branch.factor < 1 for branch in branches):
+        parser.error("--tree: every branch step must be in [0, --steps), every factor at least 1")
     leaves_per_prompt = args.group_size * math.prod(branch.factor for branch in branches)
     if leaves_per_prompt < 2:
         parser.error(
@@ -402,12 +409,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 parser.error(f"--{flag.replace('_', '-')} does not go with --tree")
         if args.algorithm == "nft":
             parser.error("--tree trains edges with FlowGRPO's loss: it does not go with --algorithm nft")
-        if any(not 0 <= branch.step < args.steps or branch.factor < 1 for branch in branches):
-            parser.error("--tree: every branch step must be in [0, --steps), every factor at least 1")
-    if args.prune_at is not None and not (args.tree and args.prune_at < args.steps):
-        parser.error("--prune-at prunes a tree: it needs --tree, and a step below --steps")
-    if args.prune_at is not None and args.async_:
-        parser.error("--prune-at prunes as the rollout streams to the trainer: it needs sync mode")
+    elif args.tree_advantages is not None:
+        parser.error("--tree-advantages scores the nodes of a tree: it needs --tree")
+    args.tree_advantages = args.tree_advantages or TREE_ADVANTAGES[0]
+    if args.prune_keep is None:
+        args.prune_keep = DEFAULT_PRUNE_KEEP
+    elif args.prune_at is None:
+        parser.error("--prune-keep is what --prune-at keeps: it needs --prune-at")
+    if args.prune_at is not None:
+        check_prune_flags(parser, args, branches)
     if args.algorithm == "nft":
         # NFT scores no step: nothing to window or to score early, no step Gaussians for the KL, and
         # its old velocities must be the rollout policy's, which a stale rollout is not.
@@ -436,6 +446,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if changed:
             parser.error(f"--resume: this command sets {', '.join(changed)}")
     return args
+
+
+def check_prune_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, branches: list[rollout_pb2.Branch]
+) -> None:
+    """--prune-at and --prune-keep must prune something, in time: after the tree's first fork (the
+    roots before it are whole groups), before the last step (the prune stops nodes at the next one),
+    keeping fewer nodes than a prompt has there."""
+    forks = [branch.step for branch in branches if branch.factor > 1]
+    at = args.prune_at
+    if not forks:
+        parser.error("--prune-at prunes a tree: it needs --tree, with a factor above 1")
+    if args.async_:
+        parser.error("--prune-at prunes as the rollout streams to the trainer: it needs sync mode")
+    if at < forks[0]:
+        parser.error(
+            f"--prune-at {at} is before --tree's first fork at step {forks[0]}: only roots are there"
+        )
+    if at >= args.steps - 1:
+        parser.error(
+            f"--prune-at must be below --steps - 1 ({args.steps - 1}): its prune stops the next step"
+        )
+    nodes = args.group_size * math.prod(branch.factor for branch in branches if branch.step <= at)
+    if args.prune_keep >= nodes:
+        parser.error(
+            f"--prune-keep {args.prune_keep} prunes nothing: a prompt has {nodes} nodes at step {at} "
+            "(--group-size times --tree's factors up to it)"
+        )
 
 
 def branch_points(text: str) -> list[rollout_pb2.Branch]:
@@ -494,6 +532,8 @@ class Rollout:
 
     collector: Collector = field(default_factory=Collector)
     seconds: float = 0.0
+    prune_asked: int = 0  # nodes --prune-at asked the server to stop
+    prune_stopped: int = 0  # of those, the nodes the server answered it stopped
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -548,8 +588,10 @@ def rollout_request(args: argparse.Namespace, iteration: int, min_version: int) 
         min_policy_version=min_version,
         true_cfg_scale=args.cfg,
         branches=branch_points(args.tree),
-        # The early-termination rule predicts each node's image from its velocity.
+        # The early-termination rule predicts each node's image from its velocity; the server waits
+        # for its prune after that step.
         debug_tensors=[] if args.prune_at is None else [rollout_pb2.DEBUG_TENSOR_VELOCITY],
+        prune_points=[] if args.prune_at is None else [args.prune_at],
     )
 
 
@@ -679,7 +721,7 @@ class Watchdog:
 
 
 def stream(client: RolloutClient, request, stall_seconds: float, on_step=None) -> Rollout:
-    """Run one rollout, storing each event as it arrives; ``on_step(collector, step)`` after every step.
+    """Run one rollout, storing each event as it arrives; ``on_step(rollout, step)`` after every step.
     The call has no deadline, since its length depends on the server's load; a server that sends
     nothing for ``stall_seconds`` ends it with ServerStalled."""
     rollout, start = Rollout(), time.perf_counter()
@@ -689,7 +731,7 @@ def stream(client: RolloutClient, request, stall_seconds: float, on_step=None) -
             for event in watchdog.watched(decode_stream(call)):
                 rollout.collector.add(event)
                 if on_step is not None and isinstance(event, Step):
-                    on_step(rollout.collector, event)
+                    on_step(rollout, event)
         except grpc.RpcError as error:
             if watchdog.stalled:
                 raise ServerStalled(f"no event from the server for {stall_seconds:g} s") from error
@@ -867,7 +909,7 @@ def nft_update(
 
 
 def step_arrived(
-    collector: Collector,
+    rollout: Rollout,
     step: Step,
     bar: tqdm,
     update: PolicyUpdate | None,
@@ -875,9 +917,9 @@ def step_arrived(
 ) -> None:
     bar.update(1)
     if update is not None:
-        update.score_ready(collector)
+        update.score_ready(rollout.collector)
     if early is not None and step.index == early.step:
-        early.prune(collector, step)
+        early.prune(rollout, step)
 
 
 class EarlyTermination:
@@ -885,7 +927,9 @@ class EarlyTermination:
     scored by the reward of its predicted final image, x0 = x_S - sigma_S v (flow matching's estimate
     from the streamed velocity), decoded by the model's own VAE through its family adapter. Per
     prompt, the K / 2 best and K / 2 worst nodes go on (a group's extremes carry its advantages) and
-    the others are pruned with their subtrees; the server stops them at its next step boundary."""
+    the others are pruned with their subtrees. The server holds the rollout after step S (its prune
+    point) until this answer, which it always gets (an empty prune says "none"), so the nodes stop at
+    step S + 1."""
 
     def __init__(self, client: RolloutClient, reward: "Reward", model_path: Path, args: argparse.Namespace):
         from rollout_server import families  # the trainer's side: it decodes as the server does
@@ -894,9 +938,10 @@ class EarlyTermination:
         self.decoder = families.load(model_path, torch.device(args.device), torch.float32)
 
     @torch.no_grad()
-    def prune(self, collector: Collector, step: Step) -> None:
+    def prune(self, rollout: Rollout, step: Step) -> None:
         from rollout_server.families.base import MediaShape
 
+        collector = rollout.collector
         message = collector.started.message
         shape = MediaShape.of(message.resolved)
         sigma = message.sigmas[self.step]
@@ -915,9 +960,19 @@ class EarlyTermination:
             )
             best = self.keep // 2
             pruned += [node for _, node in ranked[self.keep - best : len(ranked) - best]]
-        if pruned:
-            request = rollout_pb2.PruneRolloutRequest(request_id=step.request_id, nodes=sorted(pruned))
-            self.client.stub.PruneRollout(request, metadata=self.client.metadata, timeout=60)
+        rollout.prune_asked += len(pruned)
+        try:
+            answer = self.client.prune(collector.started, sorted(pruned))
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            say(
+                f"rollout {step.request_id}: the prune at step {self.step} stopped nothing: {error.details()}"
+            )
+            return
+        rollout.prune_stopped += len(set(pruned) & set(answer.nodes))
+        if pruned and answer.step != self.step + 1:
+            say(f"rollout {step.request_id}: the prune at step {self.step} landed at step {answer.step}")
 
 
 def stochastic_steps(collector: Collector) -> list[int]:
@@ -1299,6 +1354,8 @@ def train(args: argparse.Namespace, client: RolloutClient, model_path: Path, ran
                 )
                 if args.tree
                 else 0,
+                "prune_asked": rollout.prune_asked,
+                "prune_stopped": rollout.prune_stopped,
                 "eval_seconds": eval_seconds,
             }
             writer.writerow(row)
@@ -1352,6 +1409,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             address, timeout=args.stall_timeout, token=token, channel_options=CHANNEL_OPTIONS
         ) as client:
             info = retrying("reading the server's info", client.server_info, args.retries, address)
+            if args.prune_at is not None and wire.FEATURE_PRUNE_POINTS not in info.features:
+                raise ServerFailure(
+                    f"the server at {address} holds no rollout for its prune: --prune-at needs it"
+                )
             model_path = args.model_path or Path(info.model_path)
             started = time.perf_counter()
             rows = train(args, client, model_path, ranks)

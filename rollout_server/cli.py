@@ -86,6 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="end a stream (ABORTED) whose client has read nothing for this long, freeing its work",
     )
     s.add_argument(
+        "--prune-hold-seconds",
+        type=float,
+        default=Limits.prune_hold_seconds,
+        help="the longest a tree rollout waits at one of its prune points for its caller's prune",
+    )
+    s.add_argument(
         "--memory-budget",
         type=byte_size,
         default=None,
@@ -197,6 +203,7 @@ def main(argv=None) -> None:
         max_latent_elements=args.max_latent_elements,
         max_waiting_requests=args.max_waiting,
         stall_seconds=args.stall_seconds,
+        prune_hold_seconds=args.prune_hold_seconds,
         memory_budget=args.memory_budget,
         max_tree_nodes=args.max_tree_nodes,
     )

@@ -6,7 +6,8 @@ velocity for the rollouts that step; the sampler (``sampler.py``) advances each 
 the stream encoder (``stream.py``) turns what happened into messages for each rollout's outbox. A
 rollout whose steps are done decodes its images one piece per round (an image, or a chunk of a
 video's frames), so a cancel, a stall or a shutdown waits for one piece of work, never a whole
-decode. The worker never waits on a client: a slow one parks its own rollout.
+decode. The worker never waits on a client: a slow one parks its own rollout, and a rollout held at
+one of its prune points (until its caller's prune, or the hold's bound) sits out rounds the same way.
 
 Sequence parallelism: rank 0 broadcasts each round (the keys to drop and to step, and the requests
 that join) and each update; the other ranks run the same round without streaming (``follow``), so
@@ -18,6 +19,7 @@ step.
 
 import asyncio
 import functools
+import itertools
 import json
 import logging
 import resource
@@ -35,6 +37,7 @@ from rollout_server import memory
 from rollout_server.errors import (
     InvalidRequest,
     NoWeightSyncGroup,
+    PruneTooLate,
     RankFailure,
     ShuttingDown,
     UpdateAbandoned,
@@ -59,7 +62,15 @@ from rollout_server.parallel import (
 from rollout_server.policy import Policy
 from rollout_server.runner import Rollout, Runner, tree_of
 from rollout_server.sampler import advance
-from rollout_server.scheduler import STREAM_BUFFER, Outbox, RolloutJob, Round, Scheduler, UpdateJob
+from rollout_server.scheduler import (
+    STREAM_BUFFER,
+    Outbox,
+    PruneAnswer,
+    RolloutJob,
+    Round,
+    Scheduler,
+    UpdateJob,
+)
 from rollout_server.stream import StreamEncoder, latents_sent, started_event
 from rollout_server.validation import quoted
 from rollout_server.weights import group
@@ -132,6 +143,7 @@ class Engine:
     """The model on one worker thread, behind the small API the gRPC layer calls:
 
     * ``open_stream(resolved)``: queue a rollout; iterate its encoded messages, then ``close()`` it;
+    * ``prune(request_id, control_token, nodes)``: stop nodes of a tree rollout at its next step;
     * ``check_update(update)``, then ``update_weights(update)``: apply a weight update between rollouts;
     * ``join_weight_sync(options)``, ``check_group_update(manifest)``, then ``update_from_group(...)``,
       and ``leave_weight_sync()``: the same over a weight-sync group, every rank receiving;
@@ -174,7 +186,12 @@ class Engine:
             limits.memory_budget or memory.default_budget(self.adapter.device, self.parallel.degree),
             limits.max_batch_size,
         )
-        self.scheduler = Scheduler(limits.max_queued_requests, limits.max_running_samples, self.memory_budget)
+        self.scheduler = Scheduler(
+            limits.max_queued_requests,
+            limits.max_running_samples,
+            self.memory_budget,
+            limits.prune_hold_seconds,
+        )
         self._decode_profile = self.adapter.measure_decode() if self.parallel.is_leader else None
         self.policy = Policy(self.adapter.experts, self.parallel)
         self.runner = Runner(
@@ -212,9 +229,10 @@ class Engine:
         self.scheduler.submit(job)
         return stream
 
-    def prune(self, request_id: str, nodes: list[int]) -> list[int]:
-        """Stop nodes of a tree rollout at its next step (see ``Scheduler.prune``)."""
-        return self.scheduler.prune(request_id, nodes)
+    def prune(self, request_id: str, control_token: str, nodes: list[int]) -> Future:
+        """Stop nodes of a tree rollout at its next step; the future ends with what was stopped
+        (see ``Scheduler.prune``)."""
+        return self.scheduler.prune(request_id, control_token, nodes)
 
     def check_update(self, update: "WeightUpdate") -> None:
         """StaleUpdate or InvalidRequest unless ``update`` applies to the current weights; it changes
@@ -248,10 +266,10 @@ class Engine:
 
         def coordinate() -> None:
             try:
-                pending = self.scheduler.submit_control(functools.partial(self.policy.start_join, options))
+                pending = self.scheduler.submit_side_job(functools.partial(self.policy.start_join, options))
                 pending.result().wait_finished()
                 install = functools.partial(self.policy.install_join, options.group_id)
-                joined.set_result(self.scheduler.submit_control(install).result())
+                joined.set_result(self.scheduler.submit_side_job(install).result())
             except BaseException as error:  # noqa: BLE001 - the caller's future carries it
                 joined.set_exception(error)
 
@@ -359,17 +377,14 @@ class Engine:
                     self.parallel.broadcast_command(STOP)
                     self._end_all(ShuttingDown("the server is shutting down"))
                     return
-                for job in planned.control:
+                for job in planned.side_jobs:
                     self._lead_update(job)
                 if planned.update is not None:
                     self._lead_update(planned.update)
                 elif planned.idle:
                     self.parallel.broadcast_command(HEARTBEAT)
                 elif planned.moves_rollouts:
-                    self.parallel.broadcast_command(ROUND, encode_round(planned))
-                    joining = [(job.key, job.request) for job in planned.join]
-                    ended = self._run_round(planned.drop, joining, planned.prune, planned.step)
-                    self.scheduler.update(ended)
+                    self._lead_round(planned)
         except RankFailure as error:
             self._end_all(error)
             self._on_fatal(error)
@@ -384,6 +399,19 @@ class Engine:
             log.exception("engine worker failed")
             self._end_all(failure)
             self._on_fatal(failure)
+
+    def _lead_round(self, planned: Round) -> None:
+        """Broadcast a round and run it; then its ended rollouts leave. A prune it did not apply (its
+        rollout had ended, or the round failed) is answered PruneTooLate."""
+        try:
+            self.parallel.broadcast_command(ROUND, encode_round(planned))
+            joining = [(job.key, job.request) for job in planned.join]
+            ended = self._run_round(planned.drop, joining, planned.prune, planned.step, planned.answers)
+        finally:
+            for answer in itertools.chain(*planned.answers.values()):
+                if not answer.done():
+                    answer.set_exception(PruneTooLate("the rollout ended before the prune applied"))
+        self.scheduler.update(ended)
 
     def _lead_update(self, job: UpdateJob) -> None:
         try:
@@ -417,10 +445,12 @@ class Engine:
         join: list[tuple[int, rollout_pb2.RolloutRequest]],
         prune: dict[int, list[int]],
         step: list[int],
+        answers: dict[int, list[Future]] | None = None,
     ) -> dict[int, BaseException | None]:
-        """One round, alike on every rank (only rank 0 streams): tree rollouts drop their pruned
-        nodes, the rollouts still denoising take a step, those decoding (rank 0) decode their next
-        piece. Returns the rollouts that ended in it, each with its failure (None: it finished)."""
+        """One round, alike on every rank (only rank 0 streams and has the prunes' ``answers``):
+        tree rollouts drop their pruned nodes, the rollouts still denoising take a step, those
+        decoding (rank 0) decode their next piece. Returns the rollouts that ended in it, each with
+        its failure (None: it finished)."""
         self._ended = {}
         for key in drop:
             self._rollouts.pop(key, None)
@@ -428,7 +458,7 @@ class Engine:
             self._join(key, request)
         for key, nodes in prune.items():
             if (rollout := self._rollouts.get(key)) is not None:
-                self._prune(rollout, nodes)
+                self._prune(rollout, nodes, (answers or {}).get(key, []))
         stepping = [self._rollouts[key] for key in step if key in self._rollouts]
         denoising = [rollout for rollout in stepping if rollout.pieces is None]
         if denoising:
@@ -438,11 +468,20 @@ class Engine:
                 self._decode_piece(rollout)
         return self._ended
 
-    def _prune(self, rollout: Rollout, nodes: list[int]) -> None:
-        """Stop ``nodes`` of a tree rollout that is still denoising; with no node left, it is done."""
-        if rollout.done:
-            return  # its steps are over (it may be decoding): nothing left to stop
+    def _prune(self, rollout: Rollout, nodes: list[int], answers: list[Future]) -> None:
+        """Stop ``nodes`` of a tree rollout that is still denoising, and answer its prunes with what
+        is stopped (before the step, so a caller never waits on a forward); with no node left, the
+        rollout is done."""
+        if rollout.done:  # its steps are over (it may be decoding)
+            last = rollout.plan.num_steps - 1
+            for answer in answers:
+                answer.set_exception(
+                    PruneTooLate(f"the rollout has taken its last step ({last}): none is left")
+                )
+            return
         pruned = rollout.prune(nodes)
+        for answer in answers:
+            answer.set_result(PruneAnswer(sorted(rollout.pruned), rollout.state.step))
         try:
             if rollout.stream is not None and pruned:
                 rollout.stream.on_pruned(pruned, rollout.state.step)
@@ -466,6 +505,8 @@ class Engine:
                 v = rollout.fork(velocities.guided[rollout.key])
                 record = advance(rollout.plan, rollout.state, v)
                 if rollout.stream is not None:
+                    if record.index in rollout.request.prune_points:
+                        self.scheduler.hold(rollout.key)  # before its caller can see the step
                     rollout.stream.on_step(record, rollout.live)
                 if rollout.done:
                     self._denoised(rollout)
@@ -500,6 +541,7 @@ class Engine:
         started, env_tensors = started_event(
             rollout, self.adapter, self.model_name, self.policy.version, self.parallel
         )
+        started.control_token = job.control_token
         rollout.stream = StreamEncoder(
             request=request,
             started=started,
@@ -570,6 +612,7 @@ class Engine:
             if isinstance(job, UpdateJob):
                 job.done.set_exception(error)
             else:
+                job.refuse_prunes(error)
                 job.outbox.end(error)
 
 

@@ -25,7 +25,17 @@ class InvalidRequest(Exception):
 
 
 class UnknownRollout(Exception):
-    """No running or queued rollout has the request id a call names."""
+    """No running rollout has the request id a call names."""
+
+
+class ForeignRollout(Exception):
+    """A control call (PruneRollout) did not present the control token of the rollout it names: it
+    comes from someone other than the rollout's caller."""
+
+
+class PruneTooLate(Exception):
+    """A prune reached its rollout after the last step (or after the rollout ended): nothing was
+    left to stop."""
 
 
 class Overloaded(Exception):

@@ -51,6 +51,10 @@ class Limits:
     # 16-channel latent, and any image at max_side.
     max_latent_elements: int = 8 * 1024 * 1024
     stall_seconds: float = 60.0
+    # A rollout held at one of its prune points waits this long at most for its caller's prune: time
+    # for a trainer to decode and score the step's nodes. It sits out rounds meanwhile, as a parked
+    # rollout does, so it delays itself alone (at most once per prune point).
+    prune_hold_seconds: float = 10.0
     # Bytes the running rollouts may take above the loaded model (see memory.py); None: a share of
     # what the device has left once the model is loaded.
     memory_budget: int | None = None
@@ -87,6 +91,7 @@ class Limits:
             ("--max-latent-elements", self.max_latent_elements),
             ("--max-waiting", self.max_waiting_requests),
             ("--stall-seconds", self.stall_seconds),
+            ("--prune-hold-seconds", self.prune_hold_seconds),
             ("--max-tree-nodes", self.max_tree_nodes),
             ("max_image_bytes", self.max_image_bytes),
             ("max_image_pixels", self.max_image_pixels),
@@ -116,6 +121,7 @@ class Limits:
             max_noise_levels={name: sampler.max_noise_level for name, sampler in steps.SAMPLERS.items()},
             max_waiting_requests=self.max_waiting_requests,
             stall_seconds=self.stall_seconds,
+            prune_hold_seconds=self.prune_hold_seconds,
             max_tree_nodes=self.max_tree_nodes,
             max_image_bytes=self.max_image_bytes,
             max_image_pixels=self.max_image_pixels,

@@ -13,21 +13,31 @@ Rollouts and weight updates wait in one queue, in arrival order. The engine's wo
 * **barrier**: a weight update at the head of the queue stops later rollouts from joining; once the
   running rollouts (all started on the old weights) have finished, the update is applied alone, and
   the rollouts behind it start on the new weights. No rollout ever mixes two policy versions.
-* **control**: short jobs that must run on the worker between two rounds but change nothing a
+* **side jobs**: short jobs that must run on the worker between two rounds but change nothing a
   rollout computes (starting and installing a weight-sync group's join) run first, with no barrier;
-* **prune**: nodes of tree rollouts that a PruneRollout stopped since the last round;
-* **step**: every running rollout takes its next step together, except the parked ones: a rollout
-  whose client has not yet taken its buffered messages (``Outbox.full``) stays out of the batch,
-  its state kept, until the client reads again (or the stream's stall limit ends it).
+* **prune**: nodes of tree rollouts that a PruneRollout asked to stop since the last round; the
+  engine applies them before the round's steps and answers each call with what it stopped (the
+  answer is what happened, not a forecast: a prune that comes after the rollout's last step stops
+  nothing, and says so);
+* **step**: every running rollout takes its next step together, except the parked and the held
+  ones. A rollout whose client has not yet taken its buffered messages (``Outbox.full``) stays out
+  of the batch, its state kept, until the client reads again (or the stream's stall limit ends it).
+  A rollout that has just taken one of its ``prune_points`` is held the same way until a prune of it
+  arrives (its caller decided on the step it saw) or ``prune_hold_seconds`` pass.
 
 Bounds: at most ``max_queued`` rollouts queued or running (more get RESOURCE_EXHAUSTED), at most
-``max_running_samples`` samples running (or one larger rollout alone) within the memory budget, and
-per stream at most ``STREAM_BUFFER`` messages plus one event's messages buffered.
+``max_running_samples`` samples running (or one larger rollout alone) within the memory budget, per
+stream at most ``STREAM_BUFFER`` messages plus one event's messages buffered, and a hold of at most
+``prune_hold_seconds`` per prune point. A parked or held rollout delays itself alone: the worker
+never waits on it.
 """
 
 import asyncio
+import hmac
 import itertools
+import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -36,7 +46,8 @@ from typing import Any
 
 from rollout.v1 import rollout_pb2
 from rollout_core.tree import Tree, widest
-from rollout_server.errors import InvalidRequest, Overloaded, UnknownRollout
+from rollout_server.errors import ForeignRollout, InvalidRequest, Overloaded, PruneTooLate, UnknownRollout
+from rollout_server.limits import Limits
 from rollout_server.memory import MemoryBudget, RolloutMemory
 
 # Messages a stream may hold unsent before its rollout is parked.
@@ -113,6 +124,27 @@ class Outbox:
         self._wake()
 
 
+@dataclass(frozen=True)
+class PruneAnswer:
+    """What a prune did: every node of the tree stopped so far, and the first step they do not take."""
+
+    nodes: list[int]
+    step: int
+
+
+@dataclass(frozen=True)
+class Prune:
+    """A PruneRollout on its way to the worker; ``answer`` ends with a PruneAnswer or the failure."""
+
+    nodes: list[int]
+    answer: Future = field(default_factory=Future)
+
+
+def new_control_token() -> str:
+    """A rollout's control token: 256 random bits, URL-safe text."""
+    return secrets.token_urlsafe(32)
+
+
 @dataclass(eq=False)
 class RolloutJob:
     request: rollout_pb2.RolloutRequest  # resolved
@@ -122,8 +154,10 @@ class RolloutJob:
     key: int = -1  # set by the scheduler: the rollout's id in the engine, on every rank
     parked_rounds: int = 0  # rounds it sat out while its client was slow to read
     tree: Tree | None = None  # a tree rollout's, for checking prunes
-    pruned: set[int] = field(default_factory=set)  # its nodes that prunes stop
-    prune_pending: list[int] = field(default_factory=list)  # nodes to prune at the next round
+    prunes: list[Prune] = field(default_factory=list)  # to apply at the next round
+    held_until: float | None = None  # (monotonic) held at a prune point until a prune, or then
+    # What a control call must present: only the caller, who reads it in the started event, can.
+    control_token: str = field(default_factory=new_control_token)
 
     @property
     def samples(self) -> int:
@@ -134,11 +168,18 @@ class RolloutJob:
     def dropped(self) -> bool:
         return self.outbox.closed
 
+    def refuse_prunes(self, error: BaseException) -> None:
+        """The rollout leaves before its pending prunes apply: their callers get ``error``."""
+        for prune in self.prunes:
+            if prune.answer.set_running_or_notify_cancel():  # else its caller left
+                prune.answer.set_exception(error)
+        self.prunes = []
+
 
 @dataclass(eq=False)
 class UpdateJob:
     """A change of the served weights, or of the weight-sync group: ``run`` on the engine's worker,
-    alone, once the rollouts queued before it have finished (or, for a control job, between two
+    alone, once the rollouts queued before it have finished (or, for a side job, between two
     rounds); ``done`` ends with what it returns."""
 
     run: Callable[[], Any]
@@ -156,8 +197,9 @@ class Round:
     drop: list[int] = field(default_factory=list)  # keys of running rollouts to drop
     join: list[RolloutJob] = field(default_factory=list)
     prune: dict[int, list[int]] = field(default_factory=dict)  # key -> nodes of a tree rollout
+    answers: dict[int, list[Future]] = field(default_factory=dict)  # key -> its prunes' answers (rank 0)
     step: list[int] = field(default_factory=list)  # keys of the rollouts that step, in join order
-    control: list[UpdateJob] = field(default_factory=list)  # run first, no barrier
+    side_jobs: list[UpdateJob] = field(default_factory=list)  # run first, no barrier
     update: UpdateJob | None = None
     stop: bool = False
 
@@ -167,17 +209,24 @@ class Round:
 
     @property
     def idle(self) -> bool:
-        return not (self.moves_rollouts or self.control or self.update or self.stop)
+        return not (self.moves_rollouts or self.side_jobs or self.update or self.stop)
 
 
 class Scheduler:
-    def __init__(self, max_queued: int, max_running_samples: int, memory: MemoryBudget | None = None):
+    def __init__(
+        self,
+        max_queued: int,
+        max_running_samples: int,
+        memory: MemoryBudget | None = None,
+        prune_hold_seconds: float = Limits.prune_hold_seconds,
+    ):
         self.max_queued = max_queued
         self.max_running_samples = max_running_samples
         self.memory = memory  # None: no memory bound
+        self.prune_hold_seconds = prune_hold_seconds
         self._changed = threading.Condition()
         self._queue: deque[RolloutJob | UpdateJob] = deque()
-        self._control: list[UpdateJob] = []
+        self._side_jobs: list[UpdateJob] = []
         self.running: dict[int, RolloutJob] = {}
         self._keys = itertools.count()
         self._stopping = False
@@ -213,30 +262,38 @@ class Scheduler:
             self._changed.notify()
         return job.done
 
-    def submit_control(self, run: Callable[[], Any]) -> Future:
-        """Have the worker ``run`` a control job before its next round, without waiting for the running
+    def submit_side_job(self, run: Callable[[], Any]) -> Future:
+        """Have the worker ``run`` a side job before its next round, without waiting for the running
         rollouts; the future ends with what it returns."""
         job = UpdateJob(run)
         with self._changed:
-            self._control.append(job)
+            self._side_jobs.append(job)
             self._changed.notify()
         return job.done
 
-    def prune(self, request_id: str, nodes: list[int]) -> list[int]:
-        """Queue a prune of ``nodes`` of the tree rollout ``request_id`` for the next round; returns
-        every node it stops (``Tree.pruned_by``). UnknownRollout if no open rollout has that id;
-        InvalidRequest if it is not one tree rollout, or a node is not in its tree."""
+    def prune(self, request_id: str, control_token: str, nodes: list[int]) -> Future:
+        """Queue a prune of ``nodes`` of the tree rollout ``request_id`` for the next round, and release
+        the rollout if it is held at a prune point. The returned future ends with a PruneAnswer once
+        the engine has applied it, or PruneTooLate if the rollout had taken its last step, or ended,
+        by then. Raises UnknownRollout if no running rollout has that id (a queued one's caller has
+        no control token yet); ForeignRollout unless ``control_token`` is one of theirs (compared in
+        constant time); InvalidRequest if the rollout is not a tree, or a node is not in its tree."""
+        presented = control_token.encode()
         with self._changed:
             jobs = [
                 job
-                for job in (*self.running.values(), *self._queue)
-                if isinstance(job, RolloutJob) and not job.dropped and job.request.request_id == request_id
+                for job in self.running.values()
+                if not job.dropped and job.request.request_id == request_id
             ]
             if not jobs:
-                raise UnknownRollout("no rollout with this request id is running or queued")
-            if len(jobs) > 1:
-                raise InvalidRequest([("request_id", f"{len(jobs)} rollouts run under this id")])
-            job = jobs[0]
+                raise UnknownRollout("no rollout with this request id is running")
+            matched = [job for job in jobs if hmac.compare_digest(job.control_token.encode(), presented)]
+            if not matched:
+                raise ForeignRollout(
+                    "the control_token is not the rollout's: only the caller that started it (it reads the "
+                    "token in the started event) may prune it"
+                )
+            job = matched[0]
             if job.tree is None:
                 raise InvalidRequest([("request_id", "the rollout has no branches: it is not a tree")])
             if len(nodes) > len(job.tree):
@@ -245,10 +302,19 @@ class Scheduler:
                 raise InvalidRequest(
                     [(f"nodes[{k}]", f"the rollout's tree has no node {nodes[k]}") for k in unknown]
                 )
-            job.pruned = job.tree.pruned_by(nodes, job.pruned)
-            job.prune_pending.extend(nodes)
+            prune = Prune(nodes)
+            job.prunes.append(prune)
+            job.held_until = None  # its caller has decided
             self._changed.notify()
-            return sorted(job.pruned)
+            return prune.answer
+
+    def hold(self, key: int) -> None:
+        """(worker) Rollout ``key`` has just taken one of its prune points: it sits out the rounds
+        until a prune of it comes, or ``prune_hold_seconds`` pass. Called before that step's event
+        is sent, so no prune the event prompts can come before the hold."""
+        with self._changed:
+            if (job := self.running.get(key)) is not None:
+                job.held_until = time.monotonic() + self.prune_hold_seconds
 
     def wake(self) -> None:
         """Something a round depends on changed (a stream drained or ended)."""
@@ -263,9 +329,11 @@ class Scheduler:
 
     def update(self, ended: dict[int, BaseException | None]) -> None:
         """After a round: the rollouts that ended in it (finished, ``None``, or failed) leave the
-        running set, and their streams end."""
+        running set, their streams end, and the prunes that came meanwhile are too late."""
         with self._changed:
             jobs = [(job, error) for key, error in ended.items() if (job := self.running.pop(key, None))]
+            for job, _ in jobs:
+                job.refuse_prunes(PruneTooLate("the rollout ended before the prune applied"))
         for job, error in jobs:
             job.outbox.end(error)
 
@@ -275,23 +343,26 @@ class Scheduler:
         with self._changed:
             jobs = [*self.running.values()] + [
                 job
-                for job in (*self._queue, *self._control)
+                for job in (*self._queue, *self._side_jobs)
                 if isinstance(job, RolloutJob) or job.done.set_running_or_notify_cancel()
             ]
             self._queue.clear()
-            self._control.clear()
+            self._side_jobs.clear()
             self.running.clear()
             return jobs
 
     def next_round(self, timeout: float) -> Round:
-        """The next round; an idle one after ``timeout`` seconds with nothing to do."""
+        """The next round; an idle one after ``timeout`` seconds with nothing to do. A hold that ends
+        meanwhile wakes it."""
+        deadline = time.monotonic() + timeout
         with self._changed:
             while True:
                 planned = self._plan()
-                if not planned.idle:
+                now = time.monotonic()
+                if not planned.idle or now >= deadline:
                     return planned
-                if not self._changed.wait(timeout):
-                    return planned
+                holds = [job.held_until for job in self.running.values() if job.held_until is not None]
+                self._changed.wait(max(min([deadline, *holds]) - now, 0.0))
 
     def _fits_with_running(self, job: RolloutJob) -> bool:
         if self.memory is None:
@@ -302,10 +373,10 @@ class Scheduler:
         if self._stopping:
             return Round(stop=True)
         planned = Round(drop=[key for key, job in self.running.items() if job.dropped])
-        planned.control = [job for job in self._control if job.done.set_running_or_notify_cancel()]
-        self._control.clear()
+        planned.side_jobs = [job for job in self._side_jobs if job.done.set_running_or_notify_cancel()]
+        self._side_jobs.clear()
         for key in planned.drop:
-            del self.running[key]
+            self.running.pop(key).refuse_prunes(PruneTooLate("the rollout's stream ended first"))
         self._queue = deque(job for job in self._queue if not job.dropped)
         samples = sum(job.samples for job in self.running.values())
         while self._queue and isinstance(head := self._queue[0], RolloutJob):
@@ -322,10 +393,17 @@ class Scheduler:
             if update.done.set_running_or_notify_cancel():
                 planned.update = update
             return planned
+        now = time.monotonic()
         for key, job in self.running.items():
-            if job.prune_pending:
-                planned.prune[key], job.prune_pending = job.prune_pending, []
-        planned.step = [key for key, job in self.running.items() if not job.outbox.full]
+            prunes, job.prunes = [p for p in job.prunes if p.answer.set_running_or_notify_cancel()], []
+            if prunes:  # those whose callers are still there
+                planned.prune[key] = [node for prune in prunes for node in prune.nodes]
+                planned.answers[key] = [prune.answer for prune in prunes]
+            if job.held_until is not None and job.held_until <= now:
+                job.held_until = None  # no prune came within the bound: it goes on
+        planned.step = [
+            key for key, job in self.running.items() if not job.outbox.full and job.held_until is None
+        ]
         if planned.step:
             for job in self.running.values():
                 job.parked_rounds += job.outbox.full

@@ -18,10 +18,12 @@ from grpc_status import rpc_status
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client.channel import PREVIOUS_ATTEMPTS_HEADER, PREVIOUS_ATTEMPTS_TRAILER
 from rollout_server.errors import (
+    ForeignRollout,
     InvalidRequest,
     NonFiniteStep,
     NoWeightSyncGroup,
     Overloaded,
+    PruneTooLate,
     RankFailure,
     ShuttingDown,
     StaleUpdate,
@@ -106,6 +108,8 @@ FAILURES = (
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
     (UnknownRollout, grpc.StatusCode.NOT_FOUND),
+    (ForeignRollout, grpc.StatusCode.PERMISSION_DENIED),
+    (PruneTooLate, grpc.StatusCode.FAILED_PRECONDITION),
     (WeightSyncFailed, grpc.StatusCode.UNAVAILABLE),
     (NoWeightSyncGroup, grpc.StatusCode.FAILED_PRECONDITION),
     (UpdateAbandoned, grpc.StatusCode.ABORTED),
@@ -208,12 +212,14 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
         request_id = quoted(request.request_id)
         try:
-            nodes = self.engine.prune(request.request_id, list(request.nodes))
-        except (InvalidRequest, UnknownRollout) as error:
+            # Answered once the worker has applied it: what it stopped, not what it might.
+            answer = self.engine.prune(request.request_id, request.control_token, list(request.nodes))
+            pruned = await asyncio.wrap_future(answer)
+        except Exception as error:  # noqa: BLE001 - each failure becomes the call's status
             _, status = failure_status(f"prune of request {request_id}", error)
             await context.abort_with_status(status)
-        log.info("rollout id=%s: %d nodes pruned", request_id, len(nodes))
-        return rollout_pb2.PruneRolloutResponse(nodes=nodes)
+        log.info("rollout id=%s: %d nodes pruned from step %d", request_id, len(pruned.nodes), pruned.step)
+        return rollout_pb2.PruneRolloutResponse(nodes=pruned.nodes, step=pruned.step)
 
     async def UpdateWeights(self, request_iterator, context):
         started_at = time.perf_counter()

@@ -233,6 +233,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         resolved.stochastic_steps.extend(chosen)
     bad.extend(_branch_problems(request, resolved, limits))
     resolved.branches.extend(request.branches)
+    bad.extend(_prune_point_problems(request, num_steps, limits))
     if not request.HasField("log_prob_constants"):
         resolved.log_prob_constants = sampler.log_prob_constants
 
@@ -321,6 +322,29 @@ def _branch_problems(
         bad.append(("branches", f"{leaves} leaves: above {limits.max_running_samples} samples at once"))
     if nodes > limits.max_tree_nodes:
         bad.append(("branches", f"{nodes} nodes: the tree is above {limits.max_tree_nodes} nodes"))
+    return bad
+
+
+def _prune_point_problems(
+    request: rollout_pb2.RolloutRequest, num_steps: int, limits: Limits
+) -> list[tuple[str, str]]:
+    """The steps a tree rollout is held at for its caller's prune: only a tree is pruned, and a hold
+    after step s serves a prune at step s + 1, which must exist. Counted before any is read."""
+    count = len(request.prune_points)
+    if not count:
+        return []
+    if not request.branches:
+        return [("prune_points", "only a tree rollout (one with branches) can be pruned")]
+    if count > limits.max_steps:
+        return [("prune_points", f"{count} prune points exceed {limits.max_steps} steps")]
+    points, bad = list(request.prune_points), []
+    for k, point in enumerate(points):
+        if point >= num_steps - 1:
+            bad.append(
+                (f"prune_points[{k}]", f"must be < num_steps - 1 ({num_steps - 1}): no step follows {point}")
+            )
+        elif k and point <= points[k - 1]:
+            bad.append((f"prune_points[{k}]", "prune points must be strictly increasing"))
     return bad
 
 

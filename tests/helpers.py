@@ -59,6 +59,9 @@ SAMPLERS = {
     "ODE": rollout_pb2.SAMPLER_TYPE_ODE,
 }
 LATENT_DTYPES = {"float32": rollout_pb2.TENSOR_DTYPE_FLOAT32, "bfloat16": rollout_pb2.TENSOR_DTYPE_BFLOAT16}
+# A client's fixed 64 KiB stream window (no BDP growth): the server can only run a few messages ahead
+# of a reader that stops, then its rollout parks.
+HOLDING_OPTIONS = [("grpc.http2.bdp_probe", 0)]
 
 
 # Servers -------------------------------------------------------------------------------------------

@@ -26,9 +26,9 @@ def test_server_info(family_client, family):
     )
     assert list(info.transformers) == list(FAMILIES[family].experts)
     assert list(info.features) == (
-        ["lora", "tree", "weight_sync", "video", "experts"]
+        ["lora", "tree", "prune_points", "weight_sync", "video", "experts"]
         if family == "wan2.2"
-        else ["lora", "tree", "weight_sync", "video"]
+        else ["lora", "tree", "prune_points", "weight_sync", "video"]
     )
     defaults = info.defaults
     assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)

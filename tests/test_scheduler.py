@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from rollout.v1 import rollout_pb2
-from rollout_server.errors import Overloaded
+from rollout_core.tree import Tree
+from rollout_server.errors import ForeignRollout, Overloaded, PruneTooLate
 from rollout_server.memory import RUNTIME_OVERHEAD, MemoryBudget, RolloutMemory
 from rollout_server.scheduler import Outbox, RolloutJob, Scheduler
 
@@ -23,6 +24,15 @@ def job(loop, samples: int, limit: int = 2, held: int = 0) -> RolloutJob:
     request = rollout_pb2.RolloutRequest(seeds=range(samples))
     outbox = Outbox(loop, wake=lambda: None, limit=limit)
     return RolloutJob(request, outbox, submitted_at=0.0, memory=RolloutMemory(held=held))
+
+
+def tree_job(loop, request_id: str) -> RolloutJob:
+    """A tree rollout of one root forking in two at step 0 (nodes 0, 1, 2), over 4 steps."""
+    tree = Tree.grow([7], [0], [(0, 2)], num_steps=4)
+    request = rollout_pb2.RolloutRequest(request_id=request_id, seeds=[7], num_steps=4)
+    request.branches.add(step=0, factor=2)
+    outbox = Outbox(loop, wake=lambda: None)
+    return RolloutJob(request, outbox, submitted_at=0.0, tree=tree)
 
 
 def test_rollouts_join_in_arrival_order_within_the_running_bound(loop):
@@ -108,19 +118,19 @@ def test_an_update_is_a_barrier(loop):
     assert scheduler.next_round(TIMEOUT).join == [b]
 
 
-def test_a_control_job_runs_at_the_next_round_without_a_barrier(loop):
-    """A control job (a weight-sync join starting or being installed) comes with the next round,
+def test_a_side_job_runs_at_the_next_round_without_a_barrier(loop):
+    """A side job (a weight-sync join starting or being installed) comes with the next round,
     once: a keeps stepping and b, behind it in the queue, joins in the same round."""
     scheduler = Scheduler(max_queued=8, max_running_samples=64)
     a, b = job(loop, 1), job(loop, 1)
     scheduler.submit(a)
     assert scheduler.next_round(TIMEOUT).join == [a]
-    done = scheduler.submit_control(object())
+    done = scheduler.submit_side_job(object())
     scheduler.submit(b)
     planned = scheduler.next_round(TIMEOUT)
-    assert [control.done for control in planned.control] == [done] and planned.update is None
+    assert [side.done for side in planned.side_jobs] == [done] and planned.update is None
     assert planned.join == [b] and planned.step == [a.key, b.key]
-    assert scheduler.next_round(TIMEOUT).control == []
+    assert scheduler.next_round(TIMEOUT).side_jobs == []
 
 
 def test_a_cancelled_update_frees_its_place_at_once(loop):
@@ -169,3 +179,54 @@ def test_ended_streams_are_dropped(loop):
     planned = scheduler.next_round(TIMEOUT)
     assert planned.drop == [running.key] and planned.join == [] and planned.step == []
     assert scheduler.in_flight == 0
+
+
+def test_a_rollout_held_at_a_prune_point_sits_out_until_its_own_prune(loop):
+    """Held after its prune point, a rollout sits out the rounds while another steps; a prune with
+    another rollout's control token is refused and releases nothing; its own prune goes to the
+    engine in the next round, the rollout stepping in it, the answer left to the engine."""
+    scheduler = Scheduler(max_queued=8, max_running_samples=64, prune_hold_seconds=3600.0)
+    held, other = tree_job(loop, "held"), tree_job(loop, "other")
+    scheduler.submit(held)
+    scheduler.submit(other)
+    assert scheduler.next_round(TIMEOUT).step == [held.key, other.key]
+    scheduler.hold(held.key)
+    for _ in range(3):
+        assert scheduler.next_round(TIMEOUT).step == [other.key]
+    with pytest.raises(ForeignRollout):
+        scheduler.prune("held", other.control_token, [1])
+    assert held.control_token != other.control_token
+    assert scheduler.next_round(TIMEOUT).step == [other.key]
+    answer = scheduler.prune("held", held.control_token, [1])
+    planned = scheduler.next_round(TIMEOUT)
+    assert planned.prune == {held.key: [1]} and planned.answers == {held.key: [answer]}
+    assert planned.step == [held.key, other.key] and not answer.done()
+
+
+def test_a_hold_ends_after_its_bound_and_wakes_the_worker(loop):
+    """With nothing else to do, the worker's wait for a round ends when the hold does: the round
+    steps the rollout, long before the idle timeout it was given."""
+    scheduler = Scheduler(max_queued=8, max_running_samples=64, prune_hold_seconds=TIMEOUT)
+    held = tree_job(loop, "held")
+    scheduler.submit(held)
+    scheduler.next_round(TIMEOUT)
+    scheduler.hold(held.key)
+    assert scheduler.next_round(timeout=3600.0).step == [held.key]
+
+
+def test_a_prune_of_a_rollout_that_ends_first_is_answered_too_late(loop):
+    """A prune that comes while its rollout takes its last round, or whose stream has ended, applies
+    nothing: its caller hears so, and is never left waiting."""
+    scheduler = Scheduler(max_queued=8, max_running_samples=64)
+    finishing, leaving = tree_job(loop, "finishing"), tree_job(loop, "leaving")
+    scheduler.submit(finishing)
+    scheduler.submit(leaving)
+    scheduler.next_round(TIMEOUT)
+    late = scheduler.prune("finishing", finishing.control_token, [1])
+    left = scheduler.prune("leaving", leaving.control_token, [2])
+    scheduler.update({finishing.key: None})
+    leaving.outbox.close()
+    assert scheduler.next_round(TIMEOUT).drop == [leaving.key]
+    for answer in (late, left):
+        with pytest.raises(PruneTooLate):
+            answer.result(timeout=0)

@@ -21,7 +21,15 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from helpers import SERVER_THREADS, health_status, imported_modules, metrics_url, scrape, start_server
+from helpers import (
+    HOLDING_OPTIONS,
+    SERVER_THREADS,
+    health_status,
+    imported_modules,
+    metrics_url,
+    scrape,
+    start_server,
+)
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RetryPolicy, RolloutClient
@@ -31,8 +39,6 @@ from rollout_server.presets import PRESETS, resolve_model
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 WAIT_SECONDS = 30.0
-# A fixed 64 KiB stream window: the server can only run a few steps ahead of its reader.
-HOLDING_OPTIONS = [("grpc.http2.bdp_probe", 0)]
 
 
 def long_request(request_id: str) -> rollout_pb2.RolloutRequest:
@@ -407,6 +413,7 @@ def test_requests_waiting_for_a_policy_version_hold_no_rollout_slot(one_slot):
         (("--max-message-bytes", "100000"), "--max-message-bytes must be in"),
         (("--max-message-bytes", str(2**30)), "--max-message-bytes must be in"),
         (("--stall-seconds", "0"), "--stall-seconds must be positive"),
+        (("--prune-hold-seconds", "nan"), "--prune-hold-seconds must be positive"),
     ],
 )
 def test_unworkable_limits_are_startup_errors(flags, message):

@@ -120,8 +120,10 @@ def metrics_rows(out: Path) -> int:
 @pytest.fixture(scope="module")
 def train_client(cache_dir, tiny_flux_folder, tmp_path_factory):
     """This module's server. Each trainer run pushes its own policy before its first rollout, so the
-    runs share it: a run sees nothing of the ones before it."""
-    server = start_server(cache_dir, tmp_path_factory.mktemp("train") / "server.log")
+    runs share it: a run sees nothing of the ones before it. It holds a rollout at its prune point
+    for as long as the trainer takes to score it."""
+    log = tmp_path_factory.mktemp("train") / "server.log"
+    server = start_server(cache_dir, log, "--prune-hold-seconds", "3600")
     try:
         with RolloutClient(server.address, timeout=120) as client:
             yield client
@@ -362,26 +364,19 @@ def test_steps_scored_while_streaming_train_as_after_the_stream(train_client, tm
 
 def test_tree_rollouts_pruned_early_train_every_edge_on_policy(train_client, tmp_path):
     """--tree: two roots per prompt fork at steps 0 and 1 (8 leaves a prompt). When step 1 arrives the
-    trainer keeps each prompt's best and worst node by predicted reward and prunes the other 6; every
-    edge left is trained once, on the policy that sampled it, and the adapter moves."""
-    flags = (
-        "--group-size",
-        "2",
-        "--tree",
-        "0:2,1:2",
-        "--steps",
-        "24",
-        "--prune-at",
-        "1",
-        "--prune-keep",
-        "2",
-    )
-    rows = run_trainer(train_client.address, tmp_path / "tree", *flags)
-    unpruned = 4 + 8 + 16 * 22  # the distinct latents of each step's forward, 2 prompts
+    trainer keeps each prompt's best and worst node by predicted reward and asks the server to prune
+    the other 6; the server, holding the rollout at that step, stops every one of them at step 2
+    (so the rollout costs exactly the rows of a tree pruned there), every edge left is trained once,
+    on the policy that sampled it, and the adapter moves."""
+    steps = 4  # the server would run past the prune point long before a prune without the hold
+    flags = ("--group-size", "2", "--tree", "0:2,1:2", "--steps", str(steps), "--prune-at", "1")
+    rows = run_trainer(train_client.address, tmp_path / "tree", *flags, "--prune-keep", "2")
+    pruned_at_2 = 2 * (2 + 4 + 2 * (steps - 2))  # per prompt: 2 roots, 4 children, then 2 kept leaves
     for row in rows:
         assert float(row["ratio_max_dev"]) <= TOLERANCE and math.isfinite(float(row["loss"]))
-        assert row["scored_steps"] == " ".join(map(str, range(24)))
-        assert int(row["pruned_leaves"]) == 2 * 6 and int(row["transformer_rows"]) < unpruned
+        assert row["scored_steps"] == " ".join(map(str, range(steps)))
+        assert int(row["prune_asked"]) == int(row["prune_stopped"]) == 2 * 6
+        assert int(row["pruned_leaves"]) == 2 * 6 and int(row["transformer_rows"]) == pruned_at_2
     adapter = load_file(tmp_path / "tree" / "lora" / "adapter_model.safetensors")
     assert any(tensor.abs().max() > 0 for name, tensor in adapter.items() if "lora_B" in name)
 
@@ -478,8 +473,15 @@ def test_arguments_that_cannot_train_are_refused(trainer, capsys, flag, value, m
         (["--tree", "9:2", "--steps", "6"], "--tree: every branch step must be in [0, --steps)"),
         (["--tree", "1-2"], "--tree: not step:factor[:noise_level]: '1-2'"),
         (["--tree", "1:1", "--group-size", "1"], "argument --group-size: must be at least 2"),
+        (["--tree", "1:0"], "--tree: every branch step must be in [0, --steps), every factor at least 1"),
         (["--prune-at", "1"], "--prune-at prunes a tree: it needs --tree"),
+        (["--tree", "1:1", "--prune-at", "1"], "--prune-at prunes a tree: it needs --tree, with a factor"),
         (["--tree", "1:2", "--prune-at", "1", "--async"], "--prune-at prunes as the rollout streams"),
+        (["--tree", "2:2", "--prune-at", "1"], "--prune-at 1 is before --tree's first fork at step 2"),
+        (["--tree", "1:2", "--prune-at", "5", "--steps", "6"], "--prune-at must be below --steps - 1 (5)"),
+        (["--tree", "1:2", "--prune-at", "1", "--prune-keep", "1000"], "--prune-keep 1000 prunes nothing"),
+        (["--tree", "1:2", "--prune-keep", "4"], "--prune-keep is what --prune-at keeps: it needs"),
+        (["--tree-advantages", "backed-up"], "--tree-advantages scores the nodes of a tree: it needs --tree"),
     ],
 )
 def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, message):

@@ -3,10 +3,13 @@ noise of the documented rule, a tree of factors 1 is the flat rollout bitwise, s
 prefix bitwise (on the wire once, in memory once), the transformer rows are the tree's formula, and
 PruneRollout stops nodes at a step boundary without touching anything else."""
 
+import itertools
+
 import grpc
 import pytest
 import torch
 from helpers import (
+    HOLDING_OPTIONS,
     TOLERANCE,
     assert_replays,
     family_request,
@@ -20,7 +23,7 @@ from helpers import (
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient, grpo
-from rollout_client.events import Pruned, Step
+from rollout_client.events import Image, Pruned, Step
 from rollout_client.trajectory import Collector, Trajectory
 from rollout_core import noise
 
@@ -223,49 +226,59 @@ def test_a_fork_at_a_step_without_noise_is_refused(client):
 def test_server_info_lists_trees(client):
     info = client.server_info()
     assert "tree" in info.features and info.limits.max_tree_nodes == 1024
+    assert "prune_points" in info.features and info.limits.prune_hold_seconds == 10
 
 
 # Pruning -------------------------------------------------------------------------------------------
 
-# Long enough that a prune sent after the first steps lands before the last one.
-LONG_TREE = {
+# A tree that the client prunes when step 1 arrives: the rollout is held there (its prune point) until
+# the prune comes, so the prune lands at step 2 however fast the server runs.
+PRUNED_TREE = {
     "samples_per_prompt": 1,
-    "num_steps": 40,
+    "num_steps": 6,
     "branches": branches((1, 2), (3, 2)),
     "debug_tensors": [EPS],
+    "prune_points": [1],
 }
 
 
 @pytest.fixture(scope="module")
 def solo_client(tiny_flux_folder, cache_dir, tmp_path_factory):
     """A server that runs every row in a forward of its own (--max-batch-size 1): a row's numbers do
-    not depend on how many rows step with it, not even through the model's float rounding."""
-    server = start_server(cache_dir, tmp_path_factory.mktemp("tree") / "solo.log", "--max-batch-size", "1")
+    not depend on how many rows step with it, not even through the model's float rounding. It holds
+    a rollout at a prune point for as long as any test takes to answer."""
+    log = tmp_path_factory.mktemp("tree") / "solo.log"
+    server = start_server(cache_dir, log, "--max-batch-size", "1", "--prune-hold-seconds", "3600")
     with RolloutClient(server.address, timeout=300) as solo:
         yield solo
     assert server.stop() == 0
+
+
+def stream_pruned(source: RolloutClient, request, at_step: int, nodes: list[int]):
+    """The events of ``request``, pruning ``nodes`` when step ``at_step`` arrives; and the answer."""
+    events, answer = [], None
+    for event in source.stream(request):
+        events.append(event)
+        if isinstance(event, Step) and event.index == at_step:
+            answer = source.prune(events[0], nodes)
+    return events, answer
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["solo-forwards", "batched-forwards"])
 def test_pruned_nodes_take_no_more_steps_and_the_others_are_unchanged(solo_client, client, batched):
     """On a server whose forwards hold one row each, the rows left after a prune are bitwise what they
     are without it. With batching on, their latents may differ by the model's float rounding at the
-    smaller batch size (within the batching tolerance); eps and log-probs stay bitwise."""
+    smaller batch size (within the batching tolerance); eps and log-probs stay bitwise. The prune
+    lands at the step after the prune point, as its answer says."""
     source = client if batched else solo_client
-    request = tree_request(request_id=f"prune-{batched}", **LONG_TREE)
-    full = split_events(source.stream(replaced(request, request_id="whole")))
-    events = []
-    for event in source.stream(request):
-        events.append(event)
-        if isinstance(event, Step) and event.index == 1:
-            # The stream holds a few messages at most before the rollout parks: this lands mid-way.
-            prune = rollout_pb2.PruneRolloutRequest(request_id=request.request_id, nodes=[2])
-            answer = source.stub.PruneRollout(prune)
+    request = tree_request(request_id=f"prune-{batched}", **PRUNED_TREE)
+    full = split_events(source.stream(replaced(request, request_id="whole", prune_points=[])))
+    events, answer = stream_pruned(source, request, at_step=1, nodes=[2])
     tree = full.trajectories()[0].tree
     below = sorted(node.id for node in tree.descendants(2))
-    assert list(answer.nodes) == below
+    assert list(answer.nodes) == below and answer.step == 2
     (pruned,) = [event for event in events if isinstance(event, Pruned)]
-    assert pruned.nodes == below and 2 <= pruned.step < 40
+    assert pruned.nodes == below and pruned.step == 2
     steps = [event for event in events if isinstance(event, Step)]
     full_steps = {step.index: step for step in full.steps}
     assert sorted(full_steps) == [step.index for step in steps]
@@ -287,15 +300,70 @@ def test_pruned_nodes_take_no_more_steps_and_the_others_are_unchanged(solo_clien
 
 
 def test_pruning_every_leaf_ends_the_rollout_with_ok(client):
-    request = tree_request(request_id="prune-all", images=True, **LONG_TREE)
-    events = []
-    for event in client.stream(request):
-        events.append(event)
-        if isinstance(event, Step) and event.index == 0:
-            client.stub.PruneRollout(rollout_pb2.PruneRolloutRequest(request_id="prune-all", nodes=[0, 1]))
+    request = tree_request(request_id="prune-all", images=True, **{**PRUNED_TREE, "prune_points": [0]})
+    events, answer = stream_pruned(client, request, at_step=0, nodes=[0, 1])
+    assert answer.step == 1 and len(answer.nodes) == len(events[0].message.tree)
     kinds = [type(event).__name__ for event in events]
-    assert kinds[-1] == "Finished" and "Image" not in kinds and kinds.count("Pruned") == 1
-    assert events[-1].message.transformer_rows < expected_rows(2, {1: 2, 3: 2}, 40, 1)
+    assert kinds == ["Started", "Step", "Pruned", "Finished"]
+    assert events[-1].message.transformer_rows == 2  # step 0's forward of the two roots
+
+
+def test_a_held_rollout_waits_for_its_caller_while_another_runs_whole(solo_client):
+    """Held after its prune point, a rollout takes no step however long its caller takes (here: a
+    whole other rollout); the other rollout is not held up. Its caller's "no prune" releases it."""
+    held = tree_request(request_id="held", **PRUNED_TREE)
+    stream = solo_client.stream(held)
+    started = next(stream)
+    assert [event.index for event in itertools.islice(stream, 2)] == [0, 1]
+    other = split_events(solo_client.stream(tree_request(request_id="other", num_steps=6)))
+    assert [step.index for step in other.steps] == list(range(6))
+    answer = solo_client.prune(started)  # the explicit "no prune"
+    assert list(answer.nodes) == [] and answer.step == 2
+    rest = list(stream)
+    assert [event.index for event in rest if isinstance(event, Step)] == [2, 3, 4, 5]
+    assert not any(isinstance(event, Pruned) for event in rest)
+
+
+def test_a_prune_after_the_last_step_is_too_late(server):
+    """Once the last step has been taken, a prune stops nothing and says so, and no pruned event
+    comes. The rollout is still there: it has 64 images to decode, and with a fixed stream window it
+    parks a few messages ahead of a reader that stops."""
+    request = tree_request(request_id="late", images=True, branches=branches((0, 4), (2, 8)))
+    with RolloutClient(server.address, timeout=300, channel_options=HOLDING_OPTIONS) as reader:
+        stream = reader.stream(request)
+        started = next(stream)
+        for event in stream:
+            if isinstance(event, Step) and event.index == request.num_steps - 1:
+                break
+        with pytest.raises(grpc.RpcError) as raised:
+            reader.prune(started, [2])
+        rest = list(stream)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "has taken its last step" in raised.value.details()
+    assert not any(isinstance(event, Pruned) for event in rest)
+    assert sum(isinstance(event, Image) for event in rest) == 2 * 4 * 8  # every leaf's image
+
+
+def test_only_the_rollouts_caller_can_prune_it(client, server):
+    """Another connection that knows the request id, without the rollout's control token or with
+    another rollout's, is refused and stops nothing; each rollout has a token of its own."""
+    with RolloutClient(server.address, timeout=300) as stranger:
+        mine = client.stream(tree_request(request_id="mine", **PRUNED_TREE))
+        started = next(mine)
+        assert [event.index for event in itertools.islice(mine, 2)] == [0, 1]  # held after step 1
+        theirs = next(stranger.stream(tree_request(request_id="theirs", **PRUNED_TREE)))
+        for forged in ("", theirs.message.control_token, started.message.control_token[:-1]):
+            prune = rollout_pb2.PruneRolloutRequest(request_id="mine", nodes=[2], control_token=forged)
+            with pytest.raises(grpc.RpcError) as raised:
+                stranger.stub.PruneRollout(prune)
+            assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        tokens = {started.message.control_token, theirs.message.control_token}
+        answer = client.prune(started, [2])
+        assert answer.step == 2
+        events = list(mine)
+    (pruned,) = [event for event in events if isinstance(event, Pruned)]
+    assert pruned.step == 2  # the forged prunes did not release the hold, the real one did
+    assert len(tokens) == 2 and all(len(token) == 43 for token in tokens)  # 256 bits, URL-safe base64
 
 
 def test_prune_refusals_name_what_is_wrong(client, server):
@@ -310,17 +378,36 @@ def test_prune_refusals_name_what_is_wrong(client, server):
 
     def refusal(request_id: str, nodes: list[int], request: rollout_pb2.RolloutRequest) -> grpc.RpcError:
         """The error of a prune sent once the rollout ``request`` has taken its first step."""
-        for event in client.stream(replaced(request, request_id=request_id)):
+        stream = client.stream(replaced(request, request_id=request_id))
+        started = next(stream)
+        for event in stream:
             if isinstance(event, Step):
                 with pytest.raises(grpc.RpcError) as raised:
-                    stub.PruneRollout(rollout_pb2.PruneRolloutRequest(request_id=request_id, nodes=nodes))
+                    client.prune(started, nodes)
                 return raised.value  # closes the stream
         raise AssertionError("the rollout took no step")
 
-    tree = tree_request(**LONG_TREE)
+    tree = tree_request(**PRUNED_TREE)
     unknown = refusal("unknown-node", [1, 999], tree)
     assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [v.field for v in field_violations(unknown)] == ["nodes[1]"]
-    flat = refusal("flat", [0], replaced(tree, branches=[]))
+    flat = refusal("flat", [0], replaced(tree, branches=[], prune_points=[]))
     assert [v.field for v in field_violations(flat)] == ["request_id"]
     assert health_status(client.channel) == 1
+
+
+@pytest.mark.parametrize(
+    "points, fields, field",
+    [
+        ([5], {}, "prune_points[0]"),  # num_steps is 6: no step follows 5
+        ([1, 1], {}, "prune_points[1]"),
+        ([3, 2], {}, "prune_points[1]"),
+        ([1], {"branches": []}, "prune_points"),  # a flat rollout has nothing to prune
+        (range(101), {}, "prune_points"),  # counted before any is read
+    ],
+)
+def test_bad_prune_points_are_refused_naming_the_field(client, points, fields, field):
+    with pytest.raises(grpc.RpcError) as raised:
+        client.rollout(tree_request(**{**PRUNED_TREE, "prune_points": list(points), **fields}))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [violation.field for violation in field_violations(raised.value)] == [field]

@@ -1,4 +1,5 @@
-"""``RolloutClient``: call a rollout server, get typed events or whole trajectories, push weights."""
+"""``RolloutClient``: call a rollout server, get typed events or whole trajectories, prune trees,
+push weights."""
 
 import json
 import threading
@@ -13,7 +14,7 @@ from tqdm import tqdm
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client.channel import DEFAULT_RETRY, RetryPolicy, base_options, previous_attempts
 from rollout_client.credentials import TLS, bearer_metadata
-from rollout_client.events import Event, decode_stream
+from rollout_client.events import Event, Started, decode_stream
 from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
 from rollout_core import codec
@@ -158,6 +159,18 @@ class RolloutClient:
         """Run a rollout to the end and return one Trajectory per sample."""
         request = as_request(request, fields)
         return collect(self.stream(request), [image.data for image in request.condition_images])
+
+    def prune(self, started: Started, nodes: Sequence[int] = ()) -> rollout_pb2.PruneRolloutResponse:
+        """Stop ``nodes`` of the tree rollout that ``started`` began, and every node below them, at
+        its next step. The started event carries the rollout's control token, which the server asks
+        for: only the rollout's caller has it. The answer is what the server stopped: every node
+        pruned so far, and ``step``, the first step they do not take. No nodes is an explicit "no
+        prune", which lets a rollout held at one of its ``prune_points`` go on. A rollout that has
+        taken its last step stops nothing: grpc.RpcError FAILED_PRECONDITION."""
+        request = rollout_pb2.PruneRolloutRequest(
+            request_id=started.request_id, nodes=nodes, control_token=started.message.control_token
+        )
+        return self.stub.PruneRollout(request, timeout=self.timeout, metadata=self.metadata)
 
     def update_weights(
         self,

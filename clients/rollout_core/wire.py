@@ -61,6 +61,9 @@ FEATURE_EXPERTS = "experts"  # several transformers (Wan 2.2): steps name theirs
 FEATURE_TREE = "tree"  # requests take branches (tree rollouts), and PruneRollout is served
 FEATURE_WEIGHT_SYNC = "weight_sync"  # InitWeightSync, UpdateWeightsFromGroup, DestroyWeightSync
 FEATURE_CONDITION_IMAGES = "condition_images"  # requests carry a conditioning image per prompt
+# Requests take prune_points (held there for the caller's prune); PruneRollout answers what it stopped
+# and the step, and takes the rollout's control token.
+FEATURE_PRUNE_POINTS = "prune_points"
 
 _ENV_PREFIX = "env/"
 # An env JSON entry that stands for a tensor of the buffer: {"tensor": "<name>"}.
