@@ -8,6 +8,11 @@ from rollout_client.channel import MAX_RECEIVE_BYTES
 
 # Just below 4 MiB, so grpcurl and default gRPC clients (4 MiB receive limit) work unchanged.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024
+# gRPC's default receive limit: every request without images that the default limits admit fits in it
+# (the largest, 65 prompts of 4096 four-byte characters, takes about 1 MiB).
+_REQUEST_BYTES = 4 * 1024 * 1024
+# gRPC takes its message limits as 32-bit signed integers.
+_GRPC_MAX_BYTES = 2**31 - 1
 # Policy versions (an update's, a request's minimum) stay below 2^63: a version at the top of the
 # uint64 range would leave no room for the next update.
 MAX_POLICY_VERSION = 2**63 - 1
@@ -66,6 +71,21 @@ class Limits:
     # 12 MiB of RGB, one image at a time, in tens of milliseconds.
     max_image_bytes: int = 4 * 1024 * 1024
     max_image_pixels: int = 4 * 1024 * 1024
+    # Decode work grows with a JPEG's scans too: libjpeg decodes each scan of a progressive JPEG over
+    # the whole image, some 5 ms at 2048 x 2048 on a 2-core CPU however small the scan. Its own
+    # progressive mode writes 10 scans for a colour image (6 for grayscale).
+    max_image_scans: int = 32
+    # Conditioning images in one request (one per prompt): 16 files of max_image_bytes fit in the
+    # receive limit (see max_request_bytes); 16 prompts of 4 samples fill max_samples.
+    max_condition_images: int = 16
+
+    def max_request_bytes(self, takes_images: bool) -> int:
+        """The largest request the server receives, its gRPC receive limit (gRPC refuses a larger one
+        with RESOURCE_EXHAUSTED before it is read): room for the prompts these limits admit (as a
+        started event echoes them, at least gRPC's default 4 MiB), and for an image-conditioned model
+        ``max_condition_images`` files of ``max_image_bytes`` besides."""
+        rest = max(_REQUEST_BYTES, self.min_message_bytes)
+        return rest + (self.max_condition_images * self.max_image_bytes if takes_images else 0)
 
     @property
     def min_message_bytes(self) -> int:
@@ -95,9 +115,16 @@ class Limits:
             ("--max-tree-nodes", self.max_tree_nodes),
             ("max_image_bytes", self.max_image_bytes),
             ("max_image_pixels", self.max_image_pixels),
+            ("max_image_scans", self.max_image_scans),
+            ("max_condition_images", self.max_condition_images),
         ):
             if not value > 0:
                 raise ValueError(f"{option} must be positive, got {value}")
+        if self.max_request_bytes(takes_images=True) > _GRPC_MAX_BYTES:
+            raise ValueError(
+                f"max_condition_images x max_image_bytes must stay below {_GRPC_MAX_BYTES} bytes with the "
+                "rest of a request: gRPC's receive limit"
+            )
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"--memory-budget must be positive, got {self.memory_budget}")
 
@@ -125,4 +152,6 @@ class Limits:
             max_tree_nodes=self.max_tree_nodes,
             max_image_bytes=self.max_image_bytes,
             max_image_pixels=self.max_image_pixels,
+            max_image_scans=self.max_image_scans,
+            max_condition_images=self.max_condition_images,
         )

@@ -135,6 +135,7 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
         features=features(adapter, options.weights_root),
     )
     info.limits.max_update_bytes = engine.max_update_bytes
+    info.limits.max_request_bytes = serving.max_request_bytes
     info.limits.memory_budget_bytes = engine.memory_budget.limit
     return RolloutService(engine, metrics, serving, info, options.weights_root, options.upload_idle_seconds)
 
@@ -182,13 +183,17 @@ class RolloutServer:
     ):
         self.service = service
         self.grace_seconds = grace_seconds
-        max_message = service.serving.limits.max_message_bytes
         metrics = service.metrics
         interceptors = []
         if tokens is not None and tokens.enabled:
             interceptors.append(TokenInterceptor(tokens, lambda code: metrics.reject(code.name.lower())))
         self.server = grpc.aio.server(
-            options=[("grpc.max_send_message_length", max_message), ("grpc.so_reuseport", 0)],
+            options=[
+                ("grpc.max_send_message_length", service.serving.limits.max_message_bytes),
+                # The largest request the limits admit, its conditioning images included.
+                ("grpc.max_receive_message_length", service.serving.max_request_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
             interceptors=interceptors,
         )
         add_rollout_service(service, self.server)

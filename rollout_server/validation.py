@@ -73,6 +73,11 @@ class ServingContext:
     takes_images: bool = False
     conditioning_tokens: Callable[[MediaShape], int] = lambda shape: 0
 
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest request this server receives (see ``Limits.max_request_bytes``)."""
+        return self.limits.max_request_bytes(self.takes_images)
+
     @classmethod
     def of(
         cls, adapter: FamilyAdapter, defaults: FamilyDefaults, limits: Limits, seq_len_divisor: int = 1
@@ -266,11 +271,11 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
 def _image_problems(request: rollout_pb2.RolloutRequest, context: ServingContext) -> list[tuple[str, str]]:
     """The conditioning images: one per prompt for an image-conditioned family, none otherwise, each
     checked and decoded (see rollout_server.images); counted before any is read."""
-    count = len(request.condition_images)
+    count, limit = len(request.condition_images), context.limits.max_condition_images
     if not context.takes_images:
         return [("condition_images", "this model takes no conditioning images")] if count else []
-    if count > context.limits.max_samples:  # as many as prompts at most: never read a million
-        return [("condition_images", f"{count} images exceed {context.limits.max_samples} prompts")]
+    if count > limit:  # never read a million
+        return [("condition_images", f"{count} images: at most {limit} in one request")]
     if count != len(request.prompts):
         return [("condition_images", f"{count} images for {len(request.prompts)} prompts: one per prompt")]
     bad = []

@@ -1,11 +1,15 @@
 """Conditioning images are hostile input: each bad file is refused with INVALID_ARGUMENT naming
-``condition_images[i]``, before any work, and the server stays SERVING; a good one is read, resized
-and described in the started event. The prompt cache keys on the image: the same text with another
-image is another env, the same text and image a hit that is bitwise what encoding gives."""
+``condition_images[i]``, before any work (a scan bomb before any decode), and the server stays
+SERVING; a good one is read by the mode table, resized and described in the started event; images
+at the byte limit reach the image check, never gRPC's receive limit. The
+prompt cache keys on the image: the same text with another image is another env, the same text and
+image a hit that is bitwise what encoding gives."""
 
 import hashlib
 import io
+import re
 import struct
+import threading
 import zlib
 
 import grpc
@@ -25,6 +29,7 @@ from PIL import Image
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Trajectory
+from rollout_client.channel import RETRY_BUFFER_BYTES
 from rollout_client.images import LABEL_HEIGHT
 from rollout_server import families, images
 from rollout_server.families.base import MediaShape
@@ -41,14 +46,47 @@ def encoded(image: Image.Image, format: str = "PNG", **options) -> bytes:
     return buffer.getvalue()
 
 
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_by_hand(width: int, height: int, bits: int, colour_type: int, rows: list[bytes]) -> bytes:
+    """A PNG written chunk by chunk (what Pillow does not write: 2-bit grayscale, 16-bit RGB), each
+    row unfiltered."""
+    header = struct.pack(">IIBBBBB", width, height, bits, colour_type, 0, 0, 0)
+    pixels = zlib.compress(b"".join(b"\x00" + row for row in rows))
+    return (
+        images.PNG_SIGNATURE
+        + png_chunk(b"IHDR", header)
+        + png_chunk(b"IDAT", pixels)
+        + png_chunk(b"IEND", b"")
+    )
+
+
 def png_claiming(width: int, height: int) -> bytes:
     """A PNG whose header states ``width`` x ``height`` RGB pixels, with no pixel data."""
+    return png_by_hand(width, height, 8, 2, [])
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+def padded_png(size: int) -> bytes:
+    """A valid PNG of exactly ``size`` bytes: a conditioning image with a private ancillary chunk of
+    zeros before its IEND (12 bytes), which decoders skip."""
+    png = condition_png(0)
+    return png[:-12] + png_chunk(b"prVt", bytes(size - len(png) - 12)) + png[-12:]
+
+
+def progressive_jpeg(side: int = 2048) -> bytes:
+    """A flat colour at ``side`` x ``side``, progressive: libjpeg's 10 scans, the last one (the luma's
+    AC refinement) 18 bytes."""
+    return encoded(Image.new("RGB", (side, side), (120, 80, 200)), "JPEG", progressive=True)
+
+
+def scan_bomb(jpeg: bytes, repeats: int) -> bytes:
+    """``jpeg`` with its last scan (SOS segment and entropy-coded data, up to EOI) ``repeats`` times
+    over: libjpeg decodes each over the whole image. Its last 0xFF 0xDA is the last scan's marker,
+    as entropy-coded data holds none."""
+    last = jpeg.rindex(b"\xff\xda")
+    return jpeg[:last] + jpeg[last:-2] * repeats + jpeg[-2:]
 
 
 def hostile_images() -> dict[str, tuple[bytes, str]]:
@@ -57,16 +95,22 @@ def hostile_images() -> dict[str, tuple[bytes, str]]:
     palette = rgb.convert("P")
     palette.info["transparency"] = 0
     frames = [rgb, rgb.rotate(90)]
+    png, jpeg = encoded(rgb), encoded(rgb, "JPEG")
+    over = images.MAX_SEGMENTS + 1
     return {
         "truncated": (encoded(rgb)[:1500], "truncated"),
         "100000x100000 header": (png_claiming(100_000, 100_000), "pixels"),
         "cmyk": (encoded(rgb.convert("CMYK"), "JPEG"), "CMYK"),
-        "16-bit": (encoded(Image.fromarray(np.full((8, 8), 40000, dtype=np.uint16))), "I;16"),
-        "palette with transparency": (encoded(palette, transparency=0), "transparency"),
+        "16-bit": (encoded(Image.fromarray(np.full((8, 8), 40000, dtype=np.uint16))), "16 bits"),
+        "palette with transparency": (encoded(palette, transparency=0), "transparent"),
         "animated gif": (encoded(rgb, "GIF", save_all=True, append_images=frames[1:]), "PNG or JPEG"),
         "animated png": (encoded(rgb, "PNG", save_all=True, append_images=frames[1:]), "frames"),
         "zero bytes": (b"", "empty"),
         "not an image": (b"GIF89a? no: a text file\n" * 4, "PNG or JPEG"),
+        "scan bomb": (scan_bomb(progressive_jpeg(), 10_000), "scans"),
+        "comment flood": (jpeg[:2] + b"\xff\xfe\x00\x02" * over + jpeg[2:], "marker segments"),
+        "stray bytes": (jpeg[:20] + b"\x00" * over + jpeg[20:], "stray bytes"),  # after its APP0
+        "chunk flood": (png[:-12] + png_chunk(b"IDAT", b"") * over + png[-12:], "chunks"),
     }
 
 
@@ -77,7 +121,7 @@ HOSTILE = hostile_images()
 def test_each_hostile_file_is_refused_with_a_reason(name):
     data, word = HOSTILE[name]
     with pytest.raises(images.BadImage, match=word):
-        images.check(data, Limits())
+        images.read(data, Limits(), 64, 64, "latents")
 
 
 def test_a_good_image_is_converted_resized_and_described():
@@ -96,12 +140,112 @@ def test_a_good_image_is_converted_resized_and_described():
     assert np.array_equal(np.asarray(same.image), np.asarray(Image.open(io.BytesIO(condition_png(1)))))
 
 
+def decodes(monkeypatch) -> list[str]:
+    """The thread of each decode of a file from now on: PIL asks for a PNG ("zip") or JPEG decoder
+    once per decode (its "raw" decoder only copies pixels, as ``Image.frombytes`` does)."""
+    threads = []
+    get_decoder = Image._getdecoder
+
+    def counted(mode, decoder_name, *args, **kwargs):
+        if decoder_name in ("zip", "jpeg"):
+            threads.append(threading.current_thread().name)
+        return get_decoder(mode, decoder_name, *args, **kwargs)
+
+    monkeypatch.setattr(Image, "_getdecoder", counted)
+    return threads
+
+
+def test_a_scan_bomb_is_refused_before_any_decode(monkeypatch):
+    """A flat 2048 x 2048 progressive JPEG whose 18-byte last scan is repeated 10,000 times: 185 KB
+    that libjpeg would decode 10,000 times over the whole image. It is refused, naming its scans,
+    before PIL is asked for a decoder; the JPEG it was made from decodes, once. The bound counts the
+    scans exactly: libjpeg's 10 pass a bound of 10, not one of 9."""
+    threads = decodes(monkeypatch)
+    jpeg = progressive_jpeg()
+    bomb = scan_bomb(jpeg, 10_000)
+    assert len(bomb) < 200_000
+    with pytest.raises(images.BadImage, match=f"more than {Limits().max_image_scans} scans"):
+        images.read(bomb, Limits(), 64, 64, "latents")
+    assert threads == []
+    images.read(jpeg, Limits(), 64, 64, "latents")
+    assert len(threads) == 1
+    images.check_header(jpeg, Limits(max_image_scans=10))
+    with pytest.raises(images.BadImage, match="more than 9 scans"):
+        images.check_header(jpeg, Limits(max_image_scans=9))
+
+
+def mode_table() -> dict[str, tuple[bytes, str | None, np.ndarray | None]]:
+    """Each kind of file: (its bytes, the mode it is read as, or None if refused, then the RGB pixels
+    it must become, or None where JPEG's loss leaves them to libjpeg) or (bytes, None, the word its
+    refusal says). Pixels are 8 x 8, and each expectation is the documented rule applied by hand."""
+    values = np.arange(64, dtype=np.uint8).reshape(8, 8)
+    grey = values * 4
+    rgb = np.stack([grey, 255 - grey, np.full_like(grey, 7)], axis=-1)
+    bits = values % 3 == 0
+    two_bits = values % 4
+    packed = [
+        bytes((a << 6) | (b << 4) | (c << 2) | d for a, b, c, d in row.reshape(-1, 4).tolist())
+        for row in two_bits
+    ]
+    palette = np.random.default_rng(1).integers(0, 256, (256, 3), dtype=np.uint8)
+    indexed = Image.fromarray(values % 16, "P")
+    indexed.putpalette(palette.flatten().tolist())
+    full_index = Image.fromarray(grey, "P")
+    full_index.putpalette(palette.flatten().tolist())
+    sixteen = [np.full(8 * 3, 40000, dtype=">u2").tobytes()] * 8
+    return {
+        "png 1-bit": (encoded(Image.fromarray(bits)), "1", np.repeat(bits[..., None] * 255, 3, axis=-1)),
+        "png 2-bit grey": (png_by_hand(8, 8, 2, 0, packed), "L", np.repeat(two_bits[..., None] * 85, 3, -1)),
+        "png 8-bit grey": (encoded(Image.fromarray(grey)), "L", np.repeat(grey[..., None], 3, axis=-1)),
+        "png rgb": (encoded(Image.fromarray(rgb)), "RGB", rgb),
+        "png 4-bit palette": (encoded(indexed, bits=4), "P", palette[values % 16]),
+        "png 8-bit palette": (encoded(full_index), "P", palette[grey]),
+        "jpeg grey": (encoded(Image.fromarray(grey), "JPEG"), "L", None),
+        "jpeg rgb": (encoded(Image.fromarray(rgb), "JPEG"), "RGB", None),
+        "jpeg progressive": (encoded(Image.fromarray(rgb), "JPEG", progressive=True), "RGB", None),
+        "png 16-bit rgb": (png_by_hand(8, 8, 16, 2, sixteen), None, "16 bits per channel"),
+        "png 16-bit grey": (
+            encoded(Image.fromarray(grey.astype(np.uint16) * 257)),
+            None,
+            "16 bits per channel",
+        ),
+        "png grey with tRNS": (encoded(Image.fromarray(grey), transparency=0), None, "transparent colour"),
+        "png rgb with tRNS": (
+            encoded(Image.fromarray(rgb), transparency=(0, 255, 7)),
+            None,
+            "transparent colour",
+        ),
+        "png palette with tRNS": (encoded(indexed, transparency=3), None, "transparent colour"),
+        "png grey + alpha": (encoded(Image.fromarray(rgb).convert("LA")), None, "mode 'LA'"),
+        "png rgba": (encoded(Image.fromarray(rgb).convert("RGBA")), None, "mode 'RGBA'"),
+        "jpeg cmyk": (encoded(Image.fromarray(rgb).convert("CMYK"), "JPEG"), None, "mode 'CMYK'"),
+    }
+
+
+MODE_TABLE = mode_table()
+
+
+@pytest.mark.parametrize("name", list(MODE_TABLE))
+def test_the_mode_table(name):
+    """The table of docs/protocol.md, file by file: read as the mode it names and converted by its
+    rule, or refused saying why."""
+    data, mode, outcome = MODE_TABLE[name]
+    if mode is None:
+        with pytest.raises(images.BadImage, match=re.escape(outcome)):
+            images.read(data, Limits(), 8, 8, "latents")
+        return
+    read = images.read(data, Limits(), 8, 8, "latents")
+    assert (read.info.mode, read.image.mode, read.info.resample) == (mode, "RGB", "none")
+    if outcome is not None:
+        assert np.array_equal(np.asarray(read.image), outcome)
+
+
 def test_the_pixel_bound_is_read_from_the_header_before_decoding():
     limits = Limits(max_image_pixels=64 * 63)
     with pytest.raises(images.BadImage, match="64 x 64 pixels, above 4032"):
-        images.check(condition_png(0), limits)
+        images.check_header(condition_png(0), limits)
     with pytest.raises(images.BadImage, match="bytes, above 100"):
-        images.check(condition_png(0), Limits(max_image_bytes=100))
+        images.check_header(condition_png(0), Limits(max_image_bytes=100))
 
 
 @pytest.fixture
@@ -123,6 +267,46 @@ def test_the_server_refuses_every_hostile_image_by_index_and_keeps_serving(famil
         assert [v.field for v in violations] == ["condition_images[1]"], name
         assert word in violations[0].description, name
     assert health_status(family_client.channel) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_images_at_the_byte_limit_reach_the_image_check_not_grpcs_limit(family_client, family):
+    """The receive limit makes room for max_condition_images files of max_image_bytes: a request of
+    16 such files is read, one byte more in a file is refused naming it, and one image more is
+    refused by count; never gRPC's RESOURCE_EXHAUSTED. The client's retry buffer holds such a
+    request."""
+    limits = Limits()
+    limit, count = limits.max_image_bytes, limits.max_condition_images
+    info = family_client.server_info().limits
+    assert (info.max_image_bytes, info.max_condition_images) == (limit, count)
+    assert info.max_request_bytes == limits.max_request_bytes(takes_images=True) == RETRY_BUFFER_BYTES
+    at_limit = padded_png(limit)
+    assert len(at_limit) == limit
+
+    def request(files: list[bytes]) -> rollout_pb2.RolloutRequest:
+        return family_request(
+            family,
+            "ODE",
+            cfg=False,
+            prompts=[f"make it blue {p}" for p in range(len(files))],
+            samples_per_prompt=1,
+            num_steps=1,
+            condition_images=[rollout_pb2.ConditionImage(data=data) for data in files],
+        )
+
+    started = next(iter(family_client.stream(request([at_limit] * count)))).message
+    assert [i.sha256 for i in started.condition_images] == [hashlib.sha256(at_limit).hexdigest()] * count
+    for files, field, description in (
+        ([at_limit, padded_png(limit + 1)], "condition_images[1]", f"has {limit + 1} bytes, above {limit}"),
+        (
+            [condition_png(0)] * (count + 1),
+            "condition_images",
+            f"{count + 1} images: at most {count} in one request",
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            family_client.rollout(request(files))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [(v.field, v.description) for v in field_violations(refused.value)] == [(field, description)]
 
 
 @pytest.mark.parametrize("count", [0, 1, 3])

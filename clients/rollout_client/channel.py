@@ -20,9 +20,11 @@ from rollout.v1 import rollout_pb2
 
 # Large enough for any message a server sends (its limit is reported by GetServerInfo).
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024
-# gRPC keeps a request it may have to send again until the call commits: enough for any request a
-# server takes (gRPC's default 4 MiB receive limit), above gRPC's own 256 KiB.
-RETRY_BUFFER_BYTES = 4 * 1024 * 1024
+# gRPC keeps a request it may have to send again until the call commits (a larger one is sent once,
+# never retried): enough for any request a server with the default limits takes (its
+# `limits.max_request_bytes`: 16 conditioning images of 4 MiB and 4 MiB for the rest), above gRPC's
+# own 256 KiB.
+RETRY_BUFFER_BYTES = 68 * 1024 * 1024
 # gRPC sends each retry with this header: the number of earlier attempts. A server reports it back in
 # the trailer (absent on a first attempt).
 PREVIOUS_ATTEMPTS_HEADER = "grpc-previous-rpc-attempts"
