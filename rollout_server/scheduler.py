@@ -18,7 +18,8 @@ Rollouts and weight updates wait in one queue, in arrival order. The engine's wo
   whose client has not yet taken its buffered messages (``Outbox.full``) stays out of the batch,
   its state kept, until the client reads again (or the stream's stall limit ends it).
 
-Bounds: at most ``max_queued`` rollouts queued or running (more get RESOURCE_EXHAUSTED), at most
+Bounds: at most ``max_queued`` rollouts queued or running (more get RESOURCE_EXHAUSTED), and at most
+``max_image_bytes`` of conditioning-image pixels held by the queued ones (likewise), at most
 ``max_running_samples`` samples running (or one larger rollout alone) within the memory budget, and
 per stream at most ``STREAM_BUFFER`` messages plus one event's messages buffered.
 """
@@ -30,12 +31,15 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout.v1 import rollout_pb2
 from rollout_core.tree import Tree, widest
 from rollout_server.errors import InvalidRequest, Overloaded, UnknownRollout
 from rollout_server.memory import MemoryBudget, RolloutMemory
+
+if TYPE_CHECKING:
+    from rollout_server.images import ConditionImage
 
 # Messages a stream may hold unsent before its rollout is parked.
 STREAM_BUFFER = 8
@@ -113,10 +117,12 @@ class Outbox:
 
 @dataclass(eq=False)
 class RolloutJob:
-    request: rollout_pb2.RolloutRequest  # resolved
+    request: rollout_pb2.RolloutRequest  # resolved, without its conditioning images' files
     outbox: Outbox
     submitted_at: float  # perf_counter
     memory: RolloutMemory = RolloutMemory()  # its estimate (see memory.py)
+    # Decoded at admission; the engine takes them when the rollout joins.
+    condition_images: list["ConditionImage"] = field(default_factory=list)
     key: int = -1  # set by the scheduler: the rollout's id in the engine, on every rank
     parked_rounds: int = 0  # rounds it sat out while its client was slow to read
     tree: Tree | None = None  # a tree rollout's, for checking prunes
@@ -131,6 +137,10 @@ class RolloutJob:
     @property
     def dropped(self) -> bool:
         return self.outbox.closed
+
+    @property
+    def image_bytes(self) -> int:
+        return sum(image.nbytes for image in self.condition_images)
 
 
 @dataclass(eq=False)
@@ -163,10 +173,17 @@ class Round:
 
 
 class Scheduler:
-    def __init__(self, max_queued: int, max_running_samples: int, memory: MemoryBudget | None = None):
+    def __init__(
+        self,
+        max_queued: int,
+        max_running_samples: int,
+        memory: MemoryBudget | None = None,
+        max_image_bytes: int | None = None,
+    ):
         self.max_queued = max_queued
         self.max_running_samples = max_running_samples
         self.memory = memory  # None: no memory bound
+        self.max_image_bytes = max_image_bytes  # of the queued rollouts' images; None: no bound
         self._changed = threading.Condition()
         self._queue: deque[RolloutJob | UpdateJob] = deque()
         self.running: dict[int, RolloutJob] = {}
@@ -186,11 +203,25 @@ class Scheduler:
         """Rollouts and weight updates waiting to start."""
         return len(self._queue)
 
+    @property
+    def queued_image_bytes(self) -> int:
+        """The pixels of the conditioning images that queued rollouts hold."""
+        with self._changed:
+            return sum(
+                job.image_bytes for job in self._queue if isinstance(job, RolloutJob) and not job.dropped
+            )
+
     def submit(self, job: RolloutJob) -> None:
         """Queue a rollout, or raise Overloaded."""
         with self._changed:  # a reentrant lock: in_flight takes it again
             if (in_flight := self.in_flight) >= self.max_queued:
                 raise Overloaded(f"{in_flight} rollouts queued or running (limit {self.max_queued})")
+            held, limit = self.queued_image_bytes, self.max_image_bytes
+            if job.image_bytes and limit is not None and held + job.image_bytes > limit:
+                raise Overloaded(
+                    f"queued rollouts hold {held} bytes of conditioning images; this one's "
+                    f"{job.image_bytes} would pass the limit of {limit}"
+                )
             job.key = next(self._keys)
             self._queue.append(job)
             self._changed.notify()
