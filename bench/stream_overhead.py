@@ -16,6 +16,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,7 +35,10 @@ from rollout_server.presets import defaults_for, resolve_model
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
 from rollout_server.runner import Runner
 from rollout_server.sampler import advance
-from rollout_server.validation import ServingContext, resolve
+from rollout_server.validation import ServingContext, read_images, resolve
+
+if TYPE_CHECKING:
+    from rollout_server.images import ConditionImage
 
 
 def in_process_runner(preset: str, cache_dir: Path) -> tuple[Runner, ServingContext]:
@@ -52,10 +56,12 @@ def in_process_runner(preset: str, cache_dir: Path) -> tuple[Runner, ServingCont
     return runner, ServingContext.of(adapter, defaults, Limits())
 
 
-def in_process_seconds(runner: Runner, request: rollout_pb2.RolloutRequest) -> float:
+def in_process_seconds(
+    runner: Runner, request: rollout_pb2.RolloutRequest, condition_images: list["ConditionImage"]
+) -> float:
     """(a): prompt encoding and the sampler loop, no events, no serialisation."""
     begin = time.perf_counter()
-    rollout = runner.prepare(0, request)
+    rollout = runner.prepare(0, request, condition_images)
     while not rollout.done:
         velocities = runner.velocities([rollout], dropped=lambda key: False)
         advance(rollout.plan, rollout.state, velocities.guided[rollout.key])
@@ -124,15 +130,16 @@ def measure(label: str, preset: str, fields: dict, args, cache_dir: Path, log_di
     if runner.adapter.takes_images:  # editing and image-to-video: an input image per prompt
         request.condition_images.extend(rollout_pb2.ConditionImage(data=gradient_png(p)) for p in range(2))
     request = resolve(request, serving)
+    condition_images = read_images(request, serving)  # as admission decodes them, once
     server_args = ["--model", preset, "--cache-dir", str(cache_dir), "--threads", str(args.threads)]
     server = LocalServer.start(log_dir / f"{preset}.log", *server_args)
     try:
         with RolloutClient(server.address, timeout=600) as client:
-            in_process_seconds(runner, request)  # warm-up both sides
+            in_process_seconds(runner, request, condition_images)  # warm-up both sides
             streamed_seconds(client, request)
             a_runs, b_runs = [], []
             for _ in range(args.repeats):
-                a_runs.append(in_process_seconds(runner, request))
+                a_runs.append(in_process_seconds(runner, request, condition_images))
                 seconds, tensor_bytes = streamed_seconds(client, request)
                 b_runs.append(seconds)
     finally:

@@ -10,8 +10,9 @@ decode. The worker never waits on a client: a slow one parks its own rollout, an
 one of its prune points (until its caller's prune, or the hold's bound) sits out rounds the same way.
 
 Sequence parallelism: rank 0 broadcasts each round (the keys to drop and to step, and the requests
-that join) and each update; the other ranks run the same round without streaming (``follow``), so
-every rank forms the same forwards. A failure every rank meets alike (a request the split cannot
+that join, with the pixels of their conditioning images as admission decoded them: no rank decodes a
+file) and each update; the other ranks run the same round without streaming (``follow``), so every
+rank forms the same forwards. A failure every rank meets alike (a request the split cannot
 take, a non-finite step) ends that rollout on every rank; any other failure in a forward under
 sequence parallelism is a ``RankFailure`` that takes the server down, since the ranks may be out of
 step.
@@ -44,6 +45,7 @@ from rollout_server.errors import (
     WeightSyncFailed,
 )
 from rollout_server.families.base import FamilyAdapter, MediaShape
+from rollout_server.images import ConditionImage
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import (
     HEARTBEAT,
@@ -82,28 +84,43 @@ if TYPE_CHECKING:
 log = logging.getLogger("rollout_server.engine")
 
 
+# A rollout joining a round: its key, its resolved request and its conditioning images.
+Joining = tuple[int, rollout_pb2.RolloutRequest, list[ConditionImage]]
+
+
 def encode_round(planned: Round) -> bytes:
-    """A round as rank 0 broadcasts it: a JSON header, then each joining request's bytes."""
-    requests = [job.request.SerializeToString() for job in planned.join]
+    """A round as rank 0 broadcasts it: a JSON header, then each joining request's bytes, each
+    followed by its conditioning images (their description and RGB pixels)."""
+    parts, join = [], []
+    for job in planned.join:
+        images = [image.pack() for image in job.condition_images]
+        request = job.request.SerializeToString()
+        join.append([job.key, len(request), [[len(info), len(pixels)] for info, pixels in images]])
+        parts += [request, *(part for image in images for part in image)]
     header = {
         "drop": planned.drop,
-        "join": [[job.key, len(data)] for job, data in zip(planned.join, requests, strict=True)],
+        "join": join,
         "prune": [[key, nodes] for key, nodes in planned.prune.items()],
         "step": planned.step,
     }
-    return json.dumps(header).encode() + b"\n" + b"".join(requests)
+    return json.dumps(header).encode() + b"\n" + b"".join(parts)
 
 
-def decode_round(
-    payload: bytes,
-) -> tuple[list[int], list[tuple[int, rollout_pb2.RolloutRequest]], dict[int, list[int]], list[int]]:
-    """(drop, join as (key, request), prune, step) of an encoded round."""
+def decode_round(payload: bytes) -> tuple[list[int], list[Joining], dict[int, list[int]], list[int]]:
+    """(drop, join, prune, step) of an encoded round."""
     header_bytes, _, data = payload.partition(b"\n")
     header = json.loads(header_bytes)
     join, offset = [], 0
-    for key, size in header["join"]:
-        join.append((key, rollout_pb2.RolloutRequest.FromString(data[offset : offset + size])))
+
+    def take(size: int) -> bytes:
+        nonlocal offset
         offset += size
+        return data[offset - size : offset]
+
+    for key, size, image_sizes in header["join"]:
+        request = rollout_pb2.RolloutRequest.FromString(take(size))
+        images = [ConditionImage.unpack(take(info), take(pixels)) for info, pixels in image_sizes]
+        join.append((key, request, images))
     return header["drop"], join, dict(header["prune"]), header["step"]
 
 
@@ -190,7 +207,8 @@ class Engine:
             limits.max_queued_requests,
             limits.max_running_samples,
             self.memory_budget,
-            limits.prune_hold_seconds,
+            prune_hold_seconds=limits.prune_hold_seconds,
+            max_image_bytes=limits.max_queued_image_bytes,
         )
         self._decode_profile = self.adapter.measure_decode() if self.parallel.is_leader else None
         self.policy = Policy(self.adapter.experts, self.parallel)
@@ -216,14 +234,17 @@ class Engine:
             raise InvalidRequest(too_large)
         return estimate
 
-    def open_stream(self, resolved: rollout_pb2.RolloutRequest) -> Outbox:
-        """Queue a resolved rollout (on the running event loop's thread). Iterating the returned stream
-        gives its encoded RolloutResponse messages and raises its failure at the end; ``close()`` it
-        once done, however it ended, which drops the rollout if it still runs. InvalidRequest if it
-        cannot fit the memory budget, Overloaded if the queue is full."""
+    def open_stream(
+        self, resolved: rollout_pb2.RolloutRequest, condition_images: list[ConditionImage] = ()
+    ) -> Outbox:
+        """Queue a resolved rollout (on the running event loop's thread), with its conditioning images
+        as admission decoded them (the request keeps no files). Iterating the returned stream gives its
+        encoded RolloutResponse messages and raises its failure at the end; ``close()`` it once done,
+        however it ended, which drops the rollout if it still runs. InvalidRequest if it cannot fit the
+        memory budget, Overloaded if the queue is full or holds too many images' pixels."""
         estimate = self.check_fits(resolved)
         stream = Outbox(asyncio.get_running_loop(), self.scheduler.wake)
-        job = RolloutJob(resolved, stream, time.perf_counter(), estimate)
+        job = RolloutJob(resolved, stream, time.perf_counter(), estimate, list(condition_images))
         if resolved.branches:
             job.tree = tree_of(resolved)
         self.scheduler.submit(job)
@@ -404,8 +425,12 @@ class Engine:
         """Broadcast a round and run it; then its ended rollouts leave. A prune it did not apply (its
         rollout had ended, or the round failed) is answered PruneTooLate."""
         try:
-            self.parallel.broadcast_command(ROUND, encode_round(planned))
-            joining = [(job.key, job.request) for job in planned.join]
+            # Encoded only for other ranks to read: it copies the images' pixels.
+            payload = encode_round(planned) if self.parallel.enabled else b""
+            self.parallel.broadcast_command(ROUND, payload)
+            joining = [(job.key, job.request, job.condition_images) for job in planned.join]
+            for job in planned.join:
+                job.condition_images = []  # the runner's now: freed once it has encoded them
             ended = self._run_round(planned.drop, joining, planned.prune, planned.step, planned.answers)
         finally:
             for answer in itertools.chain(*planned.answers.values()):
@@ -442,7 +467,7 @@ class Engine:
     def _run_round(
         self,
         drop: list[int],
-        join: list[tuple[int, rollout_pb2.RolloutRequest]],
+        join: list[Joining],
         prune: dict[int, list[int]],
         step: list[int],
         answers: dict[int, list[Future]] | None = None,
@@ -454,8 +479,8 @@ class Engine:
         self._ended = {}
         for key in drop:
             self._rollouts.pop(key, None)
-        for key, request in join:
-            self._join(key, request)
+        for key, request, condition_images in join:
+            self._join(key, request, condition_images)
         for key, nodes in prune.items():
             if (rollout := self._rollouts.get(key)) is not None:
                 self._prune(rollout, nodes, (answers or {}).get(key, []))
@@ -519,10 +544,12 @@ class Engine:
         job = self.scheduler.running.get(key)
         return job is not None and job.dropped
 
-    def _join(self, key: int, request: rollout_pb2.RolloutRequest) -> None:
+    def _join(
+        self, key: int, request: rollout_pb2.RolloutRequest, condition_images: list[ConditionImage]
+    ) -> None:
         joined_at = time.perf_counter()
         try:
-            rollout = self.runner.prepare(key, request)
+            rollout = self.runner.prepare(key, request, condition_images)
         except InvalidRequest as error:  # every rank meets it: the split cannot take the lengths
             self._end(key, error)
             return

@@ -1,4 +1,4 @@
-"""Conditioning images: hostile input, bounded before they are decoded.
+"""Conditioning images: hostile input, bounded before they are decoded, and decoded once.
 
 A request's ``condition_images`` are files a client sent. Each is checked in this order, and the
 first failure names its field (``condition_images[i]``):
@@ -22,7 +22,8 @@ first failure names its field (``condition_images[i]``):
 
 A checked image is converted to RGB and resized to the request's width x height with Lanczos, as
 diffusers' image processors resize (``resample="lanczos"``); an image of that size already is used
-as it is. Its SHA-256 (of the file's bytes) keys the prompt cache.
+as it is. Its SHA-256 (of the file's bytes) keys the prompt cache. This happens once, at admission:
+the engine's worker (and every sequence-parallel rank) works from those pixels.
 """
 
 import hashlib
@@ -68,6 +69,21 @@ class ConditionImage:
     @property
     def sha256(self) -> str:
         return self.info.sha256
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its pixels hold."""
+        return self.image.width * self.image.height * len(self.image.getbands())
+
+    def pack(self) -> tuple[bytes, bytes]:
+        """(its description, its RGB pixels), as rank 0 sends it to the other ranks."""
+        return self.info.SerializeToString(), self.image.tobytes()
+
+    @classmethod
+    def unpack(cls, info: bytes, pixels: bytes) -> "ConditionImage":
+        described = rollout_pb2.ConditionImageInfo.FromString(info)
+        size = (described.resized_width, described.resized_height)
+        return cls(Image.frombytes("RGB", size, pixels), described)
 
 
 def _jpeg_scans(data: bytes, max_scans: int) -> None:
@@ -163,20 +179,14 @@ def check_header(data: bytes, limits: "Limits") -> None:
     _open(data, limits)
 
 
-def check(data: bytes, limits: "Limits") -> Image.Image:
-    """One conditioning image, checked and decoded (in its own mode); BadImage if it is refused."""
+def read(data: bytes, limits: "Limits", width: int, height: int, encoding: str) -> ConditionImage:
+    """One conditioning image, checked, decoded, converted to RGB and resized to ``width`` x
+    ``height``; BadImage if it is refused. ``encoding`` says how the family encodes it."""
     image = _open(data, limits)
     try:
         image.load()
     except Exception:
         raise BadImage("is truncated or corrupt: its pixels do not decode") from None
-    return image
-
-
-def read(data: bytes, limits: "Limits", width: int, height: int, encoding: str) -> ConditionImage:
-    """One conditioning image, checked, decoded, converted to RGB and resized to ``width`` x
-    ``height``; BadImage if it is refused. ``encoding`` says how the family encodes it."""
-    image = check(data, limits)
     rgb = image.convert("RGB")
     resized = rgb.size != (width, height)
     if resized:

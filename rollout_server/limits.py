@@ -47,7 +47,8 @@ class Limits:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # A trainer's iteration may send tens of small requests at once. A queued request holds only its
     # request (received, parsed and resolved: at most about 4 MiB for the largest one these limits
-    # admit), so the queue holds at most about 1 GiB, and a few MiB for typical requests.
+    # admit, its conditioning images' files left out) and those images' pixels (max_queued_image_bytes
+    # for all together), so the queue holds at most about 2 GiB, and a few MiB for typical requests.
     max_queued_requests: int = 256
     max_running_samples: int = 64
     max_waiting_requests: int = 64
@@ -78,6 +79,11 @@ class Limits:
     # Conditioning images in one request (one per prompt): 16 files of max_image_bytes fit in the
     # receive limit (see max_request_bytes); 16 prompts of 4 samples fill max_samples.
     max_condition_images: int = 16
+    # An image is decoded once, at admission; its RGB pixels at the request's size wait with its
+    # request. Queued requests hold at most this much of them, and requests waiting for a policy
+    # version as much again; beyond it a request is refused with RESOURCE_EXHAUSTED, as from a full
+    # queue. 1 GiB: five requests of 16 images at 2048 x 2048, or 1365 single images at 512 x 512.
+    max_queued_image_bytes: int = 1024**3
 
     def max_request_bytes(self, takes_images: bool) -> int:
         """The largest request the server receives, its gRPC receive limit (gRPC refuses a larger one
@@ -125,6 +131,12 @@ class Limits:
                 f"max_condition_images x max_image_bytes must stay below {_GRPC_MAX_BYTES} bytes with the "
                 "rest of a request: gRPC's receive limit"
             )
+        largest = self.max_condition_images * self.max_side**2 * 3
+        if self.max_queued_image_bytes < largest:
+            raise ValueError(
+                f"max_queued_image_bytes must be at least {largest}: the pixels of "
+                f"{self.max_condition_images} images at {self.max_side} x {self.max_side}, one request's"
+            )
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"--memory-budget must be positive, got {self.memory_budget}")
 
@@ -154,4 +166,5 @@ class Limits:
             max_image_pixels=self.max_image_pixels,
             max_image_scans=self.max_image_scans,
             max_condition_images=self.max_condition_images,
+            max_queued_image_bytes=self.max_queued_image_bytes,
         )

@@ -33,12 +33,12 @@ from rollout_core.transformer_call import apply_guidance, call_transformer, stac
 from rollout_core.tree import Tree
 from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import FamilyAdapter, MediaShape
-from rollout_server.images import read as read_image
 from rollout_server.prompt_cache import Conditioning, PromptCache
 from rollout_server.sampler import SamplerPlan, SamplerState, init, regroup, stochastic_steps
 from rollout_server.validation import check_prompt_tokens
 
 if TYPE_CHECKING:
+    from rollout_server.images import ConditionImage
     from rollout_server.limits import Limits
     from rollout_server.metrics import ServerMetrics
     from rollout_server.parallel import SequenceParallel
@@ -178,7 +178,6 @@ class Runner:
     ):
         self.adapter = adapter
         self.parallel = parallel
-        self.limits = limits
         self.max_batch_size = limits.max_batch_size
         # A forward takes at most the elements of one row at the largest admitted shape.
         self.max_forward_elements = limits.max_latent_elements
@@ -189,8 +188,11 @@ class Runner:
         self._stacked: dict[tuple, dict[str, Any]] = {}
 
     @torch.inference_mode()
-    def prepare(self, key: int, request: rollout_pb2.RolloutRequest) -> Rollout:
-        """Encode the prompts (through the prompt cache) and set up the schedule, plan and x_0.
+    def prepare(
+        self, key: int, request: rollout_pb2.RolloutRequest, condition_images: list["ConditionImage"] = ()
+    ) -> Rollout:
+        """Encode the prompts and their conditioning images (decoded at admission: the worker never
+        decodes a file) through the prompt cache, and set up the schedule, plan and x_0.
         InvalidRequest if the sequence-parallel split cannot take the prompts' token lengths."""
         adapter = self.adapter
         group = request.samples_per_prompt
@@ -199,10 +201,6 @@ class Runner:
         cfg = cfg_scale > 1.0
         shape = MediaShape.of(request)
         negative_prompt = request.negative_prompt if cfg else None
-        condition_images = [
-            read_image(image.data, self.limits, shape.width, shape.height, adapter.image_encoding)
-            for image in request.condition_images  # checked at admission already
-        ]
         encoded = self.prompt_cache.encode(
             list(request.prompts), negative_prompt, request.guidance_scale, shape, condition_images
         )

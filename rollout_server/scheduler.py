@@ -25,7 +25,8 @@ Rollouts and weight updates wait in one queue, in arrival order. The engine's wo
   A rollout that has just taken one of its ``prune_points`` is held the same way until a prune of it
   arrives (its caller decided on the step it saw) or ``prune_hold_seconds`` pass.
 
-Bounds: at most ``max_queued`` rollouts queued or running (more get RESOURCE_EXHAUSTED), at most
+Bounds: at most ``max_queued`` rollouts queued or running (more get RESOURCE_EXHAUSTED), and at most
+``max_image_bytes`` of conditioning-image pixels held by the queued ones (likewise), at most
 ``max_running_samples`` samples running (or one larger rollout alone) within the memory budget, per
 stream at most ``STREAM_BUFFER`` messages plus one event's messages buffered, and a hold of at most
 ``prune_hold_seconds`` per prune point. A parked or held rollout delays itself alone: the worker
@@ -42,13 +43,16 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout.v1 import rollout_pb2
 from rollout_core.tree import Tree, widest
 from rollout_server.errors import ForeignRollout, InvalidRequest, Overloaded, PruneTooLate, UnknownRollout
 from rollout_server.limits import Limits
 from rollout_server.memory import MemoryBudget, RolloutMemory
+
+if TYPE_CHECKING:
+    from rollout_server.images import ConditionImage
 
 # Messages a stream may hold unsent before its rollout is parked.
 STREAM_BUFFER = 8
@@ -147,10 +151,12 @@ def new_control_token() -> str:
 
 @dataclass(eq=False)
 class RolloutJob:
-    request: rollout_pb2.RolloutRequest  # resolved
+    request: rollout_pb2.RolloutRequest  # resolved, without its conditioning images' files
     outbox: Outbox
     submitted_at: float  # perf_counter
     memory: RolloutMemory = RolloutMemory()  # its estimate (see memory.py)
+    # Decoded at admission; the engine takes them when the rollout joins.
+    condition_images: list["ConditionImage"] = field(default_factory=list)
     key: int = -1  # set by the scheduler: the rollout's id in the engine, on every rank
     parked_rounds: int = 0  # rounds it sat out while its client was slow to read
     tree: Tree | None = None  # a tree rollout's, for checking prunes
@@ -174,6 +180,10 @@ class RolloutJob:
             if prune.answer.set_running_or_notify_cancel():  # else its caller left
                 prune.answer.set_exception(error)
         self.prunes = []
+
+    @property
+    def image_bytes(self) -> int:
+        return sum(image.nbytes for image in self.condition_images)
 
 
 @dataclass(eq=False)
@@ -219,11 +229,13 @@ class Scheduler:
         max_running_samples: int,
         memory: MemoryBudget | None = None,
         prune_hold_seconds: float = Limits.prune_hold_seconds,
+        max_image_bytes: int | None = None,
     ):
         self.max_queued = max_queued
         self.max_running_samples = max_running_samples
         self.memory = memory  # None: no memory bound
         self.prune_hold_seconds = prune_hold_seconds
+        self.max_image_bytes = max_image_bytes  # of the queued rollouts' images; None: no bound
         self._changed = threading.Condition()
         self._queue: deque[RolloutJob | UpdateJob] = deque()
         self._side_jobs: list[UpdateJob] = []
@@ -244,11 +256,25 @@ class Scheduler:
         """Rollouts and weight updates waiting to start."""
         return len(self._queue)
 
+    @property
+    def queued_image_bytes(self) -> int:
+        """The pixels of the conditioning images that queued rollouts hold."""
+        with self._changed:
+            return sum(
+                job.image_bytes for job in self._queue if isinstance(job, RolloutJob) and not job.dropped
+            )
+
     def submit(self, job: RolloutJob) -> None:
         """Queue a rollout, or raise Overloaded."""
         with self._changed:  # a reentrant lock: in_flight takes it again
             if (in_flight := self.in_flight) >= self.max_queued:
                 raise Overloaded(f"{in_flight} rollouts queued or running (limit {self.max_queued})")
+            held, limit = self.queued_image_bytes, self.max_image_bytes
+            if job.image_bytes and limit is not None and held + job.image_bytes > limit:
+                raise Overloaded(
+                    f"queued rollouts hold {held} bytes of conditioning images; this one's "
+                    f"{job.image_bytes} would pass the limit of {limit}"
+                )
             job.key = next(self._keys)
             self._queue.append(job)
             self._changed.notify()

@@ -32,7 +32,7 @@ from rollout_server.errors import (
     UploadIdle,
     WeightSyncFailed,
 )
-from rollout_server.validation import ServingContext, quoted, resolve
+from rollout_server.validation import ServingContext, quoted, read_images, resolve
 from rollout_server.weights import files, group, upload
 
 if TYPE_CHECKING:
@@ -190,6 +190,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         # Set, and replaced by a fresh one, whenever a weight update job ends (see _wait_for_policy).
         self._policy_changed = asyncio.Event()
         self._waiting = 0  # requests waiting for their min_policy_version
+        self._waiting_image_bytes = 0  # the pixels of their conditioning images
 
     async def GetServerInfo(self, request, context):
         if request is None:
@@ -360,23 +361,29 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         self.shutting_down = True
         self._policy_advanced()
 
-    async def _wait_for_policy(self, resolved: rollout_pb2.RolloutRequest) -> None:
+    async def _wait_for_policy(self, resolved: rollout_pb2.RolloutRequest, image_bytes: int) -> None:
         """Return once the engine runs ``resolved.min_policy_version`` or later. Waiting requests hold
-        no rollout slot: they have a bounded list of their own (Refused when it is full, or at
-        shutdown). The call's deadline bounds the wait."""
+        no rollout slot: they have a bounded list of their own, and hold at most
+        ``max_queued_image_bytes`` of conditioning pixels together (``image_bytes`` this one's; Refused
+        beyond either bound, or at shutdown). The call's deadline bounds the wait."""
         version = resolved.min_policy_version
         if self.engine.status().policy_version >= version:
             return
-        limit = self.serving.limits.max_waiting_requests
-        if self._waiting >= limit:
-            self.metrics.reject("overloaded")
-            raise Refused(
-                CallStatus(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{self._waiting} requests already wait for a policy version (limit {limit})",
-                )
+        limits = self.serving.limits
+        full = None
+        if self._waiting >= (most := limits.max_waiting_requests):
+            full = f"{self._waiting} requests already wait for a policy version (limit {most})"
+        elif image_bytes and self._waiting_image_bytes + image_bytes > limits.max_queued_image_bytes:
+            full = (
+                f"requests waiting for a policy version hold {self._waiting_image_bytes} bytes of "
+                f"conditioning images; this one's {image_bytes} would pass the limit of "
+                f"{limits.max_queued_image_bytes}"
             )
+        if full is not None:
+            self.metrics.reject("overloaded")
+            raise Refused(CallStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, full))
         self._waiting += 1
+        self._waiting_image_bytes += image_bytes
         log.info("rollout id=%s waits for policy version %d", resolved.request_id, version)
         try:
             while True:
@@ -391,6 +398,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             raise
         finally:
             self._waiting -= 1
+            self._waiting_image_bytes -= image_bytes
 
     def _applied(self, update: "WeightUpdate", started_at: float) -> dict:
         """The fields UpdateWeightsResponse and LoadWeightsResponse share."""
@@ -470,20 +478,28 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if request is None:
             raise Refused(self._rejection("-", InvalidRequest([("request", NOT_A_PROTOBUF)])))
         try:
-            # Off the event loop: conditioning images are decoded to be checked.
-            resolved = await asyncio.to_thread(resolve, request, self.serving)
+            # Off the event loop: conditioning images are walked, then decoded.
+            resolved, condition_images = await asyncio.to_thread(self._resolve, request)
         except InvalidRequest as error:
             raise Refused(self._rejection(quoted(request.request_id or "-"), error)) from None
         try:
             if resolved.HasField("min_policy_version"):
                 self.engine.check_fits(resolved)  # a rollout too large is refused at once, not after the wait
-                await self._wait_for_policy(resolved)
-            return resolved, self.engine.open_stream(resolved)
+                await self._wait_for_policy(resolved, sum(image.nbytes for image in condition_images))
+            return resolved, self.engine.open_stream(resolved, condition_images)
         except InvalidRequest as error:
             raise Refused(self._rejection(quoted(resolved.request_id), error)) from None
         except Overloaded as error:
             self.metrics.reject("overloaded")
             raise Refused(CallStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))) from None
+
+    def _resolve(self, request: rollout_pb2.RolloutRequest):
+        """The resolved request, without its conditioning images' files, and those images decoded:
+        each file is decoded here once, and the engine works from its pixels."""
+        resolved = resolve(request, self.serving)
+        condition_images = read_images(resolved, self.serving)
+        resolved.ClearField("condition_images")
+        return resolved, condition_images
 
     async def _write(self, context, message: rollout_pb2.RolloutResponse) -> None:
         """Send one message: StreamStalled if the client takes nothing for the stall limit, CallerLeft

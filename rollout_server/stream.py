@@ -92,8 +92,6 @@ def started_event(
         noise_levels=plan.noise_levels,
         condition_images=rollout.condition_images,
     )
-    # The images' bytes are the client's own; what they became is in the env and condition_images.
-    started.resolved.ClearField("condition_images")
     return started, env_tensors
 
 

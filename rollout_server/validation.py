@@ -72,6 +72,7 @@ class ServingContext:
     # on the sequence) the split cuts together with the generated ones.
     takes_images: bool = False
     conditioning_tokens: Callable[[MediaShape], int] = lambda shape: 0
+    image_encoding: str = ""  # how the family encodes a conditioning image
 
     @property
     def max_request_bytes(self) -> int:
@@ -98,6 +99,7 @@ class ServingContext:
             seq_len_divisor=seq_len_divisor,
             takes_images=adapter.takes_images,
             conditioning_tokens=adapter.conditioning_tokens,
+            image_encoding=adapter.image_encoding,
         )
 
 
@@ -270,7 +272,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
 
 def _image_problems(request: rollout_pb2.RolloutRequest, context: ServingContext) -> list[tuple[str, str]]:
     """The conditioning images: one per prompt for an image-conditioned family, none otherwise, each
-    checked and decoded (see rollout_server.images); counted before any is read."""
+    checked up to its pixels (see rollout_server.images); counted before any is read."""
     count, limit = len(request.condition_images), context.limits.max_condition_images
     if not context.takes_images:
         return [("condition_images", "this model takes no conditioning images")] if count else []
@@ -281,10 +283,30 @@ def _image_problems(request: rollout_pb2.RolloutRequest, context: ServingContext
     bad = []
     for i, image in enumerate(request.condition_images):
         try:
-            images.check(image.data, context.limits)
+            images.check_header(image.data, context.limits)
         except images.BadImage as error:
             bad.append((f"condition_images[{i}]", str(error)))
     return bad
+
+
+def read_images(resolved: rollout_pb2.RolloutRequest, context: ServingContext) -> list[images.ConditionImage]:
+    """The conditioning images of a resolved request, each decoded once, converted and resized to
+    the request's size: what the engine works from. Decoded only once every field is valid, so a
+    request refused for a field costs no decode. InvalidRequest naming each whose pixels do not
+    decode."""
+    read, bad = [], []
+    for i, image in enumerate(resolved.condition_images):
+        try:
+            read.append(
+                images.read(
+                    image.data, context.limits, resolved.width, resolved.height, context.image_encoding
+                )
+            )
+        except images.BadImage as error:
+            bad.append((f"condition_images[{i}]", str(error)))
+    if bad:
+        raise InvalidRequest(bad)
+    return read
 
 
 def _branch_problems(

@@ -1,16 +1,20 @@
 """Conditioning images are hostile input: each bad file is refused with INVALID_ARGUMENT naming
 ``condition_images[i]``, before any work (a scan bomb before any decode), and the server stays
-SERVING; a good one is read by the mode table, resized and described in the started event; images
-at the byte limit reach the image check, never gRPC's receive limit. The
+SERVING; a good one is decoded once, at admission, read by the mode table, resized and described in
+the started event; images at the byte limit reach the image check, never gRPC's receive limit. The
 prompt cache keys on the image: the same text with another image is another env, the same text and
 image a hit that is bitwise what encoding gives."""
 
+import asyncio
+import contextlib
 import hashlib
 import io
+import logging
 import re
 import struct
 import threading
 import zlib
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -18,6 +22,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 from helpers import (
+    FAMILIES,
     assert_same_kwargs,
     condition_image,
     condition_png,
@@ -27,14 +32,19 @@ from helpers import (
 )
 from PIL import Image
 
-from rollout.v1 import rollout_pb2
-from rollout_client import Trajectory
+from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_client import RolloutClient, Trajectory
 from rollout_client.channel import RETRY_BUFFER_BYTES
 from rollout_client.images import LABEL_HEIGHT
 from rollout_server import families, images
+from rollout_server.engine import Engine
 from rollout_server.families.base import MediaShape
 from rollout_server.limits import Limits
+from rollout_server.presets import defaults_for
 from rollout_server.prompt_cache import PromptCache
+from rollout_server.server import RolloutServer
+from rollout_server.service import RolloutService
+from rollout_server.validation import ServingContext
 
 IMAGE_FAMILIES = ["flux-kontext", "qwen-image-edit", "wan-i2v"]
 SHAPE = MediaShape(frames=1, height=64, width=64)
@@ -248,6 +258,16 @@ def test_the_pixel_bound_is_read_from_the_header_before_decoding():
         images.check_header(condition_png(0), Limits(max_image_bytes=100))
 
 
+def test_image_limits_that_leave_no_room_for_the_largest_request_are_refused():
+    """16 files of 128 MiB pass gRPC's 2 GiB message bound; a queue bound below one request's pixels
+    (16 images at 2048 x 2048) would refuse that request for ever."""
+    Limits().check()
+    with pytest.raises(ValueError, match="gRPC's receive limit"):
+        Limits(max_image_bytes=128 * 2**20).check()
+    with pytest.raises(ValueError, match=f"max_queued_image_bytes must be at least {16 * 2048**2 * 3}"):
+        Limits(max_queued_image_bytes=2**20).check()
+
+
 @pytest.fixture
 def family():
     return "flux-kontext"
@@ -307,6 +327,97 @@ def test_images_at_the_byte_limit_reach_the_image_check_not_grpcs_limit(family_c
             family_client.rollout(request(files))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert [(v.field, v.description) for v in field_violations(refused.value)] == [(field, description)]
+
+
+@contextlib.contextmanager
+def in_process_server(adapter, preset: str, limits: Limits) -> Iterator[str]:
+    """The address of a server running in this process (its event loop on a thread of its own) on
+    ``adapter``, so that what its threads do can be seen."""
+    engine = Engine(lambda: adapter, preset, limits)
+    serving = ServingContext.of(adapter, defaults_for(preset, adapter.defaults()), limits)
+    service = RolloutService(engine, engine.metrics, serving, rollout_pb2.GetServerInfoResponse())
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="event-loop")
+    thread.start()
+
+    def run(coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=120)
+
+    async def start() -> RolloutServer:
+        server = RolloutServer(service, "127.0.0.1", 0, grace_seconds=0)
+        await server.start()
+        return server
+
+    server = run(start())
+    try:
+        yield server.address
+    finally:
+        run(server.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def test_each_image_is_decoded_once_at_admission_and_never_on_the_worker(
+    family_resources, family, monkeypatch
+):
+    """Two conditioning images, each decoded once, on the thread admission runs on; the engine's
+    worker encodes their pixels and decodes no file, and the rollout streams to its end."""
+    request = family_request(family, "ODE", cfg=False, samples_per_prompt=1, num_steps=2)
+    adapter = family_resources.adapter(family)
+    server = in_process_server(adapter, FAMILIES[family].preset, Limits())
+    with server as address, RolloutClient(address, timeout=120) as client:
+        threads = decodes(monkeypatch)
+        trajectories = client.rollout(request)
+    assert len(trajectories) == 2
+    assert len(threads) == len(request.condition_images)
+    assert "rollout-worker" not in threads and "event-loop" not in threads, threads
+
+
+@contextlib.contextmanager
+def logged(text: str) -> Iterator[None]:
+    """Run the body, then wait until the server logs a message containing ``text``."""
+    seen = threading.Event()
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if text in record.getMessage():
+                seen.set()
+
+    handler = Handler()
+    service_log = logging.getLogger("rollout_server.service")
+    service_log.addHandler(handler)
+    try:
+        yield
+        assert seen.wait(timeout=60), text
+    finally:
+        service_log.removeHandler(handler)
+
+
+def test_requests_waiting_for_a_policy_version_hold_at_most_the_image_bound(family_resources, family, caplog):
+    """Bound: one request's two 64 x 64 images. While it waits for policy version 1, a second such
+    request is refused with RESOURCE_EXHAUSTED saying why; once the first has left, the second
+    waits in its place."""
+    image_bytes = 64 * 64 * 3
+    limits = Limits(max_queued_image_bytes=2 * image_bytes)
+    request = family_request(
+        family, "ODE", cfg=False, samples_per_prompt=1, num_steps=1, min_policy_version=1
+    )
+    caplog.set_level(logging.INFO, logger="rollout_server.service")
+    server = in_process_server(family_resources.adapter(family), FAMILIES[family].preset, limits)
+    with server as address, RolloutClient(address, timeout=60, retry=None) as client:
+        stub = rollout_pb2_grpc.RolloutServiceStub(client.channel)
+        with logged("waits for policy version 1"):
+            first = stub.Rollout(request)  # the call starts at once; nothing comes back
+        with pytest.raises(grpc.RpcError) as refused:
+            client.rollout(request)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"hold {2 * image_bytes} bytes of conditioning images" in refused.value.details()
+        with logged("gave up waiting for policy version 1"):
+            first.cancel()
+        with logged("waits for policy version 1"):
+            second = stub.Rollout(request)
+        second.cancel()
 
 
 @pytest.mark.parametrize("count", [0, 1, 3])

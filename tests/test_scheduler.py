@@ -3,10 +3,12 @@
 import asyncio
 
 import pytest
+from PIL import Image
 
 from rollout.v1 import rollout_pb2
 from rollout_core.tree import Tree
 from rollout_server.errors import ForeignRollout, Overloaded, PruneTooLate
+from rollout_server.images import ConditionImage
 from rollout_server.memory import RUNTIME_OVERHEAD, MemoryBudget, RolloutMemory
 from rollout_server.scheduler import Outbox, RolloutJob, Scheduler
 
@@ -20,10 +22,14 @@ def loop():
     loop.close()
 
 
-def job(loop, samples: int, limit: int = 2, held: int = 0) -> RolloutJob:
+def job(loop, samples: int, limit: int = 2, held: int = 0, images: int = 0) -> RolloutJob:
+    """A rollout of ``samples`` samples, with ``images`` conditioning images of 2 x 2 RGB pixels."""
     request = rollout_pb2.RolloutRequest(seeds=range(samples))
     outbox = Outbox(loop, wake=lambda: None, limit=limit)
-    return RolloutJob(request, outbox, submitted_at=0.0, memory=RolloutMemory(held=held))
+    pixels = [ConditionImage(Image.new("RGB", (2, 2)), rollout_pb2.ConditionImageInfo())] * images
+    return RolloutJob(
+        request, outbox, submitted_at=0.0, memory=RolloutMemory(held=held), condition_images=pixels
+    )
 
 
 def tree_job(loop, request_id: str) -> RolloutJob:
@@ -82,6 +88,22 @@ def test_admission_is_bounded(loop):
     with pytest.raises(Overloaded, match=r"2 rollouts queued or running \(limit 2\)"):
         scheduler.submit(job(loop, 1))
     assert scheduler.in_flight == 2
+
+
+def test_the_queued_rollouts_images_are_bounded(loop):
+    """Bound 24 bytes of pixels, two 12-byte images: a third is refused while two wait, a rollout
+    without images is not; once one joins, its images no longer count, and the third is queued."""
+    scheduler = Scheduler(max_queued=8, max_running_samples=1, max_image_bytes=24)
+    a, b, c = (job(loop, 1, images=1) for _ in range(3))
+    scheduler.submit(a)
+    scheduler.submit(b)
+    assert scheduler.queued_image_bytes == 24
+    with pytest.raises(Overloaded, match="hold 24 bytes of conditioning images; this one's 12 would pass"):
+        scheduler.submit(c)
+    scheduler.submit(job(loop, 1))
+    assert scheduler.next_round(TIMEOUT).join == [a]
+    assert scheduler.queued_image_bytes == 12
+    scheduler.submit(c)
 
 
 def test_a_cancelled_rollout_frees_its_place_at_once(loop):
