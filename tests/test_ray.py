@@ -1,6 +1,7 @@
 """Replicas as Ray actors on a real local Ray cluster: they serve a pool rollout; a killed actor (or a
 dead server inside one) is restarted by Ray, its old server does not outlive it, and the pool
-re-admits it."""
+re-admits it. The tests share one cluster (its start costs seconds of CPU), and `rollout-server ray`
+joins it by its address as it would join a running cluster."""
 
 import os
 import signal
@@ -27,6 +28,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free port whose successor is free too (replica k listens on base + k)."""
+    return next(port for port in iter(free_port, None) if not listening("127.0.0.1", port + 1))
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -42,13 +48,14 @@ def wait_until(condition, seconds: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-@pytest.fixture
-def ray_cluster(cache_dir, tiny_flux_folder):
+@pytest.fixture(scope="module")
+def ray_cluster(cache_dir, tiny_flux_folder) -> str:
+    """A local cluster for this module's tests; its GCS address."""
     from rollout_server.ray import connect
 
     connect(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        yield
+        yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
 
@@ -56,13 +63,15 @@ def ray_cluster(cache_dir, tiny_flux_folder):
 def test_replica_actors_serve_a_pool_and_come_back_after_a_kill(ray_cluster, cache_dir):
     from rollout_server.ray import launch
 
+    base = free_port_pair()
     replicas = launch(
         2,
         "tiny-flux",
         serve_args=["--threads", SERVER_THREADS, "--cache-dir", str(cache_dir)],
-        ports=[free_port(), free_port()],
+        base_port=base,
     )
     try:
+        assert [address.rsplit(":", 1)[1] for address in replicas.addresses] == [str(base), str(base + 1)]
         with RolloutPool(replicas.addresses, timeout=60, health_interval=0.2) as pool:
             assert len(pool.rollout(REQUEST)) == 4
             assert all(replica.healthy for replica in pool.replicas)
@@ -90,19 +99,29 @@ def test_replica_actors_serve_a_pool_and_come_back_after_a_kill(ray_cluster, cac
         replicas.shutdown()
 
 
-def test_rollout_server_ray_prints_addresses_serves_and_stops(tmp_path, cache_dir, tiny_flux_folder):
-    """`rollout-server ray` on a local Ray: one address per replica on stdout, a pool over them
-    serves, SIGTERM takes the replicas down."""
-    base = next(port for port in iter(free_port, None) if not listening("127.0.0.1", port + 1))
+def test_rollout_server_ray_prints_addresses_serves_and_stops(ray_cluster, cache_dir):
+    """`rollout-server ray --address` on a running cluster: the replica's address on stdout, a pool
+    over it serves, SIGTERM takes the replica down. (Ports per replica: the test above.)"""
+    base = free_port()
     command = [
         sys.executable,
-        *("-m", "rollout_server", "ray", "--replicas", "2", "--base-port", str(base)),
+        *(
+            "-m",
+            "rollout_server",
+            "ray",
+            "--address",
+            ray_cluster,
+            "--replicas",
+            "1",
+            "--base-port",
+            str(base),
+        ),
         *("--", "--threads", SERVER_THREADS, "--cache-dir", str(cache_dir)),
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        addresses = [process.stdout.readline().strip() for _ in range(2)]
-        assert [address.rsplit(":", 1)[1] for address in addresses] == [str(base), str(base + 1)]
+        addresses = [process.stdout.readline().strip()]
+        assert addresses[0].rsplit(":", 1)[1] == str(base)
         with RolloutPool(addresses, timeout=60) as pool:
             assert len(pool.rollout(REQUEST)) == 4
         process.send_signal(signal.SIGTERM)
