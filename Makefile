@@ -22,8 +22,9 @@ serve: $(STAMP) $(STUBS)
 
 # Test files run on this many worker processes (pytest-xdist), a file's tests on one worker together, so
 # its module fixtures (servers) start once, the slowest files first (tests/conftest.py); 1 runs them
-# in this process. 3 on 2 cores: a third worker computes while another waits on a server's timer.
-TEST_WORKERS ?= 3
+# in this process. 2 on 2 cores: with most servers forked and trainers in process, a third worker only
+# adds contention (docs/testing.md has the runs).
+TEST_WORKERS ?= 2
 
 test: $(STAMP) $(STUBS)
 	$(PY) -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)

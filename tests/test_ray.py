@@ -104,18 +104,8 @@ def test_rollout_server_ray_prints_addresses_serves_and_stops(ray_cluster, cache
     over it serves, SIGTERM takes the replica down. (Ports per replica: the test above.)"""
     base = free_port()
     command = [
-        sys.executable,
-        *(
-            "-m",
-            "rollout_server",
-            "ray",
-            "--address",
-            ray_cluster,
-            "--replicas",
-            "1",
-            "--base-port",
-            str(base),
-        ),
+        *(sys.executable, "-m", "rollout_server", "ray", "--address", ray_cluster),
+        *("--replicas", "1", "--base-port", str(base)),
         *("--", "--threads", SERVER_THREADS, "--cache-dir", str(cache_dir)),
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
