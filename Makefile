@@ -22,8 +22,8 @@ serve: $(STAMP) $(STUBS)
 
 # Test files run on this many worker processes (pytest-xdist), a file's tests on one worker together, so
 # its module fixtures (servers) start once, the slowest files first (tests/conftest.py); 1 runs them
-# in this process. 2 on 2 cores: with most servers forked and trainers in process, a third worker only
-# adds contention (docs/testing.md has the runs).
+# in this process. 2 on 2 cores: with most servers forked and trainers in process, a third worker is no
+# faster (docs/testing.md has the runs).
 TEST_WORKERS ?= 2
 
 test: $(STAMP) $(STUBS)
