@@ -1,6 +1,7 @@
 """``make demo``: examples/demo.py runs end to end against a server it starts itself (a real
-``rollout-server serve`` process and the ``rollout-client`` command); the script itself runs in this
-process, as ``make demo`` runs it, but without a third interpreter importing torch."""
+``rollout-server serve`` process and the ``rollout-client`` command). The script's ``main`` runs in
+this process, with the arguments ``make demo`` would give it: a third interpreter importing torch
+would test no more."""
 
 from helpers import example_module
 from PIL import Image
