@@ -2,9 +2,10 @@
 
 Two optional tokens, read once at start-up. The rollout token allows Rollout, GetServerInfo and
 PruneRollout; the admin token allows those and the weight RPCs (UpdateWeights, LoadWeights, and the
-weight-sync group's InitWeightSync, UpdateWeightsFromGroup and DestroyWeightSync). With
-only a rollout token, that one token allows everything; with only an admin token, rollouts stay
-open. Health checking and reflection are always open. A missing or unknown token is UNAUTHENTICATED;
+weight-sync group's InitWeightSync, UpdateWeightsFromGroup and DestroyWeightSync). With only a
+rollout token, that one token allows everything; with only an admin token, rollouts stay open.
+Health checking and reflection are always open; each HTTP endpoint needs the token of the gRPC
+method it stands for. A missing or unknown token is UNAUTHENTICATED;
 the rollout token on a weight RPC is PERMISSION_DENIED.
 """
 
@@ -24,9 +25,16 @@ from rollout_server.errors import StartupError
 
 log = logging.getLogger("rollout_server.auth")
 _SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-ROLLOUT_METHODS = frozenset(f"/{_SERVICE}/{name}" for name in ("Rollout", "GetServerInfo", "PruneRollout"))
+
+
+def method_path(name: str) -> str:
+    """The gRPC path of a RolloutService method, as a TokenPolicy checks it."""
+    return f"/{_SERVICE}/{name}"
+
+
+ROLLOUT_METHODS = frozenset(method_path(name) for name in ("Rollout", "GetServerInfo", "PruneRollout"))
 WEIGHT_METHODS = frozenset(
-    f"/{_SERVICE}/{name}"
+    method_path(name)
     for name in (
         "UpdateWeights",
         "LoadWeights",
@@ -59,11 +67,15 @@ def _read_pem(path: Path, what: str, label: str) -> bytes:
 @dataclass(frozen=True)
 class ServerTLS:
     """PEM bytes of the server's key and certificate chain, and of the CA that signs the client
-    certificates (None: clients are not asked for one)."""
+    certificates (None: clients are not asked for one); and their files, which the HTTP front end's
+    TLS reads."""
 
     key: bytes
     cert: bytes
-    client_ca: bytes | None = None
+    client_ca: bytes | None
+    key_path: Path
+    cert_path: Path
+    client_ca_path: Path | None
 
     @classmethod
     def load(cls, cert: Path | None, key: Path | None, client_ca: Path | None) -> "ServerTLS | None":
@@ -77,6 +89,9 @@ class ServerTLS:
             key=_read_pem(key, "--tls-key", "PRIVATE KEY"),
             cert=_read_pem(cert, "--tls-cert", "CERTIFICATE"),
             client_ca=_read_pem(client_ca, "--tls-client-ca", "CERTIFICATE") if client_ca else None,
+            key_path=key,
+            cert_path=cert,
+            client_ca_path=client_ca,
         )
 
     def server_credentials(self) -> grpc.ServerCredentials:

@@ -17,7 +17,7 @@ from typing import NoReturn
 from rollout.v1 import rollout_pb2
 from rollout_server.auth import ServerTLS, TokenPolicy, load_token
 from rollout_server.errors import ParallelismUnsupported, RankFailure, StartupError, UnsupportedModel
-from rollout_server.limits import Limits, parse_bytes
+from rollout_server.limits import DEFAULT_MAX_HTTP_RESPONSE_BYTES, Limits, parse_bytes
 from rollout_server.presets import PRESETS, resolve_model
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
 
@@ -128,6 +128,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=Path,
         help="file with the bearer token for UpdateWeights and LoadWeights (it also allows rollouts)",
     )
+    s.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve SGLang-Diffusion's HTTP rollout API (POST /rollout/generate) on this port, with "
+        "the same --host, TLS files and tokens (0 picks a free one; default: off)",
+    )
+    s.add_argument(
+        "--max-http-response-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_HTTP_RESPONSE_BYTES,
+        help="the largest answer of the HTTP API, refused before any work (default 1GiB)",
+    )
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     s.add_argument(
@@ -217,6 +230,8 @@ def main(argv=None) -> None:
         sys.exit("rollout-server: --prompt-cache-entries must be 0 (off) or more")
     if not args.upload_idle_seconds > 0:
         sys.exit("rollout-server: --upload-idle-seconds must be above 0")
+    if args.http_port is not None and not 0 <= args.http_port <= 65535:
+        sys.exit("rollout-server: --http-port must be in [0, 65535]")
     if args.weights_root is not None and not args.weights_root.is_dir():
         sys.exit(f"rollout-server: --weights-root {args.weights_root} is not a folder")
     try:
@@ -265,6 +280,8 @@ def main(argv=None) -> None:
         metrics_port=args.metrics_port,
         upload_idle_seconds=args.upload_idle_seconds,
         prompt_cache_entries=args.prompt_cache_entries,
+        http_port=args.http_port,
+        max_http_response_bytes=args.max_http_response_bytes,
     )
     try:
         code = asyncio.run(serve(options)) if parallel.is_leader else follow(options)

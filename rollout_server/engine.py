@@ -153,6 +153,8 @@ class EngineStatus:
     running: int  # rollouts in the running set (stepping, decoding or parked)
     queued: int  # rollouts and weight updates waiting to start
     weights_checksum: str  # of the policy served (rollout_core.checksum)
+    # Each transformer's own: the checksum of its tensors (and its adapter's) alone, by component.
+    transformer_checksums: dict[str, str]
     weight_sync: WeightSyncOptions | None  # the weight-sync group joined, if any
 
 
@@ -233,6 +235,10 @@ class Engine:
         if too_large := memory.refusal(estimate, self.memory_budget, resolved, video):
             raise InvalidRequest(too_large)
         return estimate
+
+    def sample_sizes(self, resolved: rollout_pb2.RolloutRequest) -> memory.SampleSizes:
+        """One sample's latent elements and one text's env bytes at a resolved request's shape."""
+        return memory.sample_sizes(self.adapter, resolved)
 
     def open_stream(
         self, resolved: rollout_pb2.RolloutRequest, condition_images: list[ConditionImage] = ()
@@ -373,6 +379,7 @@ class Engine:
             running=len(self.scheduler.running),
             queued=self.scheduler.queued,
             weights_checksum=self.policy.checksum,
+            transformer_checksums=self.policy.transformer_checksums,
             weight_sync=None if self.parallel.weight_sync is None else self.parallel.weight_sync.options,
         )
 

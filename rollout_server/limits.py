@@ -28,6 +28,10 @@ _SIZE_UNITS |= {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]i?)?b?", re.IGNORECASE)
 
 
+# The HTTP front end's largest answer (the whole rollout in one msgpack body, built in memory).
+DEFAULT_MAX_HTTP_RESPONSE_BYTES = 1024**3
+
+
 def parse_bytes(text: str) -> int:
     """A size in bytes: ``12GiB``, ``512MiB``, ``1.5G``, ``2000000000`` (k, M, G, T: powers of 1000;
     Ki, Mi, Gi, Ti: of 1024). ValueError otherwise."""

@@ -98,6 +98,21 @@ class MemoryBudget:
         return self.peak(rollouts) <= self.limit
 
 
+@dataclass(frozen=True)
+class SampleSizes:
+    """One sample of a resolved request: its latent's elements, and the bytes of one text's env."""
+
+    latent_elements: int
+    text_bytes: int
+
+
+def sample_sizes(adapter: FamilyAdapter, request: rollout_pb2.RolloutRequest) -> SampleSizes:
+    return SampleSizes(
+        math.prod(adapter.latent_shape(MediaShape.of(request))),
+        adapter.text_elements() * adapter.dtype.itemsize,
+    )
+
+
 def estimate(
     adapter: FamilyAdapter,
     decode: DecodeProfile,
@@ -110,9 +125,10 @@ def estimate(
     samples = widest(request)  # a tree rollout holds its leaves' latents at the end
     branches = 2 if getattr(request, adapter.cfg_scale_field) > 1.0 else 1
     model_bytes = adapter.dtype.itemsize
-    latent = math.prod(adapter.latent_shape(shape)) * samples  # elements of the rollout's latents
+    sizes = sample_sizes(adapter, request)
+    latent = sizes.latent_elements * samples  # elements of the rollout's latents
     texts = len(set(request.prompts)) + (branches == 2)
-    env = texts * adapter.text_elements() * model_bytes
+    env = texts * sizes.text_bytes
     tokens, width = adapter.forward_activation(shape)
     row_bytes = (tokens * width * FORWARD_LIVE_FACTOR + adapter.text_elements()) * model_bytes
     decode_bytes = decode_state = 0

@@ -66,7 +66,7 @@ class Policy:
         self._lines: dict[str, str] = {}
         for target in experts:
             self._digest(target, None)
-        self.checksum = checksum.combine(self._lines)
+        self._combine()
         self.rank_checksums = [self.checksum]  # as every rank computed it after the last update
         self._pending_join: PendingJoin | None = None  # a weight-sync group being joined
 
@@ -222,8 +222,18 @@ class Policy:
         self.version = update.policy_version
         changed = {FULL: None, LORA: []}.get(update.kind, list(update.tensors))  # SUBSET: its own
         self._digest(target, changed, lines)
-        self.checksum = checksum.combine(self._lines)
+        self._combine()
         log.info("applied %s in %.3f s", update.describe(), time.perf_counter() - started_at)
+
+    def _combine(self) -> None:
+        """The served checksum from the lines, and each transformer's own (its lines alone)."""
+        self.checksum = checksum.combine(self._lines)
+        self.transformer_checksums = {
+            target: checksum.combine(
+                {n: line for n, line in self._lines.items() if n.startswith(f"{target}/")}
+            )
+            for target in self.experts
+        }
 
     def _digest(self, target: str, names, known: dict[str, str] | None = None) -> None:
         """Recompute the checksum lines of ``target``'s base tensors ``names`` (None: all of them) and

@@ -1,4 +1,5 @@
-"""The gRPC front end: RolloutService, standard health checking and reflection, graceful shutdown."""
+"""The gRPC front end: RolloutService, standard health checking and reflection, graceful shutdown;
+and the HTTP front end beside it when asked for."""
 
 import asyncio
 import logging
@@ -20,7 +21,8 @@ from rollout_server import families, memory, presets
 from rollout_server.auth import HANDLER_KINDS, ServerTLS, TokenInterceptor, TokenPolicy, exposure_warning
 from rollout_server.engine import Engine
 from rollout_server.errors import StartupError
-from rollout_server.limits import Limits
+from rollout_server.http_api import HttpFrontEnd, HttpServer
+from rollout_server.limits import DEFAULT_MAX_HTTP_RESPONSE_BYTES, Limits
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import SequenceParallel
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
@@ -58,6 +60,8 @@ class ServerOptions:
     metrics_port: int | None = None  # None: no metrics endpoint
     upload_idle_seconds: float = 30.0  # an UpdateWeights stream silent this long is dropped
     prompt_cache_entries: int = DEFAULT_PROMPT_CACHE_ENTRIES  # distinct texts kept encoded; 0: none
+    http_port: int | None = None  # SGLang's HTTP rollout API on this port too (see http_api.py)
+    max_http_response_bytes: int = DEFAULT_MAX_HTTP_RESPONSE_BYTES
 
 
 def versions() -> dict[str, str]:
@@ -180,9 +184,11 @@ class RolloutServer:
         grace_seconds: float,
         tls: ServerTLS | None = None,
         tokens: TokenPolicy | None = None,
+        http: HttpServer | None = None,
     ):
         self.service = service
         self.grace_seconds = grace_seconds
+        self.http = http  # the HTTP front end, started and stopped with this server
         metrics = service.metrics
         interceptors = []
         if tokens is not None and tokens.enabled:
@@ -221,6 +227,8 @@ class RolloutServer:
 
     async def start(self) -> None:
         await self.server.start()
+        if self.http is not None:
+            await self.http.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -238,6 +246,8 @@ class RolloutServer:
         while self.service.engine.status().in_flight and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_POLL_SECONDS)
         await asyncio.to_thread(self.service.engine.close)  # the loop must keep running meanwhile
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(_STATUS_SECONDS)
 
     async def serve_until_stopped(self, fatal: asyncio.Future) -> int:
@@ -267,8 +277,12 @@ async def serve(options: ServerOptions) -> int:
 
     service = build_service(options, on_fatal)
     try:
+        http = None
+        if options.http_port is not None:
+            front_end = HttpFrontEnd(service, options.tokens, options.max_http_response_bytes)
+            http = HttpServer(front_end, options.host, options.http_port, options.tls)
         server = RolloutServer(
-            service, options.host, options.port, options.grace_seconds, options.tls, options.tokens
+            service, options.host, options.port, options.grace_seconds, options.tls, options.tokens, http
         )
     except BaseException:
         await asyncio.to_thread(service.engine.close)  # a startup error leaves no worker behind
@@ -289,6 +303,8 @@ async def serve(options: ServerOptions) -> int:
     if warning:
         log.warning("\n%s", warning)
     info = service.server_info
+    if server.http is not None:
+        log.info("SGLang-compatible HTTP API at %s (POST /rollout/generate)", server.http.address)
     log.info(
         "serving %s (%s, %s on %s) at %s", info.model, info.family, info.dtype, info.device, server.address
     )

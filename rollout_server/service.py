@@ -3,9 +3,10 @@
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,11 +69,13 @@ class CallStatus(grpc.Status):
 
 
 class Refused(Exception):
-    """A rollout refused before it was queued; ``status`` ends its call."""
+    """A call refused before its work was queued; ``status`` ends it. ``error`` is the InvalidRequest
+    behind an INVALID_ARGUMENT status (the HTTP front end names its fields)."""
 
-    def __init__(self, status: grpc.Status):
+    def __init__(self, status: grpc.Status, error: InvalidRequest | None = None):
         super().__init__(status.details)
         self.status = status
+        self.error = error
 
 
 def end_call(context, status: grpc.Status) -> None:
@@ -167,6 +170,20 @@ async def _parsed(messages: AsyncIterator) -> AsyncIterator:
         yield message
 
 
+def _ends_refused(handler):
+    """A weight RPC whose Refused (shutting down, another update running) ends its call with the
+    refusal's status."""
+
+    @functools.wraps(handler)
+    async def ending(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except Refused as refusal:
+            await context.abort_with_status(refusal.status)
+
+    return ending
+
+
 class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(
         self,
@@ -222,11 +239,12 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         log.info("rollout id=%s: %d nodes pruned from step %d", request_id, len(pruned.nodes), pruned.step)
         return rollout_pb2.PruneRolloutResponse(nodes=pruned.nodes, step=pruned.step)
 
+    @_ends_refused
     async def UpdateWeights(self, request_iterator, context):
         started_at = time.perf_counter()
-        await self._refuse_when_shutting_down(context)
+        self._refuse_when_shutting_down()
         max_bytes = self.server_info.limits.max_update_bytes
-        async with self._update_slot(context):
+        async with self._update_slot():
             received = upload.receive(
                 _parsed(request_iterator),
                 lambda: self.engine.status().policy_version,
@@ -237,18 +255,27 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await self._updating(context, self._apply(update))
         return rollout_pb2.UpdateWeightsResponse(**self._applied(update, started_at))
 
+    @_ends_refused
     async def LoadWeights(self, request, context):
-        started_at = time.perf_counter()
         if request is None:
             await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
-        await self._refuse_when_shutting_down(context)
+        applied = await self._updating(context, self.load_weights(request))
+        return rollout_pb2.LoadWeightsResponse(**applied)
+
+    async def load_weights(self, request: rollout_pb2.LoadWeightsRequest) -> dict:
+        """LoadWeights without its transport: the answer's fields, or Refused (shutting down, disabled,
+        another update running), or the update's failure (see ``update_failure``)."""
+        started_at = time.perf_counter()
+        self._refuse_when_shutting_down()
         if self.weights_root is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "LoadWeights is disabled: the server was started without --weights-root",
+            raise Refused(
+                CallStatus(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "LoadWeights is disabled: the server was started without --weights-root",
+                )
             )
-        async with self._update_slot(context):
-            read = asyncio.to_thread(
+        async with self._update_slot():
+            update = await asyncio.to_thread(
                 files.read_update,
                 self.weights_root,
                 request,
@@ -256,40 +283,42 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 self.server_info.limits.max_update_bytes,
                 self.engine.transformers,
             )
-            update = await self._updating(context, read)
-            await self._updating(context, self._apply(update))
-        return rollout_pb2.LoadWeightsResponse(**self._applied(update, started_at))
+            await self._apply(update)
+        return self._applied(update, started_at)
 
+    @_ends_refused
     async def InitWeightSync(self, request, context):
         if request is None:
             await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
-        await self._refuse_when_shutting_down(context)
+        self._refuse_when_shutting_down()
         try:
             options = self.engine.check_weight_sync(request)
         except InvalidRequest as error:
             await self._reject(context, "-", error)
-        async with self._update_slot(context):
+        async with self._update_slot():
             await self._updating(context, asyncio.wrap_future(self.engine.join_weight_sync(options)))
         log.info("joined weight-sync group %r at rank %d", options.group_name, options.rank_offset)
         joined = group.group_proto(options, self.server_info.sp_degree)
         return rollout_pb2.InitWeightSyncResponse(group=joined)
 
+    @_ends_refused
     async def DestroyWeightSync(self, request, context):
         if request is None:
             await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
-        async with self._update_slot(context):
+        async with self._update_slot():
             left = await self._updating(context, asyncio.wrap_future(self.engine.leave_weight_sync()))
         return rollout_pb2.DestroyWeightSyncResponse(left=left)
 
+    @_ends_refused
     async def UpdateWeightsFromGroup(self, request_iterator, context):
         started_at = time.perf_counter()
-        await self._refuse_when_shutting_down(context)
+        self._refuse_when_shutting_down()
         requests = aiter(_parsed(request_iterator))
         first = await self._updating(context, _next_within(requests, self.upload_idle_seconds))
         if first is None or first.WhichOneof("message") != "manifest":
             error = InvalidRequest([("manifest", "the first message must carry the manifest")])
             await self._reject(context, "-", error)
-        async with self._update_slot(context):
+        async with self._update_slot():
             check = asyncio.to_thread(self.engine.check_group_update, first.manifest)
             manifest = await self._updating(context, check)
             # The group it was checked in (a new one needs the update slot, held here).
@@ -322,19 +351,21 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         )
         await context.write(rollout_pb2.UpdateWeightsFromGroupResponse(applied=applied))
 
-    async def _refuse_when_shutting_down(self, context) -> None:
+    def _refuse_when_shutting_down(self) -> None:
         if self.shutting_down:
             self.metrics.reject("shutting_down")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            raise Refused(CallStatus(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
 
     @contextlib.asynccontextmanager
-    async def _update_slot(self, context) -> AsyncIterator[None]:
+    async def _update_slot(self) -> AsyncIterator[None]:
         """Hold the one weight-update slot for the body (released however it ends, the caller's
-        cancel included); RESOURCE_EXHAUSTED at once while another update holds it."""
+        cancel included); Refused (RESOURCE_EXHAUSTED) at once while another update holds it."""
         if self._update_in_progress:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "another weight update is in progress; the server takes one at a time, retry after it",
+            raise Refused(
+                CallStatus(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "another weight update is in progress; the server takes one at a time, retry after it",
+                )
             )
         self._update_in_progress = True
         try:
@@ -414,19 +445,26 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         }
 
     async def _updating(self, context, stage: Awaitable):
-        """Await one stage of a weight update, turning its failures into the call's status."""
+        """Await one stage of a weight update, turning its failures into the call's status (Refused
+        is left to ``_ends_refused``)."""
         try:
             return await stage
+        except Refused:
+            raise
         except Exception as error:  # noqa: BLE001 - each failure becomes the call's status
-            outcome, status = failure_status("weight update", error)
-            if outcome == "INVALID_ARGUMENT":
-                self.metrics.reject("invalid_argument")
-            await context.abort_with_status(status)
+            await context.abort_with_status(self.update_failure(error))
+
+    def update_failure(self, error: Exception) -> grpc.Status:
+        """The status a weight update's failure ends its call with (a rejection is counted)."""
+        outcome, status = failure_status("weight update", error)
+        if outcome == "INVALID_ARGUMENT":
+            self.metrics.reject("invalid_argument")
+        return status
 
     async def Rollout(self, request, context):
         report_previous_attempts(context)
         try:
-            resolved, stream = await self._admit(request)
+            resolved, stream = await self.admit(request)
         except Refused as refusal:
             end_call(context, refusal.status)
             return
@@ -452,15 +490,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             outcome, failure = failure_status(f"request {request_id}", error)
         finally:
             stream.close()  # the engine drops the rollout if it still runs
-            self.metrics.rollouts.labels(outcome).inc()
-            log.info(
-                "rollout id=%s samples=%d steps=%d seconds=%.3f status=%s",
-                request_id,
-                len(resolved.seeds),
-                resolved.num_steps,
-                time.perf_counter() - submitted_at,
-                outcome,
-            )
+            self.rollout_ended(resolved, submitted_at, outcome)
         if unsent is not None:
             # The work is freed already; the status goes out once the client takes the pending message.
             try:
@@ -470,28 +500,48 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if failure is not None:
             end_call(context, failure)
 
-    async def _admit(self, request: rollout_pb2.RolloutRequest | None):
-        """Validate and queue a rollout: its resolved request and its stream, or Refused."""
+    async def admit(
+        self,
+        request: rollout_pb2.RolloutRequest | None,
+        check: Callable[[rollout_pb2.RolloutRequest], None] | None = None,
+    ):
+        """Validate and queue a rollout: its resolved request and its stream, or Refused. ``check``
+        sees the resolved request before it is queued, and may refuse it with InvalidRequest (the
+        HTTP front end's own bounds)."""
         if self.shutting_down:
             self.metrics.reject("shutting_down")
             raise Refused(CallStatus(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
         if request is None:
-            raise Refused(self._rejection("-", InvalidRequest([("request", NOT_A_PROTOBUF)])))
+            raise self._refusal("-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
         try:
             # Off the event loop: conditioning images are walked, then decoded.
             resolved, condition_images = await asyncio.to_thread(self._resolve, request)
+            if check is not None:
+                check(resolved)
         except InvalidRequest as error:
-            raise Refused(self._rejection(quoted(request.request_id or "-"), error)) from None
+            raise self._refusal(quoted(request.request_id or "-"), error) from None
         try:
             if resolved.HasField("min_policy_version"):
                 self.engine.check_fits(resolved)  # a rollout too large is refused at once, not after the wait
                 await self._wait_for_policy(resolved, sum(image.nbytes for image in condition_images))
             return resolved, self.engine.open_stream(resolved, condition_images)
         except InvalidRequest as error:
-            raise Refused(self._rejection(quoted(resolved.request_id), error)) from None
+            raise self._refusal(quoted(resolved.request_id), error) from None
         except Overloaded as error:
             self.metrics.reject("overloaded")
             raise Refused(CallStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))) from None
+
+    def rollout_ended(self, resolved: rollout_pb2.RolloutRequest, submitted_at: float, outcome: str) -> None:
+        """Count a rollout's outcome and write its one log line (every front end's rollouts alike)."""
+        self.metrics.rollouts.labels(outcome).inc()
+        log.info(
+            "rollout id=%s samples=%d steps=%d seconds=%.3f status=%s",
+            resolved.request_id,
+            len(resolved.seeds),
+            resolved.num_steps,
+            time.perf_counter() - submitted_at,
+            outcome,
+        )
 
     def _resolve(self, request: rollout_pb2.RolloutRequest):
         """The resolved request, without its conditioning images' files, and those images decoded:
@@ -526,6 +576,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def _reject(self, context, request_id: str, error: InvalidRequest) -> None:
         await context.abort_with_status(self._rejection(request_id, error))
+
+    def _refusal(self, request_id: str, error: InvalidRequest) -> Refused:
+        return Refused(self._rejection(request_id, error), error)
 
     def _rejection(self, request_id: str, error: InvalidRequest) -> grpc.Status:
         """The INVALID_ARGUMENT status of a rejected request (logged and counted)."""

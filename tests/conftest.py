@@ -68,7 +68,10 @@ class FamilyResources:
         self.folder(family)  # built here first, not by the server
         log = self.logs / f"{family}-server.log"
         return self.once(
-            "server", family, lambda: start_server(self.cache_dir, log, "--model", FAMILIES[family].preset)
+            "server",
+            family,
+            # The HTTP front end too: test_sglang_api.py compares it with the gRPC stream of one server.
+            lambda: start_server(self.cache_dir, log, "--model", FAMILIES[family].preset, "--http-port", "0"),
         )
 
     def client(self, family: str):

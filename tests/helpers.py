@@ -133,11 +133,17 @@ def imported_modules(script: str, *args: str) -> tuple[int, set[str]]:
 
 
 METRICS_LINE = re.compile(r"metrics at (?P<url>http://\S+/metrics)")
+HTTP_LINE = re.compile(r"SGLang-compatible HTTP API at (?P<url>https?://\S+) ")
 
 
 def metrics_url(server: LocalServer) -> str:
     """The /metrics address of a server started with ``--metrics-port``, from its log."""
     return METRICS_LINE.search(server.log())["url"]
+
+
+def http_url(server: LocalServer) -> str:
+    """The HTTP front end's address of a server started with ``--http-port``, from its log."""
+    return HTTP_LINE.search(server.log())["url"]
 
 
 def scrape(url: str) -> dict[tuple, float]:

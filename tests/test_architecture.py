@@ -1,5 +1,5 @@
-"""The layering the code keeps: the gRPC layer calls the engine's facade only, and the exceptions
-that cross layers come from one module."""
+"""The layering the code keeps: the front ends (gRPC and HTTP) call the engine's facade only, and the
+exceptions that cross layers come from one module."""
 
 import ast
 from pathlib import Path
@@ -35,8 +35,8 @@ def imported_modules(tree: ast.Module) -> set[str]:
     return modules
 
 
-@pytest.mark.parametrize("layer", ["service.py", "server.py"])
-def test_the_grpc_layer_uses_the_engine_facade_only(layer):
+@pytest.mark.parametrize("layer", ["service.py", "server.py", "http_api.py", "sglang.py"])
+def test_the_front_ends_use_the_engine_facade_only(layer):
     tree = ast.parse((PACKAGE / layer).read_text())
     internals = {f"rollout_server.{name}" for name in ENGINE_INTERNALS}
     assert not imported_modules(tree) & internals

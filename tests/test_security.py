@@ -8,6 +8,7 @@ import datetime
 import ipaddress
 import json
 import logging
+import ssl
 import subprocess
 import sys
 import threading
@@ -16,13 +17,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2
-from helpers import SERVICE, TO_Q, command_line_exit, grpcurl, grpcurl_exit, health_status, start_server
+from helpers import (
+    SERVICE,
+    TO_Q,
+    command_line_exit,
+    grpcurl,
+    grpcurl_exit,
+    health_status,
+    http_url,
+    start_server,
+)
+from safetensors.torch import save_file
 
 from rollout_client import TLS, RolloutClient, RolloutPool
 from rollout_client import cli as client_cli
@@ -129,7 +141,8 @@ def tls_server(pki, tiny_flux_folder, cache_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def secured_server(pki, tiny_flux_folder, cache_dir, tmp_path_factory):
-    """Mutual TLS and both tokens: the shared-cluster set-up of docs/security.md."""
+    """Mutual TLS and both tokens: the shared-cluster set-up of docs/security.md; the HTTP front end
+    too, and LoadWeights from its own folder."""
     folder = tmp_path_factory.mktemp("secured")
     server = start_server(
         cache_dir,
@@ -138,6 +151,7 @@ def secured_server(pki, tiny_flux_folder, cache_dir, tmp_path_factory):
         *("--tls-client-ca", str(pki.ca)),
         *("--auth-token-file", str(token_file(folder, "rollout-token", ROLLOUT_TOKEN))),
         *("--admin-token-file", str(token_file(folder, "admin-token", ADMIN_TOKEN))),
+        *("--http-port", "0", "--weights-root", str(folder)),
     )
     yield server
     assert server.stop() == 0
@@ -271,8 +285,8 @@ def test_tokens_through_grpcurl(secured_server, pki):
     assert call(None, f"{SERVICE}/Rollout", rollout) == unauthenticated
     weights = {"policy_version": 1000, "path": "w.safetensors"}
     assert call(ROLLOUT_TOKEN, load, weights) == grpcurl_exit(grpc.StatusCode.PERMISSION_DENIED)
-    # Past the token check: the server has no --weights-root.
-    assert call(ADMIN_TOKEN, load, weights) == grpcurl_exit(grpc.StatusCode.FAILED_PRECONDITION)
+    # Past the token check: its --weights-root holds no such file.
+    assert call(ADMIN_TOKEN, load, weights) == grpcurl_exit(grpc.StatusCode.NOT_FOUND)
 
 
 def test_rollout_client_cli_flags(secured_server, pki, tmp_path, capsys):
@@ -426,3 +440,62 @@ def test_startup_error_is_one_line_without_traceback(files):
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if not line.startswith("[transformers]")]
     assert lines == ["rollout-server: --tls-cert and --tls-key go together: give both or neither"]
+
+
+def test_the_http_api_takes_the_same_tls_and_tokens(secured_server, pki, tiny_transformer):
+    """The HTTP front end of the secured server: the client certificate is required, health is open,
+    rollouts need a token, weights from disk the admin token; an update changes the checksum
+    /get_weights_checksum reports (that of GetServerInfo), and the base weights bring it back."""
+    url = http_url(secured_server)
+    assert url.startswith("https://")
+    folder = secured_server.log_path.parent
+    base = {name: tensor.contiguous() for name, tensor in tiny_transformer.state_dict().items()}
+    save_file(base, folder / "base.safetensors")
+    save_file({**base, TO_Q: base[TO_Q] + 1}, folder / "changed.safetensors")
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake fails
+        httpx.get(f"{url}/health", verify=context, timeout=30)
+    context.load_cert_chain(pki.client_cert, pki.client_key)
+
+    def call(path: str, token: str | None, body: dict | None = None) -> httpx.Response:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        if body is None:
+            return httpx.get(f"{url}{path}", headers=headers, verify=context, timeout=120)
+        return httpx.post(f"{url}{path}", json=body, headers=headers, verify=context, timeout=120)
+
+    rollout = {"prompt": "a red fox", "width": 64, "height": 64, "num_inference_steps": 2}
+    assert call("/health", None).status_code == 200
+    for token in (None, "not-the-token"):
+        refused = call("/rollout/generate", token, rollout)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    assert call("/rollout/generate", ROLLOUT_TOKEN, rollout).status_code == 200
+    assert (
+        call("/update_weights_from_disk", ROLLOUT_TOKEN, {"model_path": "changed.safetensors"}).status_code
+        == 403
+    )
+
+    with RolloutClient(secured_server.address, timeout=120, tls=mtls(pki), token=ADMIN_TOKEN) as admin:
+        before = admin.server_info()
+        assert call("/get_weights_checksum", ROLLOUT_TOKEN, {}).json() == {
+            "transformer": before.weights_checksum
+        }
+        changed = call("/update_weights_from_disk", ADMIN_TOKEN, {"model_path": "changed.safetensors"})
+        assert changed.status_code == 200 and changed.json()["success"] is True, changed.text
+        assert changed.json()["policy_version"] == before.policy_version + 1
+        assert changed.json()["weights_checksum"] != before.weights_checksum
+        after = admin.server_info()
+        assert (after.policy_version, after.weights_checksum) == (
+            before.policy_version + 1,
+            changed.json()["weights_checksum"],
+        )
+        checksums = call(
+            "/get_weights_checksum", ADMIN_TOKEN, {"module_names": ["transformer", "vae"]}
+        ).json()
+        assert checksums == {"transformer": after.weights_checksum, "vae": "not_found"}
+        restored = call("/update_weights_from_disk", ADMIN_TOKEN, {"model_path": "base.safetensors"})
+        assert restored.json()["weights_checksum"] == before.weights_checksum
+        outside = call("/update_weights_from_disk", ADMIN_TOKEN, {"model_path": "/etc/passwd"})
+        assert outside.status_code == 403 and outside.json()["success"] is False  # outside the root
+        assert admin.server_info().weights_checksum == before.weights_checksum
+    pickled = call("/update_weights_from_tensor", ADMIN_TOKEN, {"serialized_named_tensors": ["x"]})
+    assert pickled.status_code == 400 and "never unpickles" in pickled.json()["message"]

@@ -1,0 +1,369 @@
+"""The HTTP front end: SGLang-Diffusion's rollout and weight endpoints, served by the same engine as
+the gRPC service, on the same event loop (``rollout-server serve --http-port``).
+
+* ``POST /rollout/generate``: SGLang's ``RolloutRequest`` (JSON, or msgpack with a msgpack content
+  type), answered with a msgpack list of one ``RolloutResponse`` per sample (see ``sglang.py``).
+* ``POST /update_weights_from_disk``: a folder under ``--weights-root``, as LoadWeights.
+* ``POST /get_weights_checksum``: each transformer's checksum, by module name.
+* ``POST /update_weights_from_tensor``: refused. SGLang's payloads are pickles, and network input is
+  never unpickled here: gRPC ``UpdateWeights`` and the weight-sync group carry tensors as data.
+* ``GET /health`` and ``GET /health_generate`` (the latter runs a one-step rollout).
+
+Every request passes the gRPC service's own admission: the same tokens (``Authorization: Bearer``),
+validation and limits, the same queue, metrics and log line. The body is bounded before it is read,
+the answer's size before any work (``--max-http-response-bytes``), and a client that disconnects
+cancels its rollout. Errors are JSON: ``{"detail": ..., "violations": [{"field", "description"}]}``
+with 400 for a bad request (the field as the client named it), 401/403 for tokens, 429 and 503 with
+Retry-After for a full queue and a shutdown.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import msgpack
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from rollout.v1 import rollout_pb2
+from rollout_server import sglang
+from rollout_server.auth import ServerTLS, TokenPolicy, method_path
+from rollout_server.errors import InvalidRequest, StartupError
+from rollout_server.service import Refused, RolloutService, failure_status
+
+log = logging.getLogger("rollout_server.http")
+MSGPACK = "application/msgpack"
+_MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
+# Our gRPC status codes as HTTP statuses (SGLang answers a failed weight update with 400).
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+# Seconds a client is told to wait (Retry-After) before it retries a refused request.
+RETRY_AFTER = {429: "1", 503: "5"}
+# The gRPC method whose token an endpoint needs.
+_ROLLOUT, _INFO, _LOAD, _UPDATE = (
+    method_path(m) for m in ("Rollout", "GetServerInfo", "LoadWeights", "UpdateWeights")
+)
+_WEIGHT_BODY_BYTES = 64 * 1024  # the weight endpoints' bodies: a path and a few names
+
+
+class HttpError(Exception):
+    """An answer other than 200: its status and JSON body."""
+
+    def __init__(
+        self, status: int, detail: str, violations: list[dict[str, str]] = (), extra: dict | None = None
+    ):
+        super().__init__(detail)
+        self.status = status
+        self.body = {"detail": detail, "violations": list(violations), **(extra or {})}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": RETRY_AFTER[self.status]} if self.status in RETRY_AFTER else {}
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body, self.status, headers)
+
+
+def _status_error(
+    status: grpc.Status, error: Exception | None = None, extra: dict | None = None
+) -> HttpError:
+    """The HttpError of a gRPC status (and of the InvalidRequest behind it, which names fields)."""
+    violations = sglang.sglang_violations(error) if isinstance(error, InvalidRequest) else []
+    return HttpError(HTTP_STATUS.get(status.code, 500), status.details, violations, extra)
+
+
+def _invalid(error: InvalidRequest, extra: dict | None = None) -> HttpError:
+    return HttpError(400, str(error), sglang.sglang_violations(error), extra)
+
+
+def _failed(detail: str) -> dict:
+    """SGLang's answer to a failed weight update, beside ours."""
+    return {"success": False, "message": detail}
+
+
+async def _disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Return once the client has gone (its body already read, the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(stream, messages: list) -> None:
+    async for message in stream:
+        messages.append(message)
+
+
+class HttpFrontEnd:
+    """The endpoints, over a RolloutService."""
+
+    def __init__(self, service: RolloutService, tokens: TokenPolicy, max_response_bytes: int):
+        self.service = service
+        self.tokens = tokens
+        self.max_response_bytes = max_response_bytes
+        self.max_body_bytes = service.serving.max_request_bytes
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/rollout/generate", self._endpoint(self.generate, _ROLLOUT), methods=["POST"]),
+            Route(
+                "/update_weights_from_disk", self._endpoint(self.update_from_disk, _LOAD), methods=["POST"]
+            ),
+            Route(
+                "/update_weights_from_tensor",
+                self._endpoint(self.update_from_tensor, _UPDATE),
+                methods=["POST"],
+            ),
+            Route("/get_weights_checksum", self._endpoint(self.weights_checksum, _INFO), methods=["POST"]),
+            Route("/health", self._endpoint(self.health, None), methods=["GET"]),
+            Route("/health_generate", self._endpoint(self.health_generate, None), methods=["GET"]),
+        ]
+        return Starlette(routes=routes)
+
+    def _endpoint(self, handler, method: str | None):
+        """``handler`` behind the token ``method`` needs, with every HttpError answered as JSON."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                if method is not None:
+                    self._authorize(method, request.headers.get("authorization"))
+                return await handler(request)
+            except HttpError as error:
+                return error.response()
+
+        return endpoint
+
+    def _authorize(self, method: str, authorization: str | None) -> None:
+        refusal = self.tokens.check(method, authorization)
+        if refusal is not None:
+            code, message = refusal
+            log.info("refused %s over HTTP: %s", method, code.name)
+            self.service.metrics.reject(code.name.lower())
+            raise HttpError(HTTP_STATUS[code], message)
+
+    async def _body(self, request: Request, limit: int) -> object:
+        """The decoded body (JSON, or msgpack by content type; empty: an empty object), read only up to
+        ``limit`` bytes."""
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            raise HttpError(413, f"the body is larger than the server's limit of {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, f"the body is larger than the server's limit of {limit} bytes")
+            chunks.append(chunk)
+        data = b"".join(chunks)
+        if not data:
+            return {}
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        try:
+            if content_type in _MSGPACK_TYPES:
+                return msgpack.unpackb(data, raw=False, strict_map_key=True)  # its limits follow len(data)
+            return json.loads(data)
+        except (ValueError, RecursionError, msgpack.UnpackException) as error:  # a JSON or msgpack error
+            kind = "msgpack" if content_type in _MSGPACK_TYPES else "JSON"
+            reason = sglang.quoted_reason(error)
+            raise HttpError(
+                400, f"the body is not {kind}: {reason}", [{"field": "request", "description": reason}]
+            ) from None
+
+    async def generate(self, request: Request) -> Response:
+        body = await self._body(request, self.max_body_bytes)
+        try:
+            typed = sglang.read_request(body)
+        except InvalidRequest as error:
+            self.service.metrics.reject("invalid_argument")
+            raise _invalid(error) from None
+
+        def check(resolved: rollout_pb2.RolloutRequest) -> None:
+            sglang.returned_steps(typed, resolved.num_steps)
+            sizes = self.service.engine.sample_sizes(resolved)
+            bound = sglang.response_bound(typed, resolved, sizes.latent_elements, sizes.text_bytes)
+            if bound > self.max_response_bytes:
+                reason = (
+                    f"the answer would take up to {bound} bytes, above the server's "
+                    f"--max-http-response-bytes of {self.max_response_bytes}: ask for fewer samples, "
+                    "fewer returned steps (rollout_return_step_indices) or no debug tensors"
+                )
+                raise InvalidRequest([("samples_per_prompt", reason)])
+
+        try:
+            resolved, stream = await self.service.admit(sglang.to_rollout_request(typed, ""), check)
+        except Refused as refusal:
+            raise _status_error(refusal.status, refusal.error) from None
+        submitted_at = time.perf_counter()
+        outcome, messages = "OK", []
+        collecting = asyncio.ensure_future(_collect(stream, messages))
+        watching = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+            if not collecting.done():
+                outcome = "CANCELLED"  # the client left: its rollout stops with the stream
+                return Response(status_code=499)
+            collecting.result()
+        except asyncio.CancelledError:
+            outcome = "CANCELLED"
+            raise
+        except Exception as error:  # noqa: BLE001 - each failure becomes the answer's status
+            outcome, status = failure_status(f"request {resolved.request_id}", error)
+            raise _status_error(status) from None
+        finally:
+            for task in (collecting, watching):
+                task.cancel()
+            stream.close()  # the engine drops the rollout if it still runs
+            self.service.rollout_ended(resolved, submitted_at, outcome)
+        seconds = time.perf_counter() - submitted_at
+        answers = await asyncio.to_thread(sglang.responses, messages, typed, seconds)
+        payload = await asyncio.to_thread(msgpack.packb, answers, use_bin_type=True)
+        return Response(payload, media_type=MSGPACK)
+
+    async def update_from_disk(self, request: Request) -> Response:
+        body = await self._body(request, _WEIGHT_BODY_BYTES)
+        try:
+            load = sglang.load_weights_request(body, self.service.engine.status().policy_version)
+        except InvalidRequest as error:
+            self.service.metrics.reject("invalid_argument")
+            raise _invalid(error, _failed(str(error))) from None
+        try:
+            applied = await self.service.load_weights(load)
+        except Refused as refusal:
+            raise _status_error(refusal.status, refusal.error, _failed(refusal.status.details)) from None
+        except Exception as error:  # noqa: BLE001 - each failure becomes the answer's status
+            status = self.service.update_failure(error)
+            raise _status_error(status, error, _failed(status.details)) from None
+        message = (
+            f"loaded {applied['tensors']} tensors ({applied['bytes']} bytes) as policy version "
+            f"{applied['policy_version']}"
+        )
+        return JSONResponse({"success": True, "message": message, **applied})
+
+    async def update_from_tensor(self, request: Request) -> Response:
+        message = (
+            "update_weights_from_tensor is not served: its payloads are Python pickles, and this server "
+            "never unpickles network input. Push tensors with the gRPC UpdateWeights stream (safetensors "
+            "data) or the weight-sync group (InitWeightSync, UpdateWeightsFromGroup); see docs/weights.md"
+        )
+        raise HttpError(400, message, extra=_failed(message))
+
+    async def weights_checksum(self, request: Request) -> Response:
+        body = await self._body(request, _WEIGHT_BODY_BYTES)
+        try:
+            names = sglang.checksum_modules(body)
+        except InvalidRequest as error:
+            raise _invalid(error) from None
+        served = self.service.engine.status().transformer_checksums
+        return JSONResponse({name: served.get(name, "not_found") for name in (names or served)})
+
+    async def health(self, request: Request) -> Response:
+        if self.service.shutting_down:
+            raise HttpError(503, "server is shutting down")
+        return Response(status_code=200)
+
+    async def health_generate(self, request: Request) -> Response:
+        """Healthy once a one-step rollout of the smallest size has gone through the model."""
+        serving = self.service.serving
+        side = serving.side_multiple
+        probe = rollout_pb2.RolloutRequest(
+            prompts=["health"],
+            num_steps=serving.min_steps,
+            height=side,
+            width=side,
+            sampler=rollout_pb2.SAMPLER_TYPE_ODE,
+            latents=rollout_pb2.LATENT_SELECTION_NONE,
+            images=False,
+        )
+        if serving.max_frames > 1:
+            probe.num_frames = 1
+        try:
+            resolved, stream = await self.service.admit(probe)
+        except Refused as refusal:
+            raise _status_error(refusal.status, refusal.error) from None
+        submitted_at, outcome = time.perf_counter(), "OK"
+        try:
+            async for _ in stream:
+                pass
+        except Exception as error:  # noqa: BLE001 - an unhealthy model is the answer
+            outcome, status = failure_status("health_generate", error)
+            raise _status_error(status) from None
+        finally:
+            stream.close()
+            self.service.rollout_ended(resolved, submitted_at, outcome)
+        return Response(status_code=200)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its own signal handlers: the rollout server owns SIGINT and SIGTERM."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+class HttpServer:
+    """The HTTP front end on a port: ``await start()``, then ``await stop()``."""
+
+    def __init__(self, front_end: HttpFrontEnd, host: str, port: int, tls: ServerTLS | None):
+        try:
+            self._socket = socket.create_server((host.strip("[]"), port), family=_family(host), backlog=2048)
+        except OSError as error:
+            raise StartupError(f"cannot serve HTTP on {host}:{port}: {error.strerror or error}") from None
+        self.port = self._socket.getsockname()[1]
+        scheme = "https" if tls else "http"
+        self.address = f"{scheme}://{host}:{self.port}"
+        limits = front_end.service.serving.limits
+        config = uvicorn.Config(
+            front_end.app(),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            server_header=False,
+            # Connections at once: what the queue and the wait list hold, and a few for health checks.
+            limit_concurrency=limits.max_queued_requests + limits.max_waiting_requests + 8,
+            timeout_graceful_shutdown=2,
+            h11_max_incomplete_event_size=64 * 1024,  # headers
+            **(_tls_options(tls) if tls else {}),
+        )
+        self._server = _Server(config)
+        self._task: asyncio.Future | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise StartupError(f"the HTTP server on port {self.port} did not start")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Close the listener; open connections get uvicorn's graceful period to end."""
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
+        self._socket.close()
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _tls_options(tls: ServerTLS) -> dict:
+    """uvicorn's TLS settings from the files the gRPC server reads (mutual TLS with a client CA)."""
+    options = {"ssl_certfile": str(tls.cert_path), "ssl_keyfile": str(tls.key_path)}
+    if tls.client_ca_path is not None:
+        options.update(ssl_ca_certs=str(tls.client_ca_path), ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options

@@ -1,0 +1,380 @@
+"""SGLang-Diffusion's rollout API on a real server (``serve --http-port``), checked with SGLang's own
+request model (``io_struct.RolloutRequest``) and tensor codec (``utils._maybe_deserialize``), taken
+from its released package: the wheel is downloaded from the package index once per run and the two
+files are loaded by path (importing the package would pull its GPU stack; nothing of it is in the
+repo). Every stochastic step of every sample replays from the decoded ``dit_trajectory`` and
+``denoising_env`` through the bare diffusers transformer; HTTP and gRPC give the same rollout bit for
+bit; hostile bodies get their 4xx and leave the server serving. TLS and tokens over HTTP are in
+test_security.py."""
+
+import fcntl
+import importlib.util
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from types import SimpleNamespace
+
+import grpc
+import httpx
+import msgpack
+import pytest
+import torch
+from grpc_health.v1 import health_pb2
+from helpers import FAMILIES, TOLERANCE, command_line_exit, health_status, http_url
+from reference import bare_velocity, guidance, log_prob, mean_and_sd
+
+from rollout.v1 import rollout_pb2
+from rollout_core.transformer_call import TransformerCall
+
+SGLANG = "sglang==0.5.23"
+_POST_TRAINING = "sglang/multimodal_gen/runtime/entrypoints/post_training"
+SGLANG_FILES = {"io_struct": f"{_POST_TRAINING}/io_struct.py", "utils": f"{_POST_TRAINING}/utils.py"}
+SAMPLES = 4
+STEPS = 4
+SEED = 1234
+# A partial window: steps 1 and 2 stochastic, the latents around them returned (x_1, x_2, x_3).
+SDE_STEPS = [2, 1]  # any order, as SGLang takes them
+RETURNED = [1, 2, 3]
+SIZE = {"flux": {}, "wan": {"num_frames": 5}}
+CFG = {
+    "flux": {"true_cfg_scale": 3.0, "negative_prompt": "blurry, low quality"},
+    "wan": {"guidance_scale": 5.0, "negative_prompt": "blurry"},
+}
+NO_CFG = {"flux": {}, "wan": {"guidance_scale": 1.0}}
+
+
+@pytest.fixture(scope="session")
+def sglang(cache_dir):
+    """SGLang's RolloutRequest model and its tensor decoder, from the released wheel."""
+    folder = cache_dir / SGLANG.replace("==", "-")
+    folder.mkdir(exist_ok=True)
+    with open(folder / ".lock", "w") as lock:  # the test workers share the cache: one downloads
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not all((folder / f"{name}.py").is_file() for name in SGLANG_FILES):
+            download = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--quiet",
+                "-d",
+                str(folder),
+                SGLANG,
+            ]
+            subprocess.run(download, check=True, timeout=600)
+            with zipfile.ZipFile(next(folder.glob("sglang-*.whl"))) as wheel:
+                for name, member in SGLANG_FILES.items():
+                    (folder / f"{name}.py").write_bytes(wheel.read(member))
+    modules = {}
+    for name in SGLANG_FILES:
+        spec = importlib.util.spec_from_file_location(f"sglang_{name}", folder / f"{name}.py")
+        modules[name] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # for its dataclasses
+        spec.loader.exec_module(modules[name])
+    return SimpleNamespace(
+        RolloutRequest=modules["io_struct"].RolloutRequest, deserialize=modules["utils"]._maybe_deserialize
+    )
+
+
+def post(url: str, path: str, body=None, content=None, headers=None, timeout=300) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, content=content, headers=headers, timeout=timeout)
+
+
+def generate(sglang, url: str, request) -> list[dict]:
+    """POST an SGLang RolloutRequest as its own client does (model_dump as JSON): the decoded answers."""
+    answer = post(url, "/rollout/generate", request.model_dump())
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"] == "application/msgpack"
+    return [sglang.deserialize(item) for item in msgpack.unpackb(answer.content)]
+
+
+def conformance_request(sglang, family: str, sde_type: str, cfg: bool, **fields):
+    """Four samples of one prompt, steps 1 and 2 of 4 stochastic, the latents around them returned,
+    with the denoising env; ``fields`` override."""
+    values = {
+        "prompt": FAMILIES[family].prompts[0],
+        "seed": SEED,
+        "width": 64,
+        "height": 64,
+        "num_inference_steps": STEPS,
+        "num_outputs_per_prompt": SAMPLES,
+        "rollout_sde_type": sde_type,
+        "rollout_noise_level": 0.7,
+        "rollout_sde_step_indices": SDE_STEPS,
+        "rollout_return_step_indices": RETURNED,
+        "rollout_return_denoising_env": True,
+        "rollout_return_dit_trajectory": True,
+        "rollout_debug_mode": False,
+        **SIZE[family],
+        **(CFG if cfg else NO_CFG)[family],
+    }
+    return sglang.RolloutRequest(**{**values, **fields})
+
+
+def replayed_log_prob(transformer, answer: dict, i: int, sampler: str, constants: bool) -> float:
+    """Step i of one answer replayed from its dit_trajectory and denoising_env alone: a bare forward
+    per CFG branch, the branches combined, and the float64 step formulas (tests/reference.py)."""
+    trajectory, env = answer["dit_trajectory"], answer["denoising_env"]
+    call = TransformerCall.from_json(json.dumps(env["transformer_call"]))
+    at = trajectory["step_indices"].index
+    x = trajectory["latents"][at(i)].unsqueeze(0)
+    timestep = torch.full((1,), trajectory["timesteps"][at(i)].item()) / call.timestep_divisor
+    branches = {"positive": env["pos_cond_kwargs"]}
+    if env["neg_cond_kwargs"] is not None:
+        branches["negative"] = env["neg_cond_kwargs"]
+    with torch.no_grad():
+        v = {
+            name: bare_velocity(
+                transformer,
+                x,
+                timestep,
+                {**kwargs, **(env["image_kwargs"] or {})},
+                call.conditioning,
+            )
+            for name, kwargs in branches.items()
+        }
+    velocity = guidance(call.guidance_rule, call.guidance_rule_scale, v)
+    sigmas = trajectory["sigmas"].double().numpy()
+    mean, sd = mean_and_sd(sampler, x.double().numpy(), velocity, sigmas, i, 0.7)
+    x_next = trajectory["latents"][at(i + 1)].unsqueeze(0).double().numpy()
+    return float(log_prob(x_next, mean, sd, constants)[0])
+
+
+@pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "cfg"])
+@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_sglang_requests_replay_from_the_bare_transformer(sglang, family_resources, family, sde_type, cfg):
+    """Built with SGLang's model and decoded with its codec: four distinct samples with their own
+    seeds, each stochastic step's log-prob replayed within TOLERANCE, the deterministic ones 0."""
+    url = http_url(family_resources.server(family))
+    answers = generate(sglang, url, conformance_request(sglang, family, sde_type, cfg))
+    assert [a["seed"] for a in answers] == [SEED + k for k in range(SAMPLES)]
+    assert len({a["request_id"] for a in answers}) == 1
+    log_probs = torch.stack([a["rollout_log_probs"] for a in answers])
+    assert log_probs.shape == (SAMPLES, STEPS)
+    assert torch.all(log_probs[:, [0, 3]] == 0)  # deterministic steps, as SGLang reports them
+    # Every sample its own noise and log-probs: no group collapse onto the first sample.
+    assert len({tuple(row.tolist()) for row in log_probs}) == SAMPLES
+    latents = [a["dit_trajectory"]["latents"] for a in answers]
+    assert all(not torch.equal(latents[0][-1], other[-1]) for other in latents[1:])
+    sampler = {"sde": "FLOW_SDE", "cps": "CPS"}[sde_type]
+    transformer = family_resources.transformer(family)
+    for answer in answers:
+        trajectory = answer["dit_trajectory"]
+        assert trajectory["step_indices"] == RETURNED
+        assert trajectory["latents"].shape == (len(RETURNED), *FAMILIES[family].latent_shape)
+        assert trajectory["sigmas"].shape == (STEPS + 1,) and trajectory["sigmas"][-1] == 0
+        assert (answer["denoising_env"]["neg_cond_kwargs"] is not None) == cfg
+        assert answer["generated_output"].shape[0] == 3
+        for i in sorted(SDE_STEPS):
+            replayed = replayed_log_prob(transformer, answer, i, sampler, constants=True)
+            assert abs(replayed - answer["rollout_log_probs"][i].item()) <= TOLERANCE
+
+
+def test_http_and_grpc_give_the_same_rollout_bitwise(sglang, family_resources):
+    """The same prompt and seeds over both front ends of one server: equal latents, log-probs and
+    schedule, bit for bit (the noise is the seed's; batching never changes a row's numbers here:
+    each rollout runs alone, in the same batch shape)."""
+    server = family_resources.server("flux")
+    request = conformance_request(sglang, "flux", "sde", cfg=True, rollout_return_step_indices=None)
+    answers = generate(sglang, http_url(server), request)
+    trajectories = family_resources.client("flux").rollout(
+        prompts=[request.prompt],
+        samples_per_prompt=SAMPLES,
+        seeds=[SEED + k for k in range(SAMPLES)],
+        height=64,
+        width=64,
+        num_steps=STEPS,
+        sampler=rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
+        noise_level=0.7,
+        stochastic_steps=sorted(SDE_STEPS),
+        **CFG["flux"],
+    )
+    for answer, trajectory in zip(answers, trajectories, strict=True):
+        assert answer["seed"] == trajectory.seed
+        assert answer["dit_trajectory"]["step_indices"] == list(range(STEPS + 1))
+        assert torch.equal(answer["dit_trajectory"]["latents"], trajectory.latents)
+        assert torch.equal(answer["dit_trajectory"]["sigmas"], trajectory.sigmas)
+        stochastic = trajectory.stochastic
+        assert torch.equal(answer["rollout_log_probs"][stochastic], trajectory.log_probs[stochastic])
+
+
+def test_a_msgpack_body_gets_the_answer_of_its_json_twin(sglang, family_resources):
+    url = http_url(family_resources.server("flux"))
+    request = conformance_request(sglang, "flux", "cps", cfg=False, rollout_log_prob_no_const=True)
+    body = msgpack.packb(request.model_dump())
+    answer = post(url, "/rollout/generate", content=body, headers={"content-type": "application/msgpack"})
+    assert answer.status_code == 200, answer.text
+    from_msgpack = [sglang.deserialize(item) for item in msgpack.unpackb(answer.content)]
+    from_json = generate(sglang, url, request)
+    for a, b in zip(from_msgpack, from_json, strict=True):
+        assert torch.equal(a["rollout_log_probs"], b["rollout_log_probs"])
+        assert torch.equal(a["dit_trajectory"]["latents"], b["dit_trajectory"]["latents"])
+    # Without constants: SGLang's -(x' - mean)^2, replayed as such.
+    transformer = family_resources.transformer("flux")
+    replayed = replayed_log_prob(transformer, from_json[0], 1, "CPS", constants=False)
+    assert abs(replayed - from_json[0]["rollout_log_probs"][1].item()) <= TOLERANCE
+
+
+def test_debug_tensors_and_an_evaluation_request(sglang, family_resources):
+    """rollout_debug_mode gives SGLang's four per-step tensors (the step's mean is x_{i+1} - sd eps);
+    rollout=False is a plain generation: an image and no trajectory."""
+    url = http_url(family_resources.server("flux"))
+    request = conformance_request(
+        sglang, "flux", "sde", cfg=False, rollout_debug_mode=True, rollout_return_step_indices=None
+    )
+    (answer, *_) = generate(sglang, url, request)
+    debug = answer["rollout_debug_tensors"]
+    latents = answer["dit_trajectory"]["latents"]
+    assert debug["rollout_noise_std_devs"].shape == (STEPS,)
+    for i in range(STEPS):
+        sd = debug["rollout_noise_std_devs"][i]
+        assert (sd > 0) == (i in SDE_STEPS)
+        rebuilt = debug["rollout_prev_sample_means"][i] + sd * debug["rollout_variance_noises"][i]
+        torch.testing.assert_close(rebuilt, latents[i + 1], rtol=0, atol=1e-5)
+    (plain, *_) = generate(
+        sglang, url, sglang.RolloutRequest(prompt="two cats", seed=5, width=64, height=64, rollout=False)
+    )
+    assert plain["rollout_log_probs"] is None and plain["dit_trajectory"] is None
+    assert plain["generated_output"].shape == (3, 64, 64)
+    assert plain["generated_output"].min() >= 0 and plain["generated_output"].max() <= 1
+
+
+HOSTILE = [
+    ({"prompt": 7}, ["prompt"]),
+    (
+        {"prompt": "a", "seed": "7", "num_inference_steps": 2.5, "rollout": "yes"},
+        ["seed", "num_inference_steps", "rollout"],
+    ),
+    ({"prompt": "a", "rollout_sde_type": "dance"}, ["rollout_sde_type"]),
+    ({"prompt": "a", "rollout_sde_type": "ode"}, ["rollout_log_prob_no_const"]),
+    ({"prompt": "a", "num_inference_steps": 10**6}, ["num_inference_steps"]),
+    (
+        {"prompt": "a", "num_inference_steps": 4, "rollout_sde_step_indices": [4]},
+        ["rollout_sde_step_indices"],
+    ),
+    (
+        {
+            "prompt": "a",
+            "num_inference_steps": 4,
+            "rollout_return_dit_trajectory": True,
+            "rollout_return_step_indices": [5],
+        },
+        ["rollout_return_step_indices"],
+    ),
+    ({"prompt": "a", "seed": 2**64 - 1, "num_outputs_per_prompt": 2}, ["seed"]),
+    ({"prompt": "a", "num_outputs_per_prompt": 10**9}, ["num_outputs_per_prompt"]),
+    ({"prompt": "a", "image_path": ["/etc/passwd"]}, ["image_path"]),
+    ({"prompt": "a", "extra_sampling_params": {"__class__": 1}}, ["extra_sampling_params"]),
+    ({"prompt": "a", "rollout_noise_level": float("nan")}, ["rollout_noise_level"]),
+    # The whole answer (every sample's image, trajectory and debug tensors) is bounded before any work.
+    (
+        {
+            "prompt": "a",
+            "width": 2048,
+            "height": 2048,
+            "num_outputs_per_prompt": 64,
+            "rollout_debug_mode": True,
+            "rollout_return_dit_trajectory": True,
+        },
+        ["num_outputs_per_prompt"],
+    ),
+]
+
+
+def assert_serving(server, url: str) -> None:
+    """Both front ends still answer: HTTP /health, and gRPC health SERVING."""
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    with grpc.insecure_channel(server.address) as channel:
+        assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize(("body", "fields"), HOSTILE, ids=[str(i) for i in range(len(HOSTILE))])
+def test_a_bad_request_is_a_400_naming_its_fields(family_resources, body, fields):
+    server = family_resources.server("flux")
+    url = http_url(server)
+    raw = json.dumps(body, allow_nan=True)  # NaN as JSON's NaN extension, as Python writes it
+    answer = post(url, "/rollout/generate", content=raw, headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    named = {violation["field"] for violation in answer.json()["violations"]}
+    assert set(fields) <= named, answer.json()
+    assert_serving(server, url)
+
+
+def raw_post(url: str, head: bytes, body: bytes = b"") -> bytes:
+    """Send one hand-made request (headers ``head``, then ``body``) and read the answer to its end."""
+    host, port = re.match(r"http://(.+):(\d+)", url).groups()
+    with socket.create_connection((host, int(port)), timeout=60) as connection:
+        connection.sendall(
+            b"POST /rollout/generate HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + head + b"\r\n" + body
+        )
+        return b"".join(iter(lambda: connection.recv(65536), b""))
+
+
+def test_bodies_that_are_not_requests(family_resources):
+    """A body larger than the receive limit is refused from its length alone (413), before it is
+    sent; JSON and msgpack that do not parse, nest too deep or are not an object are 400s."""
+    server = family_resources.server("flux")
+    url = http_url(server)
+    answer = raw_post(url, b"Content-Type: application/json\r\nContent-Length: 1000000000\r\n")
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"limit" in answer
+    for content, kind in (
+        (b"[" * 100_000, "json"),
+        (b"\x91" * 100_000, "msgpack"),
+        (b"\xc1", "msgpack"),
+        (b"{", "json"),
+    ):
+        answer = post(
+            url, "/rollout/generate", content=content, headers={"content-type": f"application/{kind}"}
+        )
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["violations"][0]["field"] == "request"
+    answer = post(url, "/rollout/generate", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert answer.status_code == 400 and "object" in answer.json()["detail"]
+    assert_serving(server, url)
+
+
+def test_weights_from_a_pickle_are_refused_without_reading_them(family_resources):
+    server = family_resources.server("flux")
+    url = http_url(server)
+    pickled = {"serialized_named_tensors": ["gASVAAAAAAAAAACMBXBvc2l4lIwGc3lzdGVtlJOUjAJpZJSFlFKULg=="]}
+    answer = post(url, "/update_weights_from_tensor", pickled)
+    assert answer.status_code == 400
+    assert answer.json()["success"] is False
+    assert "never unpickles" in answer.json()["message"] and "UpdateWeights" in answer.json()["message"]
+    assert_serving(server, url)
+
+
+def test_a_client_that_disconnects_cancels_its_rollout(family_resources):
+    """A long rollout whose client goes away once its request is sent ends CANCELLED (its one log
+    line says so), and the server serves the next request."""
+    server = family_resources.server("flux")
+    url = http_url(server)
+    host, port = re.match(r"http://(.+):(\d+)", url).groups()
+    body = json.dumps(
+        {"prompt": "a long one", "num_outputs_per_prompt": 8, "num_inference_steps": 100}
+    ).encode()
+    with socket.create_connection((host, int(port))) as connection:
+        head = f"POST /rollout/generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+        connection.sendall(head.encode() + body)
+    deadline = time.monotonic() + 60
+    while not re.search(r"samples=8 steps=100 seconds=\S+ status=CANCELLED", server.log()):
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.05)
+    assert_serving(server, url)
+
+
+def test_health_generate_runs_the_model(family_resources):
+    server = family_resources.server("flux")
+    url = http_url(server)
+    assert httpx.get(f"{url}/health_generate", timeout=120).status_code == 200
+    assert "status=OK" in server.log()
+
+
+def test_the_http_port_is_checked_before_the_model_loads():
+    message = command_line_exit("serve", "--http-port", "70000")
+    assert message == "rollout-server: --http-port must be in [0, 65535]"
