@@ -30,6 +30,7 @@ import grpc
 import msgpack
 import uvicorn
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -37,7 +38,7 @@ from starlette.routing import Route
 from rollout.v1 import rollout_pb2
 from rollout_server import sglang
 from rollout_server.auth import ServerTLS, TokenPolicy, method_path
-from rollout_server.errors import InvalidRequest, StartupError
+from rollout_server.errors import InvalidRequest, Overloaded, StartupError
 from rollout_server.service import Refused, RolloutService, failure_status
 
 log = logging.getLogger("rollout_server.http")
@@ -117,6 +118,7 @@ class HttpFrontEnd:
         self.tokens = tokens
         self.max_response_bytes = max_response_bytes
         self.max_body_bytes = service.serving.max_request_bytes
+        self._answer_bytes = 0  # the bounds of the answers being built or sent
 
     def app(self) -> Starlette:
         routes = [
@@ -191,7 +193,10 @@ class HttpFrontEnd:
             self.service.metrics.reject("invalid_argument")
             raise _invalid(error) from None
 
+        bound = 0
+
         def check(resolved: rollout_pb2.RolloutRequest) -> None:
+            nonlocal bound
             sglang.returned_steps(typed, resolved.num_steps)
             sizes = self.service.engine.sample_sizes(resolved)
             bound = sglang.response_bound(typed, resolved, sizes.latent_elements, sizes.text_bytes)
@@ -202,11 +207,30 @@ class HttpFrontEnd:
                     "fewer returned steps (rollout_return_step_indices) or no debug tensors"
                 )
                 raise InvalidRequest([("samples_per_prompt", reason)])
+            if self._answer_bytes + bound > self.max_response_bytes:
+                raise Overloaded(
+                    f"the HTTP answers in flight may take {self._answer_bytes} bytes; this one's "
+                    f"{bound} would pass --max-http-response-bytes ({self.max_response_bytes})"
+                )
 
         try:
             resolved, stream = await self.service.admit(sglang.to_rollout_request(typed, ""), check)
         except Refused as refusal:
             raise _status_error(refusal.status, refusal.error) from None
+        # Held from here until the answer is sent, or its client has left.
+        self._answer_bytes += bound
+        release = BackgroundTask(self._release, bound)
+        try:
+            return await self._answer(request, typed, resolved, stream, release)
+        except BaseException:
+            self._release(bound)
+            raise
+
+    def _release(self, nbytes: int) -> None:
+        self._answer_bytes -= nbytes
+
+    async def _answer(self, request, typed, resolved, stream, release: BackgroundTask) -> Response:
+        """Run the admitted rollout to its end (or its client's leaving), then encode the answer."""
         submitted_at = time.perf_counter()
         outcome, messages = "OK", []
         collecting = asyncio.ensure_future(_collect(stream, messages))
@@ -215,7 +239,7 @@ class HttpFrontEnd:
             await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
             if not collecting.done():
                 outcome = "CANCELLED"  # the client left: its rollout stops with the stream
-                return Response(status_code=499)
+                return Response(status_code=499, background=release)  # nobody reads it
             collecting.result()
         except asyncio.CancelledError:
             outcome = "CANCELLED"
@@ -231,7 +255,7 @@ class HttpFrontEnd:
         seconds = time.perf_counter() - submitted_at
         answers = await asyncio.to_thread(sglang.responses, messages, typed, seconds)
         payload = await asyncio.to_thread(msgpack.packb, answers, use_bin_type=True)
-        return Response(payload, media_type=MSGPACK)
+        return Response(payload, media_type=MSGPACK, background=release)
 
     async def update_from_disk(self, request: Request) -> Response:
         body = await self._body(request, _WEIGHT_BODY_BYTES)
@@ -329,6 +353,7 @@ class HttpServer:
         config = uvicorn.Config(
             front_end.app(),
             log_config=None,
+            log_level="warning",  # our own lines say what it serves; its errors still show
             access_log=False,
             lifespan="off",
             server_header=False,

@@ -506,8 +506,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         check: Callable[[rollout_pb2.RolloutRequest], None] | None = None,
     ):
         """Validate and queue a rollout: its resolved request and its stream, or Refused. ``check``
-        sees the resolved request before it is queued, and may refuse it with InvalidRequest (the
-        HTTP front end's own bounds)."""
+        sees the resolved request before it is queued, and may refuse it with InvalidRequest or
+        Overloaded (the HTTP front end's own bounds); nothing is awaited between it and the queueing
+        of a request without ``min_policy_version``."""
         if self.shutting_down:
             self.metrics.reject("shutting_down")
             raise Refused(CallStatus(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
@@ -516,11 +517,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             # Off the event loop: conditioning images are walked, then decoded.
             resolved, condition_images = await asyncio.to_thread(self._resolve, request)
-            if check is not None:
-                check(resolved)
         except InvalidRequest as error:
             raise self._refusal(quoted(request.request_id or "-"), error) from None
         try:
+            if check is not None:
+                check(resolved)
             if resolved.HasField("min_policy_version"):
                 self.engine.check_fits(resolved)  # a rollout too large is refused at once, not after the wait
                 await self._wait_for_policy(resolved, sum(image.nbytes for image in condition_images))

@@ -7,9 +7,11 @@ so no test depends on how fast the CPU is. Every wait is bounded: a server bug f
 of hanging the suite.
 """
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,12 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2
 from helpers import (
     HOLDING_OPTIONS,
     SERVER_THREADS,
     health_status,
+    http_url,
     imported_modules,
     metrics_url,
     scrape,
@@ -121,7 +125,13 @@ def one_slot(tiny_flux_folder, cache_dir, tmp_path_factory):
     """A server with one rollout place and two places to wait for a policy version; the tests that
     share it leave nothing running on it."""
     log = tmp_path_factory.mktemp("one-slot") / "server.log"
-    server = start_server(cache_dir, log, "--max-queued", "1", "--max-waiting", "2")
+    server = start_server(
+        cache_dir,
+        log,
+        *("--max-queued", "1", "--max-waiting", "2"),
+        # The HTTP front end, its answers in flight bounded to about one of 8 samples at 64 x 64.
+        *("--http-port", "0", "--max-http-response-bytes", "1.5MB"),
+    )
     yield server
     server.stop()
 
@@ -181,6 +191,11 @@ def test_overload_is_resource_exhausted(one_slot):
             run_small_rollout(stub)
         assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "limit 1" in raised.value.details()
+        # The HTTP front end shares the queue: 429, and when to come back.
+        body = {"prompt": "a", "width": 64, "height": 64, "num_inference_steps": 2}
+        refused = httpx.post(f"{http_url(server)}/rollout/generate", json=body, timeout=WAIT_SECONDS)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert "limit 1" in refused.json()["detail"]
 
         first.cancel()
         # The place frees once the worker notices the cancel (at its next step or blocked send).
@@ -194,6 +209,35 @@ def test_overload_is_resource_exhausted(one_slot):
                 assert time.monotonic() < deadline, "the cancelled rollout was never released"
                 time.sleep(0.1)
     assert "Traceback" not in server.log()
+
+
+def test_http_answers_in_flight_are_bounded_together(one_slot):
+    """While one HTTP answer of 8 samples is in flight, a second that would pass
+    --max-http-response-bytes with it gets 429 before it queues; once the first client leaves, its
+    share is free again and a rollout runs."""
+    url = http_url(one_slot)
+    host, port = re.match(r"http://(.+):(\d+)", url).groups()
+    body = {"prompt": "a red fox", "width": 64, "height": 64, "num_outputs_per_prompt": 8}
+    held = json.dumps({**body, "num_inference_steps": 100}).encode()
+    with socket.create_connection((host, int(port))) as connection:
+        head = f"POST /rollout/generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(held)}\r\n\r\n"
+        connection.sendall(head.encode() + held)
+        deadline = time.monotonic() + WAIT_SECONDS
+        while True:  # until the held rollout is admitted, the second one is refused
+            second = httpx.post(
+                f"{url}/rollout/generate", json={**body, "num_inference_steps": 1}, timeout=60
+            )
+            if second.status_code == 429:
+                break
+            assert second.status_code == 200 and time.monotonic() < deadline
+        assert "answers in flight" in second.json()["detail"] and second.headers["retry-after"] == "1"
+    deadline = time.monotonic() + WAIT_SECONDS
+    while (
+        answer := httpx.post(f"{url}/rollout/generate", json={**body, "num_inference_steps": 1}, timeout=60)
+    ).status_code == 429:
+        assert time.monotonic() < deadline, "the held answer's share was never released"
+        time.sleep(0.1)
+    assert answer.status_code == 200
 
 
 def test_a_cancelled_call_frees_its_place_at_once(launch):
