@@ -70,8 +70,13 @@ class FamilyResources:
         return self.once(
             "server",
             family,
-            # The HTTP front end too: test_sglang_api.py compares it with the gRPC stream of one server.
-            lambda: start_server(self.cache_dir, log, "--model", FAMILIES[family].preset, "--http-port", "0"),
+            # The HTTP front end too (test_sglang_api.py compares it with the gRPC stream of one server),
+            # and the metrics its tests watch a rollout by.
+            lambda: start_server(
+                self.cache_dir,
+                log,
+                *("--model", FAMILIES[family].preset, "--http-port", "0", "--metrics-port", "0"),
+            ),
         )
 
     def client(self, family: str):

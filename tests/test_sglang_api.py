@@ -24,7 +24,7 @@ import msgpack
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from helpers import FAMILIES, TOLERANCE, command_line_exit, health_status, http_url
+from helpers import FAMILIES, TOLERANCE, command_line_exit, health_status, http_url, metrics_url, scrape
 from reference import bare_velocity, guidance, log_prob, mean_and_sd
 
 from rollout.v1 import rollout_pb2
@@ -349,22 +349,32 @@ def test_weights_from_a_pickle_are_refused_without_reading_them(family_resources
     assert_serving(server, url)
 
 
+def steps_taken(server) -> float:
+    return scrape(metrics_url(server)).get(("rollout_server_steps_total", ()), 0.0)
+
+
 def test_a_client_that_disconnects_cancels_its_rollout(family_resources):
-    """A long rollout whose client goes away once its request is sent ends CANCELLED (its one log
-    line says so), and the server serves the next request."""
+    """A client that goes away while its 100-step rollout steps stops it: the rollout's log line says
+    CANCELLED, the server's step count stops short of 100 more, and the next request is served."""
     server = family_resources.server("flux")
     url = http_url(server)
     host, port = re.match(r"http://(.+):(\d+)", url).groups()
     body = json.dumps(
         {"prompt": "a long one", "num_outputs_per_prompt": 8, "num_inference_steps": 100}
     ).encode()
+    before = steps_taken(server)
     with socket.create_connection((host, int(port))) as connection:
         head = f"POST /rollout/generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
         connection.sendall(head.encode() + body)
+        deadline = time.monotonic() + 60
+        while steps_taken(server) < before + 2:  # it steps
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     deadline = time.monotonic() + 60
     while not re.search(r"samples=8 steps=100 seconds=\S+ status=CANCELLED", server.log()):
         assert time.monotonic() < deadline, server.log()[-3000:]
         time.sleep(0.05)
+    assert steps_taken(server) < before + 100
     assert_serving(server, url)
 
 
