@@ -296,7 +296,7 @@ def test_refusals_before_the_first_message_are_retried(launch):
     """RolloutClient retries a rollout that a full server refused (RESOURCE_EXHAUSTED) until the
     place frees, and counts the retries; a draining server (UNAVAILABLE) is tried the default 5
     times; without a retry policy the refusal comes at once."""
-    server = launch("--max-queued", "1", "--metrics-port", "0", "--grace-seconds", "60")
+    server = launch("--max-queued", "1", "--metrics-port", "0", "--grace-seconds", "60", "--http-port", "0")
     url = metrics_url(server)
     overloaded = ("rollout_server_rejected_requests_total", (("reason", "overloaded"),))
     with holding_channel(server.address) as channel:
@@ -339,6 +339,13 @@ def test_refusals_before_the_first_message_are_retried(launch):
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "shutting down" in raised.value.details()
             assert client.stats == RolloutStats(calls=1, retries=RetryPolicy().max_attempts - 1)
+        # The HTTP front end drains alike: 503, and when to come back.
+        http = http_url(server)
+        assert httpx.get(f"{http}/health", timeout=WAIT_SECONDS).status_code == 503
+        body = {"prompt": "a", "width": 64, "height": 64, "num_inference_steps": 2}
+        refused = httpx.post(f"{http}/rollout/generate", json=body, timeout=WAIT_SECONDS)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+        assert "shutting down" in refused.json()["detail"]
         held.cancel()
         assert server.process.wait(timeout=WAIT_SECONDS) == 0
 
