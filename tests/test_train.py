@@ -41,20 +41,12 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from rollout_client import RolloutClient
+from rollout_client.train.algorithms import ALGORITHMS
+from rollout_client.train.metrics import COLUMNS
 from rollout_core import checksum
 
-COLUMNS = [
-    "iteration",
-    "policy_version",
-    "pushed_version",
-    "reward_mean",
-    "reward_std",
-    "loss",
-    "ratio_max_dev",
-    "rollout_seconds",
-    "train_seconds",
-    "update_seconds",
-]
+# Columns every iteration times (above 0).
+TIMED = ("rollout_seconds", "train_seconds", "update_seconds")
 TINY = ["--iterations", "3", "--prompts", "2", "--group-size", "3", "--steps", "3", "--size", "64"]
 TRAINER = ROOT / "examples" / "train_grpo.py"
 PROBE = make_request(
@@ -78,7 +70,7 @@ def same_for_any_run(row: dict) -> dict:
 def read_metrics(out) -> list[dict]:
     with open(out / "metrics.csv") as file:
         rows = list(csv.DictReader(file))
-    assert set(COLUMNS) <= set(rows[0])
+    assert list(rows[0])[: len(COLUMNS)] == COLUMNS
     return rows
 
 
@@ -156,7 +148,7 @@ def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
     # Each iteration pushes the trainer's policy, then rolls out on it.
     assert [int(row["pushed_version"]) for row in rows] == [first, first + 1, first + 2]
     assert [int(row["policy_version"]) for row in rows] == [first, first + 1, first + 2]
-    assert all(float(row[column]) > 0 for row in rows for column in COLUMNS[-3:])
+    assert all(float(row[column]) > 0 for row in rows for column in TIMED)
     assert Image.open(out / "reward.png").format == "PNG"
     for iteration in ("iter-0000", "iter-0002"):
         assert len(list((out / "samples" / iteration).glob("p0?-s00?-*.png"))) == 6
@@ -496,3 +488,45 @@ def test_resume_needs_a_checkpoint(trainer, capsys, tmp_path):
         trainer.parse_args(["--out", str(tmp_path), "--resume"])
     assert refused.value.code == 2
     assert f"--resume: no checkpoint.pt in {tmp_path}" in capsys.readouterr().err
+
+
+def training_doc_block(section: str, language: str = "python") -> str:
+    """The first ``language`` code block under docs/training.md's heading ``section``."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    body = re.split(r"\n##+ ", text.split(f"### {section}\n", 1)[1], maxsplit=1)[0]
+    return re.search(rf"```{language}\n(.*?)```", body, re.DOTALL)[1]
+
+
+def test_the_documented_algorithm_trains_with_its_own_advantages(train_client, tmp_path):
+    """docs/training.md's "Add an algorithm", run as written: it registers, --algorithm selects it,
+    two iterations train on policy, and its advantages are the formula it states (float64 here)."""
+    namespace = {}
+    exec(compile(training_doc_block("Add an algorithm"), "training.md", "exec"), namespace)
+    try:
+        rows = run_trainer(train_client.address, tmp_path / "train", "--algorithm", "flowgrpo-global-std")
+        assert len(rows) == 3 and all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)
+        algorithm = ALGORITHMS["flowgrpo-global-std"]
+        rewards = torch.tensor([0.1, 0.4, 0.2, 0.9, 0.5, 0.3])
+        trajectories = [type("Sample", (), {"prompt_index": p})() for p in (0, 0, 0, 1, 1, 1)]
+        advantages = algorithm.advantages(None, trajectories, rewards)
+        r = rewards.double()
+        means = torch.tensor([r[:3].mean()] * 3 + [r[3:].mean()] * 3)
+        expected = (r - means) / (r.std(correction=0) + 1e-4)
+        torch.testing.assert_close(advantages.double(), expected, rtol=1e-6, atol=0)
+    finally:
+        ALGORITHMS.pop("flowgrpo-global-std", None)
+
+
+def test_the_documented_reward_is_summed_with_its_weights_and_logged(train_client, tmp_path, monkeypatch):
+    """docs/training.md's "Add a reward": a module of the user's with metadata, in a weighted sum with
+    JPEG compressibility; metrics.csv logs each term, and reward_mean is their weighted sum."""
+    (tmp_path / "my_rewards.py").write_text(training_doc_block("Add a reward"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    flags = re.search(r'--reward "([^"]+)"', training_doc_block("Add a reward", "sh"))[1]
+    rows = run_trainer(train_client.address, tmp_path / "train", "--reward", flags)
+    for row in rows:
+        brightness = float(row["reward_mean/my_rewards:brightness"])
+        jpeg = float(row["reward_mean/rollout_client.rewards:jpeg_compressibility"])
+        assert 0 < brightness < 1 and jpeg < 0
+        # The mean of a weighted sum of 6 float32 values against the sum of the means: a few ulps.
+        assert float(row["reward_mean"]) == pytest.approx(0.5 * brightness + jpeg, rel=1e-5)

@@ -1,0 +1,75 @@
+"""The interface every training algorithm implements, and the registry that names them.
+
+An iteration of ``Trainer.train_step`` runs, for its algorithm:
+
+1. ``start()``: a fresh update for the iteration's rollout;
+2. ``on_step(rollout, step)`` as each step arrives (score it early, prune a tree);
+3. ``update(rollout, rewards, iteration)``: advantages, losses and backward passes, each optimizer step
+   taken through ``trainer.optimizer_step()`` (which averages the gradients over the data-parallel
+   ranks and clips them to ``max_grad_norm``, the same for every algorithm); returns the mean loss;
+4. ``metrics(rollout)``: the algorithm's columns of the iteration's metrics row.
+
+``latents`` is what its requests ask the server to stream, and ``refusal(args, world)`` the flags it
+cannot train with (the command line refuses them). Register a new algorithm with
+``@register("name")`` in a module of this package imported by its ``__init__``; ``--algorithm name``
+then selects it.
+"""
+
+import math
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from rollout.v1 import rollout_pb2
+
+if TYPE_CHECKING:
+    from rollout_client import Step
+    from rollout_client.train.rollouts import Rollout
+    from rollout_client.train.trainer import Trainer
+
+ALGORITHMS: dict[str, type["Algorithm"]] = {}
+
+
+def register(name: str):
+    """Class decorator: the algorithm ``--algorithm name`` selects."""
+
+    def add(cls: type["Algorithm"]) -> type["Algorithm"]:
+        cls.name = name
+        ALGORITHMS[name] = cls
+        return cls
+
+    return add
+
+
+class Algorithm:
+    name: ClassVar[str]
+    latents: ClassVar[int] = rollout_pb2.LATENT_SELECTION_AROUND_STOCHASTIC
+    max_grad_norm: ClassVar[float | None] = None  # None: the gradients are not clipped
+
+    @classmethod
+    def refusal(cls, args, world: int) -> str | None:
+        """Why the algorithm cannot train with these flags on ``world`` trainer ranks (the command
+        line's error), or None."""
+        return None
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer = trainer
+        self.args = trainer.args
+
+    def start(self) -> None:
+        """A new iteration's rollout is about to stream."""
+
+    def on_step(self, rollout: "Rollout", step: "Step") -> None:
+        """Step ``step`` of the iteration's rollout has arrived."""
+
+    def update(self, rollout: "Rollout", rewards: torch.Tensor, iteration: int) -> float:
+        raise NotImplementedError
+
+    @property
+    def ratio_max_dev(self) -> float:
+        """The largest |exp(logp_new - logp_old) - 1| of the update (NaN where no step is scored)."""
+        return math.nan
+
+    def metrics(self, rollout: "Rollout") -> dict:
+        """The algorithm's columns of the metrics row: ``kl``, ``scored_steps``, ``pruned_leaves``."""
+        return {"kl": math.nan, "scored_steps": "", "pruned_leaves": 0}

@@ -1,0 +1,127 @@
+"""Tree rollouts (BranchGRPO, TreeGRPO): every edge of each prompt's trees trained once with its node's
+advantage, and ``--prune-at``'s early termination of the middle nodes while the tree streams."""
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from rollout_client.grpo import backed_up_advantages, branch_advantages
+from rollout_client.train.algorithms.base import register
+from rollout_client.train.algorithms.flowgrpo import FlowGRPO
+from rollout_client.train.rollouts import Rollout, say
+
+if TYPE_CHECKING:
+    from rollout_client import RolloutClient, Step, Trajectory
+    from rollout_client.rewards import Reward
+
+
+def tree_advantages(leaves: list["Trajectory"], rewards: torch.Tensor, rule: str) -> torch.Tensor:
+    """The advantage of every node of the leaves' tree, float32 [nodes], by --tree-advantages."""
+    tree = leaves[0].tree
+    leaf_rewards = {leaf.sample_index: reward for leaf, reward in zip(leaves, rewards.tolist(), strict=True)}
+    if rule == "backed-up":
+        return backed_up_advantages(tree, leaf_rewards)
+    if rule == "branch-mean":
+        return branch_advantages(tree, leaf_rewards)
+    # Each node's own steps' log-probs, summed: read on a leaf below it.
+    own = torch.zeros(len(tree), dtype=torch.float64)
+    for leaf in leaves:
+        for node_id in leaf.node_path:
+            node = tree[node_id]
+            own[node_id] = leaf.log_probs[node.start_step : node.end_step].nan_to_num().double().sum()
+    return branch_advantages(tree, leaf_rewards, fusion="log_prob", node_log_probs=own)
+
+
+class EarlyTermination:
+    """--prune-at S --prune-keep K on a tree rollout: when step S arrives, each node that took it is
+    scored by the reward of its predicted final image, x0 = x_S - sigma_S v (flow matching's estimate
+    from the streamed velocity), decoded by the model's own VAE through its family adapter. Per
+    prompt, the K / 2 best and K / 2 worst nodes go on (a group's extremes carry its advantages) and
+    the others are pruned with their subtrees. The server holds the rollout after step S (its prune
+    point) until this answer, which it always gets (an empty prune says "none"), so the nodes stop at
+    step S + 1."""
+
+    def __init__(self, client: "RolloutClient", reward: "Reward", model_path: Path, args: argparse.Namespace):
+        from rollout_server import families  # the trainer's side: it decodes as the server does
+
+        self.client, self.reward, self.step, self.keep = client, reward, args.prune_at, args.prune_keep
+        self.decoder = families.load(model_path, torch.device(args.device), torch.float32)
+
+    @torch.no_grad()
+    def prune(self, rollout: Rollout, step: "Step") -> None:
+        from rollout_server.families.base import MediaShape
+
+        collector = rollout.collector
+        message = collector.started.message
+        shape = MediaShape.of(message.resolved)
+        sigma = message.sigmas[self.step]
+        images = []
+        for row, node in enumerate(step.nodes):
+            x0 = collector.latent(node, self.step) - sigma * step.debug["velocity"][row]
+            images.extend(next(self.decoder.decode_frames(x0[None].to(self.decoder.device), shape)))
+        prompts = [message.resolved.prompts[collector.tree[node].prompt_index] for node in step.nodes]
+        scores = self.reward(images, prompts).tolist()
+        pruned = []
+        for p in set(collector.tree[node].prompt_index for node in step.nodes):
+            ranked = sorted(
+                (score, node)
+                for node, score in zip(step.nodes, scores, strict=True)
+                if collector.tree[node].prompt_index == p
+            )
+            best = self.keep // 2
+            pruned += [node for _, node in ranked[self.keep - best : len(ranked) - best]]
+        rollout.prune_asked += len(pruned)
+        try:
+            answer = self.client.prune(collector.started, sorted(pruned))
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            say(
+                f"rollout {step.request_id}: the prune at step {self.step} stopped nothing: {error.details()}"
+            )
+            return
+        rollout.prune_stopped += len(set(pruned) & set(answer.nodes))
+        if pruned and answer.step != self.step + 1:
+            say(f"rollout {step.request_id}: the prune at step {self.step} landed at step {answer.step}")
+
+
+@register("tree")
+class TreeGRPO(FlowGRPO):
+    """FlowGRPO's clipped loss on the edges of tree rollouts (``--tree``)."""
+
+    @classmethod
+    def refusal(cls, args, world: int) -> str | None:
+        # Edges are trained once each with their node's advantage: FlowGRPO's clipped loss only, on
+        # the whole tree once it has arrived, with every step stochastic.
+        for flag in ("window", "score_while_streaming"):
+            if getattr(args, flag):
+                return f"--{flag.replace('_', '-')} does not go with --tree"
+        if args.algorithm == "nft":
+            return "--tree trains edges with FlowGRPO's loss: it does not go with --algorithm nft"
+        return None
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        args = self.args
+        self.early = None
+        if args.prune_at is not None:
+            self.early = EarlyTermination(trainer.client, trainer.reward, trainer.model_path, args)
+
+    def on_step(self, rollout: Rollout, step: "Step") -> None:
+        if self.early is not None and step.index == self.early.step:
+            self.early.prune(rollout, step)
+
+    def update(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> float:
+        leaves = rollout.trajectories
+        self.trainer.zero_grad()
+        self.policy_update.finish_tree(leaves, tree_advantages(leaves, rewards, self.args.tree_advantages))
+        self.trainer.optimizer_step()
+        return self.policy_update.loss
+
+    def metrics(self, rollout: Rollout) -> dict:
+        collector = rollout.collector
+        pruned = sum(leaf.id in collector.pruned for leaf in collector.tree.leaves)
+        return {**super().metrics(rollout), "pruned_leaves": pruned}

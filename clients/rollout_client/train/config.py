@@ -1,0 +1,340 @@
+"""The trainer's command line: every flag, the rules between them, and what a resumed run must keep."""
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rollout.v1 import rollout_pb2
+from rollout_client.train.algorithms import ALGORITHMS, algorithm_name
+from rollout_client.train.prompts import PROMPT_SETS, PROMPTS, prompt_pool
+from rollout_client.train.rewards import reward_terms
+from rollout_client.train.rollouts import branch_points
+
+TRAINED = ("lora", "full")  # --train
+
+
+WEIGHT_SYNCS = ("auto", "grpc", "group")  # --weight-sync
+
+
+TREE_ADVANTAGES = ("branch-mean", "branch-log-prob", "backed-up")  # the first is the default
+
+
+DEFAULT_PRUNE_KEEP = 4
+# FLUX's attention and feed-forward layers, with the latent projections in and out.
+FLUX_TARGETS = ["x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
+
+
+CHECKPOINT = "checkpoint.pt"
+
+
+# Flags that do not change what a run computes: a resumed run may set them anew.
+OPERATIONAL_FLAGS = {
+    "server",
+    "model_path",
+    "token_file",
+    "device",
+    "threads",
+    "out",
+    "resume",
+    "checkpoint_every",
+    "stall_timeout",
+    "retries",
+    "weight_sync",
+    "sync_address",
+}
+
+
+def int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{why}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its "invalid int value" message
+    return parse
+
+
+def float_above_zero(why: str = "") -> Callable[[str], float]:
+    """An argparse type: a float above 0 (NaN is not)."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0{why}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="FlowGRPO (or DiffusionNFT) on the rollout stream: a small, real trainer to copy from."
+    )
+    parser.add_argument("--server", help="address of a running server (default: start one on --model)")
+    parser.add_argument("--model", default="tiny-flux", help="preset or folder for the server we start")
+    parser.add_argument("--model-path", type=Path, help="the model folder (default: the server's)")
+    parser.add_argument("--token-file", type=Path, help="admin token of a server started with tokens")
+    parser.add_argument("--iterations", type=int_at_least(1), default=70)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration (P)")
+    parser.add_argument(
+        "--prompt-set",
+        choices=PROMPT_SETS,
+        default="scenes",
+        help="the fixed scene prompts, or P of the shapes task's train prompts drawn per iteration",
+    )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="train on this prompt every iteration (repeatable; instead of --prompt-set's prompts)",
+    )
+    parser.add_argument(
+        "--prompt-pool",
+        type=int_at_least(0),
+        default=0,
+        help="with --prompt-set shapes: draw from the first this many train prompts only (0: all)",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int_at_least(0),
+        default=0,
+        help="with --prompt-set shapes: evaluate the policy on the eval prompts this often (0: never)",
+    )
+    parser.add_argument(
+        "--cfg",
+        type=float,
+        help="true CFG scale of the rollouts, Flux and Qwen-Image (default: the server's; shapes: 3)",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int_at_least(1),
+        default=8,
+        help="samples per prompt (G); with --tree, the roots per prompt",
+    )
+    parser.add_argument(
+        "--tree",
+        default="",
+        help="tree rollouts: branch points step:factor[:noise_level], comma-separated (e.g. 0:2,3:2,6:2)",
+    )
+    parser.add_argument(
+        "--prune-at",
+        type=int_at_least(0),
+        help="with --tree: when this step arrives, prune each prompt's middle nodes by predicted reward",
+    )
+    parser.add_argument(
+        "--prune-keep",
+        type=int_at_least(2, " (a prompt's advantages compare at least two of its nodes)"),
+        help="with --prune-at: the nodes each prompt keeps there, the best half and the worst half "
+        f"(default {DEFAULT_PRUNE_KEEP})",
+    )
+    parser.add_argument(
+        "--tree-advantages",
+        choices=TREE_ADVANTAGES,
+        help="with --tree: BranchGRPO's fused rewards (mean or log-prob weighted), or TreeGRPO's backed-up "
+        f"(default {TREE_ADVANTAGES[0]})",
+    )
+    parser.add_argument("--steps", type=int, default=6, help="denoising steps")
+    parser.add_argument("--size", type=int, default=128, help="image height and width")
+    parser.add_argument(
+        "--noise-level",
+        type=float_above_zero(" (at 0 the sampler is deterministic: no log-probs to train on)"),
+        default=1.0,
+    )
+    parser.add_argument(
+        "--window", type=int, default=0, help="Flow-GRPO-Fast: this many consecutive SDE steps (0: all)"
+    )
+    parser.add_argument("--lr", type=float, default=1e-2, help="peak; a cosine takes it to lr / 10")
+    parser.add_argument(
+        "--algorithm",
+        choices=[name for name in ALGORITHMS if name != "tree"],  # --tree selects that one
+        default="flowgrpo",
+        help="FlowGRPO's clipped policy loss on the stochastic steps, or DiffusionNFT's on the final latents",
+    )
+    parser.add_argument(
+        "--nft-beta", type=float_above_zero(), default=1.0, help="nft: the implicit policies' step beta"
+    )
+    parser.add_argument(
+        "--nft-draws",
+        type=int_at_least(1),
+        default=4,
+        help="nft: optimizer steps per iteration, each on a fresh noise and level of every sample",
+    )
+    parser.add_argument(
+        "--clip-range",
+        type=float,
+        help="PPO clip range (default 1e-4; 1e-2 with --async, whose one-version-stale ratios reach 1e-2)",
+    )
+    parser.add_argument("--kl-beta", type=float, default=0.0, help="weight of the KL to the base model")
+    parser.add_argument(
+        "--train",
+        choices=TRAINED,
+        default="lora",
+        help="what the optimizer trains: a LoRA of the transformer, or every parameter of it",
+    )
+    parser.add_argument(
+        "--weight-sync",
+        choices=WEIGHT_SYNCS,
+        default="auto",
+        help="how the policy reaches the server: UpdateWeights over gRPC, or broadcasts over a "
+        "weight-sync group (auto: the group for --train full, gRPC for a LoRA)",
+    )
+    parser.add_argument(
+        "--sync-address",
+        default="127.0.0.1",
+        help="with the weight-sync group: this host's address as the server reaches it",
+    )
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument(
+        "--lora-alpha", type=float, default=32.0, help="the LoRA's output scale is alpha / rank"
+    )
+    parser.add_argument("--lora-targets", default=",".join(FLUX_TARGETS), help="comma-separated modules")
+    parser.add_argument(
+        "--micro-batch", type=int_at_least(1), default=32, help="rows per forward and backward"
+    )
+    parser.add_argument(
+        "--reward",
+        default="rollout_client.rewards:jpeg_compressibility",
+        help="module:callable, or a weighted sum: module:callable*weight,... (rollout_client.train.rewards)",
+    )
+    parser.add_argument("--async", dest="async_", action="store_true", help="one version stale rollouts")
+    parser.add_argument(
+        "--score-while-streaming",
+        action="store_true",
+        help="sync only: compute each step's log-probs as it arrives (holds their graphs until the end)",
+    )
+    parser.add_argument("--seed", type=int, default=2024)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
+    parser.add_argument("--out", type=Path, default=Path("train-output"))
+    parser.add_argument(
+        "--checkpoint-every", type=int_at_least(1), default=10, help="iterations between checkpoints"
+    )
+    parser.add_argument("--resume", action="store_true", help=f"go on from --out's {CHECKPOINT}")
+    parser.add_argument(
+        "--stall-timeout",
+        type=float_above_zero(),
+        default=120.0,
+        help="seconds the server may send nothing: between a rollout's events, or for a whole push or "
+        "info call (above the slowest step of a rollout, queueing included)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int_at_least(0),
+        default=8,
+        help="times a failed server phase is tried again, after pauses of 1, 2, 4 ... 30 s",
+    )
+    args = parser.parse_args(argv)
+    try:
+        reward_terms(args.reward)
+    except ValueError as error:
+        parser.error(f"--reward: {error}")
+    if args.weight_sync == "auto":
+        args.weight_sync = "group" if args.train == "full" else "grpc"
+    if args.train == "full" and args.kl_beta:
+        parser.error("--kl-beta compares with the base model through the LoRA: it needs --train lora")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        # Ranks split each iteration's prompts and average their gradients before one optimizer step.
+        for flag in ("async_", "tree", "prune_at", "score_while_streaming"):
+            if getattr(args, flag) not in (None, False, ""):
+                parser.error(f"--{flag.rstrip('_').replace('_', '-')} runs on one trainer rank, not {world}")
+        if args.prompts % world:
+            parser.error(f"--prompts {args.prompts} must split evenly over the {world} trainer ranks")
+    if args.clip_range is None:
+        args.clip_range = 1e-2 if args.async_ else 1e-4
+    if args.async_ and args.score_while_streaming:
+        parser.error("--score-while-streaming scores with the rollout's policy: it needs sync mode")
+    if args.prompt:
+        if args.prompt_pool:
+            parser.error("--prompt-pool draws from a prompt set: it does not go with --prompt")
+        args.prompts = len(args.prompt)
+    prompt_count = len(PROMPTS) if args.prompt_set == "scenes" else len(prompt_pool(args))
+    if not args.prompt and not 1 <= args.prompts <= prompt_count:
+        parser.error(f"--prompts must be in [1, {prompt_count}] for --prompt-set {args.prompt_set}")
+    try:
+        branches = branch_points(args.tree)
+    except ValueError as error:
+        parser.error(f"--tree: {error}")
+    if any(not 0 <= branch.step < args.steps or branch.factor < 1 for branch in branches):
+        parser.error("--tree: every branch step must be in [0, --steps), every factor at least 1")
+    leaves_per_prompt = args.group_size * math.prod(branch.factor for branch in branches)
+    if leaves_per_prompt < 2:
+        parser.error(
+            "argument --group-size: must be at least 2 (advantages are standardised within a prompt's "
+            "group: one sample has none), or 1 with a --tree that forks"
+        )
+    problem = ALGORITHMS[algorithm_name(args)].refusal(args, world)
+    if problem:
+        parser.error(problem)
+    if not args.tree and args.tree_advantages is not None:
+        parser.error("--tree-advantages scores the nodes of a tree: it needs --tree")
+    args.tree_advantages = args.tree_advantages or TREE_ADVANTAGES[0]
+    if args.prune_keep is None:
+        args.prune_keep = DEFAULT_PRUNE_KEEP
+    elif args.prune_at is None:
+        parser.error("--prune-keep is what --prune-at keeps: it needs --prune-at")
+    if args.prune_at is not None:
+        check_prune_flags(parser, args, branches)
+    for flag in ("prompt_pool", "eval_every"):
+        if getattr(args, flag) and args.prompt_set != "shapes":
+            parser.error(f"--{flag.replace('_', '-')} is for the shapes task: it needs --prompt-set shapes")
+    if args.cfg is not None and not args.cfg >= 1:
+        parser.error(f"--cfg must be at least 1, got {args.cfg}")
+    if not 0 <= args.window <= args.steps:
+        parser.error("--window must be in [0, --steps]")
+    args.checkpoint = None
+    if args.resume:
+        path = args.out / CHECKPOINT
+        if not path.is_file():
+            parser.error(f"--resume: no {CHECKPOINT} in {args.out}")
+        args.checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        changed = [
+            f"--{name.rstrip('_').replace('_', '-')} {value} (the checkpoint's run has {recorded})"
+            for name, value in run_settings(args).items()
+            if (recorded := args.checkpoint["settings"].get(name)) != value
+        ]
+        if changed:
+            parser.error(f"--resume: this command sets {', '.join(changed)}")
+    return args
+
+
+def check_prune_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, branches: list[rollout_pb2.Branch]
+) -> None:
+    """--prune-at and --prune-keep must prune something, in time: after the tree's first fork (the
+    roots before it are whole groups), before the last step (the prune stops nodes at the next one),
+    keeping fewer nodes than a prompt has there."""
+    forks = [branch.step for branch in branches if branch.factor > 1]
+    at = args.prune_at
+    if not forks:
+        parser.error("--prune-at prunes a tree: it needs --tree, with a factor above 1")
+    if args.async_:
+        parser.error("--prune-at prunes as the rollout streams to the trainer: it needs sync mode")
+    if at < forks[0]:
+        parser.error(
+            f"--prune-at {at} is before --tree's first fork at step {forks[0]}: only roots are there"
+        )
+    if at >= args.steps - 1:
+        parser.error(
+            f"--prune-at must be below --steps - 1 ({args.steps - 1}): its prune stops the next step"
+        )
+    nodes = args.group_size * math.prod(branch.factor for branch in branches if branch.step <= at)
+    if args.prune_keep >= nodes:
+        parser.error(
+            f"--prune-keep {args.prune_keep} prunes nothing: a prompt has {nodes} nodes at step {at} "
+            "(--group-size times --tree's factors up to it)"
+        )
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The flags that decide what a run computes, as its checkpoints record them."""
+    ignored = OPERATIONAL_FLAGS | {"checkpoint"}
+    return {name: value for name, value in vars(args).items() if name not in ignored}

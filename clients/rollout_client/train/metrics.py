@@ -1,0 +1,123 @@
+"""What a run writes besides its policy: metrics.csv's columns (defined here once), the reward and
+accuracy plots, sample images, and the shapes eval's tables and grids."""
+
+import argparse
+import functools
+import json
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rollout_client.train.rollouts import retrying
+
+if TYPE_CHECKING:
+    from rollout_client import RolloutClient, Trajectory
+    from rollout_client.shapes_eval import ShapesEval
+
+COLUMNS = [
+    "iteration",
+    "policy_version",
+    "pushed_version",
+    "reward_mean",
+    "reward_std",
+    "loss",
+    "ratio_max_dev",
+    "kl",
+    "scored_steps",
+    "rollout_seconds",
+    "train_seconds",
+    "update_seconds",
+    "iteration_seconds",
+    "eval_accuracy",
+    "transformer_rows",
+    "pruned_leaves",
+    "prune_asked",
+    "prune_stopped",
+    "eval_seconds",
+]
+
+
+def save_images(trajectories: list["Trajectory"], folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for trajectory in trajectories:
+        slug = re.sub(r"[^a-z0-9]+", "-", trajectory.prompt.lower()).strip("-")
+        name = f"p{trajectory.prompt_index:02d}-s{trajectory.sample_index:03d}-{slug}.png"
+        (folder / name).write_bytes(trajectory.image_png)
+
+
+def plot_rewards(rows: list[dict], reward: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    iterations = [row["iteration"] for row in rows]
+    mean = [row["reward_mean"] for row in rows]
+    std = [row["reward_std"] for row in rows]
+    figure, axis = plt.subplots(figsize=(6, 3.5), dpi=120)
+    axis.plot(iterations, mean, marker="o", markersize=3, label="reward mean")
+    lower = [m - s for m, s in zip(mean, std, strict=True)]
+    upper = [m + s for m, s in zip(mean, std, strict=True)]
+    axis.fill_between(iterations, lower, upper, alpha=0.25, label="+/- std")
+    axis.set_xlabel("iteration")
+    axis.set_ylabel("reward (-JPEG kB / 500)" if reward.endswith(":jpeg_compressibility") else reward)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def plot_accuracy(rows: list[dict], final: tuple[int, float], path: Path) -> None:
+    """The eval accuracy at every evaluated iteration and after the last."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    points = [
+        (row["iteration"], row["eval_accuracy"])
+        for row in rows
+        if not math.isnan(row.get("eval_accuracy", math.nan))
+    ]
+    points.append(final)
+    figure, axis = plt.subplots(figsize=(6, 3.5), dpi=120)
+    axis.plot(*zip(*points, strict=True), marker="o", markersize=4)
+    axis.set_xlabel("iteration (policy before its update)")
+    axis.set_ylabel("strict eval accuracy")
+    axis.set_ylim(0, 1)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def eval_grid(result: "ShapesEval", path: Path, columns: int = 8) -> None:
+    """The eval images in a contact sheet, each framed green where strictly right and red where wrong."""
+    from PIL import ImageOps
+
+    from rollout_client.images import contact_sheet
+
+    framed = [
+        ImageOps.expand(image, border=2, fill=(40, 170, 60) if correct else (220, 40, 40))
+        for image, correct in zip(result.images, result.correct, strict=True)
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    contact_sheet(framed, columns).save(path)
+
+
+def evaluate(client: "RolloutClient", args: argparse.Namespace) -> "ShapesEval":
+    """The served policy's eval on the shapes task, at the training size and steps, ODE, with --cfg."""
+    from rollout_client.shapes_eval import eval_request, evaluate_policy
+
+    request = eval_request(steps=args.steps, size=args.size, seed=args.seed, true_cfg_scale=args.cfg)
+    return retrying("eval", functools.partial(evaluate_policy, client, request), args.retries, client.address)
+
+
+def record_eval(path: Path, when: str, table: dict[str, tuple[int, int]]) -> None:
+    """Writes ``table`` into eval.json as ``when``: "before" starts the file afresh, "after" is added to
+    what a run (resumed or not) wrote before."""
+    tables = json.loads(path.read_text()) if when != "before" and path.exists() else {}
+    tables[when] = {task: {"correct": correct, "total": total} for task, (correct, total) in table.items()}
+    path.write_text(json.dumps(tables, indent=2) + "\n")

@@ -1,0 +1,235 @@
+"""Rollouts from the trainer's side: the request of an iteration, the stream with its stall watchdog,
+and the retry policy for a server that fails."""
+
+import argparse
+import itertools
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+import torch
+from tqdm import tqdm
+
+from rollout.v1 import rollout_pb2
+from rollout_client import Collector, RolloutClient, Step, Trajectory
+from rollout_client.events import decode_stream
+from rollout_client.grpo import sde_window
+from rollout_client.train.prompts import iteration_prompts
+
+# Statuses of a server that is down, restarting, overloaded or stuck rather than of a bad request.
+SERVER_FAILURES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+}
+
+
+MAX_RETRY_PAUSE = 30.0  # seconds; the pauses double from 1 s up to this
+
+
+REPORT_SECONDS = 10.0  # while a call waits on the server, a line at least this often
+
+
+# A server that is down is tried about once a second, not after gRPC's reconnect backoff (up to 2 min).
+CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class Rollout:
+    """One iteration's samples, as they stream in."""
+
+    collector: Collector = field(default_factory=Collector)
+    seconds: float = 0.0
+    prune_asked: int = 0  # nodes --prune-at asked the server to stop
+    prune_stopped: int = 0  # of those, the nodes the server answered it stopped
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return self.collector.trajectories()
+
+    @property
+    def policy_version(self) -> int:
+        return self.collector.started.message.policy_version
+
+
+def stochastic_steps(collector: Collector) -> list[int]:
+    return [i for i, stochastic in enumerate(collector.started.message.stochastic) if stochastic]
+
+
+def rollout_request(
+    args: argparse.Namespace, iteration: int, min_version: int, latents: int
+) -> rollout_pb2.RolloutRequest:
+    """Iteration ``iteration``'s request: its prompts, seeds never repeated across iterations, the
+    --window's stochastic steps, the algorithm's ``latents`` selection, and the policy it needs."""
+    generator = torch.Generator().manual_seed(args.seed + iteration)
+    window = sde_window(args.steps, args.window, generator) if args.window else []
+    samples = args.prompts * args.group_size
+    return rollout_pb2.RolloutRequest(
+        request_id=f"grpo-iter-{iteration}",
+        prompts=iteration_prompts(args, iteration),
+        samples_per_prompt=args.group_size,
+        base_seed=args.seed + iteration * samples,  # per-sample seeds never repeat across iterations
+        num_steps=args.steps,
+        height=args.size,
+        width=args.size,
+        sampler=rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
+        noise_level=args.noise_level,
+        stochastic_steps=window,
+        latents=latents,
+        min_policy_version=min_version,
+        true_cfg_scale=args.cfg,
+        branches=branch_points(args.tree),
+        # The early-termination rule predicts each node's image from its velocity; the server waits
+        # for its prune after that step.
+        debug_tensors=[] if args.prune_at is None else [rollout_pb2.DEBUG_TENSOR_VELOCITY],
+        prune_points=[] if args.prune_at is None else [args.prune_at],
+    )
+
+
+def say(message: str) -> None:
+    tqdm.write(f"train_grpo: {message}", file=sys.stderr)
+
+
+class ServerStalled(Exception):
+    """A call the watchdog gave up on: the server sent nothing for ``--stall-timeout`` seconds."""
+
+
+class ServerFailure(Exception):
+    """The server failed for good (after the retries), refused a call, or serves other weights than
+    the trainer pushed: the run stops, with one line saying why."""
+
+
+class Watchdog:
+    """Watches a server call from a thread of its own. While the trainer waits on the server it says
+    so every ``REPORT_SECONDS`` (a quarter of ``stall_seconds`` when that is shorter); once it has
+    waited ``stall_seconds`` without progress it calls ``cancel``, if given (a unary call ends on
+    its own deadline instead). Time the trainer spends on its own work between events is not waiting."""
+
+    def __init__(self, what: str, stall_seconds: float, cancel: Callable[[], None] | None = None):
+        self.what, self.stall_seconds, self.cancel = what, stall_seconds, cancel
+        self.stalled = False
+        self.waiting_since: float | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"watchdog {what}", daemon=True)
+
+    def __enter__(self) -> "Watchdog":
+        self.waiting_since = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def watched(self, items: Iterator[T]) -> Iterator[T]:
+        """``items``, timing the wait for each."""
+        while True:
+            self.waiting_since = time.monotonic()
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            finally:
+                self.waiting_since = None
+            yield item
+
+    def _watch(self) -> None:
+        interval = min(REPORT_SECONDS, self.stall_seconds / 4)
+        while not self._done.wait(interval):
+            since = self.waiting_since
+            waited = 0.0 if since is None else time.monotonic() - since
+            if waited >= self.stall_seconds and self.cancel is not None:
+                say(f"{self.what}: nothing from the server for {waited:.0f} s, giving up on the call")
+                self.stalled = True
+                self.cancel()
+                return
+            if waited >= interval:
+                say(f"{self.what}: waiting for the server, {waited:.1f} s of {self.stall_seconds:g}")
+
+
+def stream(client: RolloutClient, request, stall_seconds: float, on_step=None) -> Rollout:
+    """Run one rollout, storing each event as it arrives; ``on_step(rollout, step)`` after every step.
+    The call has no deadline, since its length depends on the server's load; a server that sends
+    nothing for ``stall_seconds`` ends it with ServerStalled."""
+    rollout, start = Rollout(), time.perf_counter()
+    call = client.stub.Rollout(request, metadata=client.metadata)
+    with Watchdog(f"rollout {request.request_id}", stall_seconds, call.cancel) as watchdog:
+        try:
+            for event in watchdog.watched(decode_stream(call)):
+                rollout.collector.add(event)
+                if on_step is not None and isinstance(event, Step):
+                    on_step(rollout, event)
+        except grpc.RpcError as error:
+            if watchdog.stalled:
+                raise ServerStalled(f"no event from the server for {stall_seconds:g} s") from error
+            raise
+        finally:
+            call.cancel()
+    if rollout.collector.finished is None:
+        raise RuntimeError(f"rollout {request.request_id} ended without its finished event")
+    rollout.seconds = time.perf_counter() - start
+    return rollout
+
+
+def describe(error: Exception) -> str:
+    """A failure on one line: the gRPC status and its message, or the exception's text."""
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        text = f"{error.code().name}: {error.details()}"
+    else:
+        text = str(error)
+    return " ".join(text.split())
+
+
+def retrying(what: str, attempt: Callable[[], T], retries: int, address: str) -> T:
+    """``attempt()``; after a server failure (SERVER_FAILURES, or a stall) it is tried again up to
+    ``retries`` times, after pauses of 1, 2, 4 ... MAX_RETRY_PAUSE seconds. Any other gRPC error, or
+    the last failure, raises ServerFailure."""
+    for retry in itertools.count():
+        try:
+            return attempt()
+        except (grpc.RpcError, ServerStalled) as error:
+            reason = describe(error)
+            transient = isinstance(error, ServerStalled) or (
+                hasattr(error, "code") and error.code() in SERVER_FAILURES
+            )
+            if not transient:
+                raise ServerFailure(f"{what}: the server at {address} refused it: {reason}") from error
+            if retry == retries:
+                raise ServerFailure(
+                    f"{what}: the server at {address} failed {retry + 1} times, last with {reason}"
+                ) from error
+            pause = min(2.0**retry, MAX_RETRY_PAUSE)
+            say(
+                f"{what}: the server at {address} failed ({reason}); "
+                f"retry {retry + 1} of {retries} in {pause:g} s"
+            )
+            time.sleep(pause)
+
+
+def branch_points(text: str) -> list[rollout_pb2.Branch]:
+    """--tree's ``step:factor[:noise_level],...`` as a request's branches (none for ""); ValueError
+    naming an item that is not one."""
+    points = []
+    for item in filter(None, text.split(",")):
+        fields = item.split(":")
+        try:
+            if len(fields) not in (2, 3):
+                raise ValueError(item)
+            branch = rollout_pb2.Branch(step=int(fields[0]), factor=int(fields[1]))
+            if len(fields) == 3:
+                branch.noise_level = float(fields[2])
+        except ValueError:
+            raise ValueError(f"not step:factor[:noise_level]: {item!r}") from None
+        points.append(branch)
+    return points

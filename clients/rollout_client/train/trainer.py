@@ -1,0 +1,268 @@
+"""The training loop: ``Trainer(args, client, model_path, ranks).train()``.
+
+Each ``train_step(i)`` pushes the policy (rank 0) and rolls out this rank's share on it (or takes the
+rollout that streamed during the last step, with ``--async``), scores it, has the algorithm update the
+policy, and writes the iteration's metrics row; ``train()`` runs the steps, checkpoints, and ends
+with the server on the final policy. A server that fails is retried (``rollouts.retrying``); one that
+fails for good stops the run with its finished iterations checkpointed.
+"""
+
+import argparse
+import csv
+import functools
+import math
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from rollout_client.train.algorithms import ALGORITHMS, algorithm_name
+from rollout_client.train.checkpoint import restore_checkpoint, save_checkpoint
+from rollout_client.train.config import CHECKPOINT
+from rollout_client.train.metrics import (
+    COLUMNS,
+    eval_grid,
+    evaluate,
+    plot_accuracy,
+    plot_rewards,
+    record_eval,
+    save_images,
+)
+from rollout_client.train.policy import Pusher, load_policy, save_policy
+from rollout_client.train.rewards import Rewards, SampleInfo
+from rollout_client.train.rollouts import Rollout, ServerFailure, retrying, rollout_request, say, stream
+
+if TYPE_CHECKING:
+    from rollout_client import RolloutClient, Step
+    from rollout_client.shapes_eval import ShapesEval
+    from rollout_client.train.distributed import Ranks
+
+
+class Trainer:
+    def __init__(self, args: argparse.Namespace, client: "RolloutClient", model_path: Path, ranks: "Ranks"):
+        torch.manual_seed(args.seed)
+        self.args, self.client, self.model_path, self.ranks = args, client, model_path, ranks
+        self.reward = Rewards(args.reward)
+        self.transformer, self.lora_config = load_policy(model_path, args)
+        self.pusher = Pusher(client, self.transformer, self.lora_config, args)
+        self.parameters = [p for p in self.transformer.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=args.lr)
+        self.max_samples = client.server_info().limits.max_samples
+        # A cosine from lr down to lr / 10 over the run: the late steps refine instead of overshooting.
+        self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
+            self.optimizer, args.iterations, eta_min=args.lr / 10
+        )
+        self.algorithm = ALGORITHMS[algorithm_name(args)](self)
+        self.checkpoint = args.out / CHECKPOINT
+        self.rows: list[dict] = []
+        if args.checkpoint is not None:
+            self.rows = restore_checkpoint(args.checkpoint, self.transformer, self.optimizer, self.schedule)
+            say(f"resuming after iteration {len(self.rows) - 1} from {self.checkpoint}")
+        elif self.checkpoint.exists() and ranks.leader:
+            say(f"a new run: removing the previous run's {self.checkpoint} (--resume goes on with it)")
+            self.checkpoint.unlink()
+        self.saved = len(self.rows)  # iterations in the checkpoint on disk
+        self.staleness = 1 if args.async_ else 0
+        self.upcoming: Future | None = None  # async: the next rollout, streaming while this one trains
+        self._prefetch = ThreadPoolExecutor(1)
+
+    # The optimizer step every algorithm takes.
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> None:
+        """Average the gradients over the data-parallel ranks, clip them to the algorithm's
+        ``max_grad_norm`` (if it has one), and step."""
+        self.ranks.average_gradients(self.parameters)
+        if self.algorithm.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.parameters, self.algorithm.max_grad_norm)
+        self.optimizer.step()
+
+    # The server's part of an iteration.
+
+    def request(self, iteration: int, version: int):
+        return rollout_request(self.args, iteration, version, self.algorithm.latents)
+
+    def roll_out(self, iteration: int, bar: tqdm, pushed: int | None) -> tuple[Rollout, int, float]:
+        """Push the trainer's policy (unless rank 0 ``pushed`` it), and roll out this rank's share
+        (async: take the rollout that streamed during the last iteration, then push). Safe to try
+        again."""
+        bar.reset()
+        self.algorithm.start()
+        pending, self.upcoming = self.upcoming, None
+        if pending is not None:
+            rollout = pending.result()
+        push_start = time.perf_counter()
+        version = self.pusher.push() if pushed is None else pushed
+        push_seconds = time.perf_counter() - push_start
+        bar.update(1)
+        if pending is None:
+            request = self.ranks.share(self.request(iteration, version), self.max_samples)
+            rollout = stream(
+                self.client, request, self.args.stall_timeout, functools.partial(self._arrived, bar)
+            )
+        return rollout, version, push_seconds
+
+    def _arrived(self, bar: tqdm, rollout: Rollout, step: "Step") -> None:
+        bar.update(1)
+        self.algorithm.on_step(rollout, step)
+
+    def push_from_rank_0(self, iteration: int) -> int | None:
+        """With several ranks: rank 0 pushes (tried again as a rollout is) and every rank learns the
+        version; alone, the rollout phase pushes."""
+        if self.ranks.world == 1:
+            return None
+        what = f"iteration {iteration}: the push"
+        pushed = (
+            retrying(what, self.pusher.push, self.args.retries, self.client.address)
+            if self.ranks.leader
+            else None
+        )
+        return self.ranks.agree(pushed)
+
+    def rolled_out(self, iteration: int, bar: tqdm) -> tuple[Rollout, int, float]:
+        """The iteration's rollout, with the server's failures retried; a failure for good stops the
+        run with what finished checkpointed."""
+        args = self.args
+        try:
+            pushed = self.push_from_rank_0(iteration)
+            return retrying(
+                f"iteration {iteration}",
+                functools.partial(self.roll_out, iteration, bar, pushed),
+                args.retries,
+                self.client.address,
+            )
+        except ServerFailure as failure:
+            bar.close()
+            if not self.rows:
+                raise ServerFailure(f"{failure}; no iteration had finished") from failure
+            if self.saved < len(self.rows) and self.ranks.leader:
+                self.save_checkpoint()
+            done = f"iterations 0-{len(self.rows) - 1} are in {self.checkpoint}"
+            raise ServerFailure(f"{failure}; {done}: run again with --resume") from failure
+
+    # One iteration.
+
+    def train_step(self, iteration: int) -> dict:
+        """Roll out, score, update and record iteration ``iteration``; returns its metrics row."""
+        args, ranks = self.args, self.ranks
+        start = time.perf_counter()
+        bar = tqdm(
+            total=args.steps + 2, desc=f"iter {iteration:>4}", dynamic_ncols=True, disable=not ranks.leader
+        )
+        rollout, version, push_seconds = self.rolled_out(iteration, bar)
+        bar.update(args.steps + 1 - bar.n)
+        if args.async_ and iteration + 1 < args.iterations:
+            # Streams while this iteration trains, on the policy just pushed: one behind the next.
+            request = self.request(iteration + 1, version)
+            self.upcoming = self._prefetch.submit(stream, self.client, request, args.stall_timeout)
+        if not 0 <= version - rollout.policy_version <= self.staleness:
+            raise RuntimeError(f"iteration {iteration} ran on policy {rollout.policy_version}, not {version}")
+
+        result, eval_seconds = None, math.nan
+        if args.eval_every and iteration % args.eval_every == 0 and ranks.leader:
+            eval_start = time.perf_counter()
+            result = self.evaluate()  # the policy that rolled this iteration out
+            eval_seconds = time.perf_counter() - eval_start
+            if iteration == 0:
+                record_eval(args.out / "eval.json", "before", result.table)
+                eval_grid(result, args.out / "samples" / "eval-before.png")
+
+        trajectories = rollout.trajectories
+        samples = [SampleInfo(t.prompt_index, t.sample_index, t.seed, t.policy_version) for t in trajectories]
+        rewards = self.reward([t.image() for t in trajectories], [t.prompt for t in trajectories], samples)
+        train_start = time.perf_counter()
+        loss = self.algorithm.update(rollout, rewards, iteration)
+        self.schedule.step()
+        bar.update(1)
+        # Over every rank's share: all rewards, the mean of the ranks' losses, the largest deviation.
+        shares = ranks.gather((rewards, loss, self.algorithm.ratio_max_dev, self.reward.last))
+        all_rewards = torch.cat([share[0] for share in shares])
+        terms = {
+            f"reward_mean/{spec}": torch.cat([share[3][spec] for share in shares]).mean().item()
+            for spec in self.reward.last
+        }
+        row = {
+            "iteration": iteration,
+            "policy_version": rollout.policy_version,
+            "pushed_version": version,
+            "reward_mean": all_rewards.mean().item(),
+            "reward_std": all_rewards.std(correction=0).item(),
+            "loss": sum(share[1] for share in shares) / ranks.world,
+            "ratio_max_dev": max(share[2] for share in shares),
+            **self.algorithm.metrics(rollout),
+            "rollout_seconds": rollout.seconds,
+            "train_seconds": time.perf_counter() - train_start,
+            "update_seconds": push_seconds,
+            "iteration_seconds": time.perf_counter() - start,
+            "eval_accuracy": math.nan if result is None else result.accuracy,
+            "transformer_rows": rollout.collector.finished.message.transformer_rows,
+            "prune_asked": rollout.prune_asked,
+            "prune_stopped": rollout.prune_stopped,
+            "eval_seconds": eval_seconds,
+            **(terms if self.reward.columns() else {}),
+        }
+        bar.set_postfix(reward=f"{row['reward_mean']:.5f}", ratio_dev=f"{row['ratio_max_dev']:.1e}")
+        bar.close()
+        if ranks.leader and iteration in (0, args.iterations - 1):
+            save_images(trajectories, args.out / "samples" / f"iter-{iteration:04d}")
+        return row
+
+    def evaluate(self) -> "ShapesEval":
+        return evaluate(self.client, self.args)
+
+    def save_checkpoint(self) -> None:
+        save_checkpoint(
+            self.checkpoint, self.args, self.transformer, self.optimizer, self.schedule, self.rows
+        )
+        self.saved = len(self.rows)
+
+    # The run.
+
+    def train(self) -> list[dict]:
+        args, ranks = self.args, self.ranks
+        metrics_path = args.out / "metrics.csv" if ranks.leader else Path(os.devnull)  # rank 0 writes the run
+        with open(metrics_path, "w", newline="") as metrics, self._prefetch:
+            writer = csv.DictWriter(
+                metrics, fieldnames=COLUMNS + self.reward.columns(), extrasaction="ignore"
+            )
+            writer.writeheader()
+            writer.writerows(self.rows)
+            for iteration in range(len(self.rows), args.iterations):
+                row = self.train_step(iteration)
+                writer.writerow(row)
+                metrics.flush()
+                self.rows.append(row)
+                if ranks.leader and (
+                    len(self.rows) % args.checkpoint_every == 0 or len(self.rows) == args.iterations
+                ):
+                    self.save_checkpoint()
+                    say(f"checkpoint: iterations 0-{iteration} in {self.checkpoint}")
+        if ranks.leader:
+            self.finish()
+        return self.rows
+
+    def finish(self) -> None:
+        """Save the policy and the plots, and leave the server on the final policy (evaluated, with
+        --eval-every)."""
+        args = self.args
+        saved_policy = save_policy(self.transformer, self.lora_config, args.out)
+        plot_rewards(self.rows, args.reward, args.out / "reward.png")
+        try:
+            retrying("the final push", self.pusher.push, args.retries, self.client.address)
+            if args.eval_every:
+                final = self.evaluate()
+        except ServerFailure as failure:
+            raise ServerFailure(f"{failure}; the run is complete, its policy in {saved_policy}") from failure
+        finally:
+            self.pusher.close()
+        if args.eval_every:
+            record_eval(args.out / "eval.json", "after", final.table)
+            eval_grid(final, args.out / "samples" / "eval-after.png")
+            plot_accuracy(self.rows, (args.iterations, final.accuracy), args.out / "accuracy.png")
+            say(f"eval accuracy after {args.iterations} iterations: {final.accuracy:.3f}")
