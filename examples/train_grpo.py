@@ -16,9 +16,9 @@ __all__ = ["main", "parse_args"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(argv)
+    config = parse_args(argv)
     try:
-        rows, seconds, ranks = run(args)
+        rows, seconds, ranks = run(config)
     except ServerFailure as failure:
         raise SystemExit(f"train_grpo.py: stopped: {failure}") from None
     if not ranks.leader:
@@ -26,12 +26,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     first, last = rows[0]["reward_mean"], rows[-1]["reward_mean"]
     on_policy = (
         ""
-        if args.algorithm == "nft"
+        if config.algorithm == "nft"
         else f", max ratio deviation {max(r['ratio_max_dev'] for r in rows):.1e}"
     )
     print(
-        f"{len(rows)} iterations in {seconds:.0f} s ({'async' if args.async_ else 'sync'}, "
-        f"{args.algorithm}): reward {first:.5f} -> {last:.5f}{on_policy}; results in {args.out}/"
+        f"{len(rows)} iterations in {seconds:.0f} s ({'async' if config.rollout.async_ else 'sync'}, "
+        f"{config.algorithm}): reward {first:.5f} -> {last:.5f}{on_policy}; "
+        f"results in {config.checkpoint.out}/"
     )
     return rows
 

@@ -6,17 +6,16 @@ from pathlib import Path
 import torch
 from peft import set_peft_model_state_dict
 
-from rollout_client.train.config import run_settings
 from rollout_client.train.policy import trainable_state
 
 
-def save_checkpoint(path: Path, args, transformer, optimizer, schedule, rows: list[dict]) -> None:
+def save_checkpoint(path: Path, config, transformer, optimizer, schedule, rows: list[dict]) -> None:
     """What the run needs to go on after ``len(rows)`` iterations, written to a temporary file and
     renamed over ``path``: a kill at any moment leaves the previous checkpoint or this one, whole."""
     state = {
-        "settings": run_settings(args),
+        "settings": config.settings,
         "iterations_done": len(rows),
-        "policy": {name: t.detach().cpu() for name, t in trainable_state(transformer, args).items()},
+        "policy": {name: t.detach().cpu() for name, t in trainable_state(transformer, config).items()},
         "optimizer": optimizer.state_dict(),
         "schedule": schedule.state_dict(),
         "rng": {"cpu": torch.get_rng_state()}

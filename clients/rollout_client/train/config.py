@@ -4,6 +4,7 @@ import argparse
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,7 +75,13 @@ def float_above_zero(why: str = "") -> Callable[[str], float]:
     return parse
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> "TrainConfig":
+    """The run's TrainConfig from its command line; an argument that cannot train exits with status 2
+    and a message naming its flag."""
+    return TrainConfig.of(parse_flags(argv))
+
+
+def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="FlowGRPO (or DiffusionNFT) on the rollout stream: a small, real trainer to copy from."
     )
@@ -256,7 +263,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.prompt_pool:
             parser.error("--prompt-pool draws from a prompt set: it does not go with --prompt")
         args.prompts = len(args.prompt)
-    prompt_count = len(PROMPTS) if args.prompt_set == "scenes" else len(prompt_pool(args))
+    prompt_count = len(PROMPTS) if args.prompt_set == "scenes" else len(prompt_pool(args.prompt_pool))
     if not args.prompt and not 1 <= args.prompts <= prompt_count:
         parser.error(f"--prompts must be in [1, {prompt_count}] for --prompt-set {args.prompt_set}")
     try:
@@ -271,7 +278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "argument --group-size: must be at least 2 (advantages are standardised within a prompt's "
             "group: one sample has none), or 1 with a --tree that forks"
         )
-    problem = ALGORITHMS[algorithm_name(args)].refusal(args, world)
+    problem = ALGORITHMS[algorithm_name(args.tree, args.algorithm)].refusal(args, world)
     if problem:
         parser.error(problem)
     if not args.tree and args.tree_advantages is not None:
@@ -338,3 +345,139 @@ def run_settings(args: argparse.Namespace) -> dict:
     """The flags that decide what a run computes, as its checkpoints record them."""
     ignored = OPERATIONAL_FLAGS | {"checkpoint"}
     return {name: value for name, value in vars(args).items() if name not in ignored}
+
+
+@dataclass
+class ServerConfig:
+    address: str | None  # --server; None: the run starts one on ``model``
+    model: str
+    model_path: Path | None
+    token_file: Path | None
+    stall_timeout: float
+    retries: int
+
+
+@dataclass
+class RolloutConfig:
+    prompts: int  # P
+    prompt_set: str
+    fixed_prompts: list[str]  # --prompt
+    prompt_pool: int
+    group_size: int  # G, or a tree's roots per prompt
+    steps: int
+    size: int
+    noise_level: float
+    window: int
+    cfg: float | None
+    async_: bool
+    score_while_streaming: bool
+
+
+@dataclass
+class TreeConfig:
+    points: str  # --tree's branch points ("" for flat groups)
+    prune_at: int | None
+    prune_keep: int
+    advantages: str
+
+
+@dataclass
+class OptimConfig:
+    lr: float
+    clip_range: float
+    kl_beta: float
+    micro_batch: int
+    train: str  # "lora" or "full"
+    lora_rank: int
+    lora_alpha: float
+    lora_targets: str
+
+
+@dataclass
+class NFTConfig:
+    beta: float
+    draws: int
+
+
+@dataclass
+class SyncConfig:
+    weight_sync: str  # "grpc" or "group"
+    address: str
+
+
+@dataclass
+class CheckpointConfig:
+    out: Path
+    every: int
+    resume: bool
+    state: dict | None  # the checkpoint a resumed run goes on from
+
+
+@dataclass
+class EvalConfig:
+    every: int
+
+
+@dataclass
+class TrainConfig:
+    """A run, in small parts; ``settings`` is what its checkpoints record (``run_settings``)."""
+
+    algorithm: str
+    iterations: int
+    seed: int
+    device: str
+    threads: int
+    reward: str
+    server: ServerConfig
+    rollout: RolloutConfig
+    tree: TreeConfig
+    optim: OptimConfig
+    nft: NFTConfig
+    sync: SyncConfig
+    checkpoint: CheckpointConfig
+    eval: EvalConfig
+    settings: dict
+
+    @classmethod
+    def of(cls, flags: argparse.Namespace) -> "TrainConfig":
+        """The config of checked flags (``parse_flags``)."""
+        f = flags
+        return cls(
+            algorithm=f.algorithm,
+            iterations=f.iterations,
+            seed=f.seed,
+            device=f.device,
+            threads=f.threads,
+            reward=f.reward,
+            server=ServerConfig(f.server, f.model, f.model_path, f.token_file, f.stall_timeout, f.retries),
+            rollout=RolloutConfig(
+                f.prompts,
+                f.prompt_set,
+                f.prompt,
+                f.prompt_pool,
+                f.group_size,
+                f.steps,
+                f.size,
+                f.noise_level,
+                f.window,
+                f.cfg,
+                f.async_,
+                f.score_while_streaming,
+            ),
+            tree=TreeConfig(f.tree, f.prune_at, f.prune_keep, f.tree_advantages),
+            optim=OptimConfig(
+                f.lr,
+                f.clip_range,
+                f.kl_beta,
+                f.micro_batch,
+                f.train,
+                f.lora_rank,
+                f.lora_alpha,
+                f.lora_targets,
+            ),
+            nft=NFTConfig(f.nft_beta, f.nft_draws),
+            sync=SyncConfig(f.weight_sync, f.sync_address),
+            checkpoint=CheckpointConfig(f.out, f.checkpoint_every, f.resume, f.checkpoint),
+            eval=EvalConfig(f.eval_every),
+            settings=run_settings(f),
+        )

@@ -1,7 +1,6 @@
 """What a run writes besides its policy: metrics.csv's columns (defined here once), the reward and
 accuracy plots, sample images, and the shapes eval's tables and grids."""
 
-import argparse
 import functools
 import json
 import math
@@ -14,6 +13,7 @@ from rollout_client.train.rollouts import retrying
 if TYPE_CHECKING:
     from rollout_client import RolloutClient, Trajectory
     from rollout_client.shapes_eval import ShapesEval
+    from rollout_client.train.config import TrainConfig
 
 COLUMNS = [
     "iteration",
@@ -107,12 +107,19 @@ def eval_grid(result: "ShapesEval", path: Path, columns: int = 8) -> None:
     contact_sheet(framed, columns).save(path)
 
 
-def evaluate(client: "RolloutClient", args: argparse.Namespace) -> "ShapesEval":
+def evaluate(client: "RolloutClient", config: "TrainConfig") -> "ShapesEval":
     """The served policy's eval on the shapes task, at the training size and steps, ODE, with --cfg."""
     from rollout_client.shapes_eval import eval_request, evaluate_policy
 
-    request = eval_request(steps=args.steps, size=args.size, seed=args.seed, true_cfg_scale=args.cfg)
-    return retrying("eval", functools.partial(evaluate_policy, client, request), args.retries, client.address)
+    request = eval_request(
+        steps=config.rollout.steps,
+        size=config.rollout.size,
+        seed=config.seed,
+        true_cfg_scale=config.rollout.cfg,
+    )
+    return retrying(
+        "eval", functools.partial(evaluate_policy, client, request), config.server.retries, client.address
+    )
 
 
 def record_eval(path: Path, when: str, table: dict[str, tuple[int, int]]) -> None:

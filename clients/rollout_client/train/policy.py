@@ -1,7 +1,6 @@
 """The trained policy: a LoRA of the transformer or all of it, pushed to the server over gRPC or a
 weight-sync group with the checksum checked, and saved where LoadWeights and diffusers take it."""
 
-import argparse
 import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,19 +17,22 @@ from rollout_core import checksum
 
 if TYPE_CHECKING:
     from rollout_client import RolloutClient
+    from rollout_client.train.config import TrainConfig
     from rollout_client.weight_sync import WeightSyncGroup
 
 
-def load_policy(model_path: Path, args: argparse.Namespace) -> tuple[torch.nn.Module, LoraConfig | None]:
+def load_policy(model_path: Path, config: "TrainConfig") -> tuple[torch.nn.Module, LoraConfig | None]:
     """The base transformer, frozen, with a trainable LoRA; or, with --train full, all trainable."""
     from diffusers import AutoModel  # the trainer's side; the client library never imports diffusers
 
-    transformer = AutoModel.from_pretrained(str(model_path), subfolder="transformer").to(args.device)
-    if args.train == "full":
+    transformer = AutoModel.from_pretrained(str(model_path), subfolder="transformer").to(config.device)
+    if config.optim.train == "full":
         return transformer, None
     transformer.requires_grad_(False)
     config = LoraConfig(
-        r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=args.lora_targets.split(",")
+        r=config.optim.lora_rank,
+        lora_alpha=config.optim.lora_alpha,
+        target_modules=config.optim.lora_targets.split(","),
     )
     transformer.add_adapter(config)
     return transformer, config
@@ -41,9 +43,11 @@ def lora_modules(transformer: torch.nn.Module) -> list[str]:
     return sorted(name for name, module in transformer.named_modules() if isinstance(module, BaseTunerLayer))
 
 
-def trainable_state(transformer: torch.nn.Module, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+def trainable_state(transformer: torch.nn.Module, config: "TrainConfig") -> dict[str, torch.Tensor]:
     """What the optimizer trains: the LoRA's tensors, or (--train full) the transformer's."""
-    return transformer.state_dict() if args.train == "full" else get_peft_model_state_dict(transformer)
+    return (
+        transformer.state_dict() if config.optim.train == "full" else get_peft_model_state_dict(transformer)
+    )
 
 
 class Pusher:
@@ -52,8 +56,13 @@ class Pusher:
     (--weight-sync), and checks what the server then serves: the checksum of the trainer's own
     weights, and for a LoRA the modules it bound. Each call's deadline is ``stall_seconds``."""
 
-    def __init__(self, client: "RolloutClient", transformer, lora_config: LoraConfig | None, args):
-        self.client, self.transformer, self.lora_config, self.args = client, transformer, lora_config, args
+    def __init__(self, client: "RolloutClient", transformer, lora_config: LoraConfig | None, config):
+        self.client, self.transformer, self.lora_config, self.config = (
+            client,
+            transformer,
+            lora_config,
+            config,
+        )
         self.group: WeightSyncGroup | None = None  # created at the first push over the group
         self.trained = lora_modules(transformer) if lora_config is not None else []
         # A LoRA run's base never changes: its part of the checksum is computed once.
@@ -79,9 +88,9 @@ class Pusher:
         weights, client = self.weights(), self.client
         expected = self.expected_checksum(weights)
         kind = "full" if self.lora_config is None else "lora"
-        with Watchdog("policy push", self.args.stall_timeout):
+        with Watchdog("policy push", self.config.server.stall_timeout):
             version = client.server_info().policy_version + 1
-            if self.args.weight_sync == "group":
+            if self.config.sync.weight_sync == "group":
                 served = self._push_over_group(weights, version, kind, expected)
             else:
                 pushed = client.update_weights(weights, version, kind, self.lora_config, progress=False)
@@ -101,7 +110,7 @@ class Pusher:
             self.group = None
         if self.group is None:
             self.group = self.client.init_weight_sync(
-                master_address=self.args.sync_address, timeout=self.args.stall_timeout
+                master_address=self.config.sync.address, timeout=self.config.server.stall_timeout
             )
         try:
             [applied] = self.group.update_weights(

@@ -1,9 +1,12 @@
 """Where an iteration's prompts come from: the fixed scene prompts, ``--prompt``'s, or the shapes
 task's train prompts drawn per iteration."""
 
-import argparse
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rollout_client.train.config import TrainConfig
 
 PROMPTS = [
     "a red fox in the snow",
@@ -26,18 +29,20 @@ def shapes_train_prompts() -> tuple[str, ...]:
     return shapes.train_prompts()
 
 
-def prompt_pool(args: argparse.Namespace) -> tuple[str, ...]:
-    """The shapes train prompts an iteration draws from: all, or the first --prompt-pool."""
-    return shapes_train_prompts()[: args.prompt_pool or None]
+def prompt_pool(size: int) -> tuple[str, ...]:
+    """The shapes train prompts an iteration draws from: all (``size`` 0), or the first ``size``."""
+    return shapes_train_prompts()[: size or None]
 
 
-def iteration_prompts(args: argparse.Namespace, iteration: int) -> list[str]:
+def iteration_prompts(config: "TrainConfig", iteration: int) -> list[str]:
     """--prompt's, the fixed scene prompts, or P distinct shapes train prompts drawn from the
     iteration's seed."""
-    if args.prompt:
-        return list(args.prompt)
-    if args.prompt_set == "scenes":
-        return PROMPTS[: args.prompts]
-    pool = prompt_pool(args)
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
-    return [pool[k] for k in torch.randperm(len(pool), generator=generator)[: args.prompts].tolist()]
+    if config.rollout.fixed_prompts:
+        return list(config.rollout.fixed_prompts)
+    if config.rollout.prompt_set == "scenes":
+        return PROMPTS[: config.rollout.prompts]
+    pool = prompt_pool(config.rollout.prompt_pool)
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + iteration)
+    return [
+        pool[k] for k in torch.randperm(len(pool), generator=generator)[: config.rollout.prompts].tolist()
+    ]

@@ -1,14 +1,13 @@
 """Rollouts from the trainer's side: the request of an iteration, the stream with its stall watchdog,
 and the retry policy for a server that fails."""
 
-import argparse
 import itertools
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import torch
@@ -19,6 +18,9 @@ from rollout_client import Collector, RolloutClient, Step, Trajectory
 from rollout_client.events import decode_stream
 from rollout_client.grpo import sde_window
 from rollout_client.train.prompts import iteration_prompts
+
+if TYPE_CHECKING:
+    from rollout_client.train.config import TrainConfig
 
 # Statuses of a server that is down, restarting, overloaded or stuck rather than of a bad request.
 SERVER_FAILURES = {
@@ -68,32 +70,34 @@ def stochastic_steps(collector: Collector) -> list[int]:
 
 
 def rollout_request(
-    args: argparse.Namespace, iteration: int, min_version: int, latents: int
+    config: "TrainConfig", iteration: int, min_version: int, latents: int
 ) -> rollout_pb2.RolloutRequest:
     """Iteration ``iteration``'s request: its prompts, seeds never repeated across iterations, the
     --window's stochastic steps, the algorithm's ``latents`` selection, and the policy it needs."""
-    generator = torch.Generator().manual_seed(args.seed + iteration)
-    window = sde_window(args.steps, args.window, generator) if args.window else []
-    samples = args.prompts * args.group_size
+    generator = torch.Generator().manual_seed(config.seed + iteration)
+    window = (
+        sde_window(config.rollout.steps, config.rollout.window, generator) if config.rollout.window else []
+    )
+    samples = config.rollout.prompts * config.rollout.group_size
     return rollout_pb2.RolloutRequest(
         request_id=f"grpo-iter-{iteration}",
-        prompts=iteration_prompts(args, iteration),
-        samples_per_prompt=args.group_size,
-        base_seed=args.seed + iteration * samples,  # per-sample seeds never repeat across iterations
-        num_steps=args.steps,
-        height=args.size,
-        width=args.size,
+        prompts=iteration_prompts(config, iteration),
+        samples_per_prompt=config.rollout.group_size,
+        base_seed=config.seed + iteration * samples,  # per-sample seeds never repeat across iterations
+        num_steps=config.rollout.steps,
+        height=config.rollout.size,
+        width=config.rollout.size,
         sampler=rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
-        noise_level=args.noise_level,
+        noise_level=config.rollout.noise_level,
         stochastic_steps=window,
         latents=latents,
         min_policy_version=min_version,
-        true_cfg_scale=args.cfg,
-        branches=branch_points(args.tree),
+        true_cfg_scale=config.rollout.cfg,
+        branches=branch_points(config.tree.points),
         # The early-termination rule predicts each node's image from its velocity; the server waits
         # for its prune after that step.
-        debug_tensors=[] if args.prune_at is None else [rollout_pb2.DEBUG_TENSOR_VELOCITY],
-        prune_points=[] if args.prune_at is None else [args.prune_at],
+        debug_tensors=[] if config.tree.prune_at is None else [rollout_pb2.DEBUG_TENSOR_VELOCITY],
+        prune_points=[] if config.tree.prune_at is None else [config.tree.prune_at],
     )
 
 

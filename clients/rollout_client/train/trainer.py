@@ -1,4 +1,4 @@
-"""The training loop: ``Trainer(args, client, model_path, ranks).train()``.
+"""The training loop: ``Trainer(config, client, model_path, ranks).train()``.
 
 Each ``train_step(i)`` pushes the policy (rank 0) and rolls out this rank's share on it (or takes the
 rollout that streamed during the last step, with ``--async``), scores it, has the algorithm update the
@@ -7,7 +7,6 @@ with the server on the final policy. A server that fails is retried (``rollouts.
 fails for good stops the run with its finished iterations checkpointed.
 """
 
-import argparse
 import csv
 import functools
 import math
@@ -39,34 +38,37 @@ from rollout_client.train.rollouts import Rollout, ServerFailure, retrying, roll
 if TYPE_CHECKING:
     from rollout_client import RolloutClient, Step
     from rollout_client.shapes_eval import ShapesEval
+    from rollout_client.train.config import TrainConfig
     from rollout_client.train.distributed import Ranks
 
 
 class Trainer:
-    def __init__(self, args: argparse.Namespace, client: "RolloutClient", model_path: Path, ranks: "Ranks"):
-        torch.manual_seed(args.seed)
-        self.args, self.client, self.model_path, self.ranks = args, client, model_path, ranks
-        self.reward = Rewards(args.reward)
-        self.transformer, self.lora_config = load_policy(model_path, args)
-        self.pusher = Pusher(client, self.transformer, self.lora_config, args)
+    def __init__(self, config: "TrainConfig", client: "RolloutClient", model_path: Path, ranks: "Ranks"):
+        torch.manual_seed(config.seed)
+        self.config, self.client, self.model_path, self.ranks = config, client, model_path, ranks
+        self.reward = Rewards(config.reward)
+        self.transformer, self.lora_config = load_policy(model_path, config)
+        self.pusher = Pusher(client, self.transformer, self.lora_config, config)
         self.parameters = [p for p in self.transformer.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.parameters, lr=args.lr)
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.optim.lr)
         self.max_samples = client.server_info().limits.max_samples
         # A cosine from lr down to lr / 10 over the run: the late steps refine instead of overshooting.
         self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
-            self.optimizer, args.iterations, eta_min=args.lr / 10
+            self.optimizer, config.iterations, eta_min=config.optim.lr / 10
         )
-        self.algorithm = ALGORITHMS[algorithm_name(args)](self)
-        self.checkpoint = args.out / CHECKPOINT
+        self.algorithm = ALGORITHMS[algorithm_name(config.tree.points, config.algorithm)](self)
+        self.checkpoint = config.checkpoint.out / CHECKPOINT
         self.rows: list[dict] = []
-        if args.checkpoint is not None:
-            self.rows = restore_checkpoint(args.checkpoint, self.transformer, self.optimizer, self.schedule)
+        if config.checkpoint.state is not None:
+            self.rows = restore_checkpoint(
+                config.checkpoint.state, self.transformer, self.optimizer, self.schedule
+            )
             say(f"resuming after iteration {len(self.rows) - 1} from {self.checkpoint}")
         elif self.checkpoint.exists() and ranks.leader:
             say(f"a new run: removing the previous run's {self.checkpoint} (--resume goes on with it)")
             self.checkpoint.unlink()
         self.saved = len(self.rows)  # iterations in the checkpoint on disk
-        self.staleness = 1 if args.async_ else 0
+        self.staleness = 1 if config.rollout.async_ else 0
         self.upcoming: Future | None = None  # async: the next rollout, streaming while this one trains
         self._prefetch = ThreadPoolExecutor(1)
 
@@ -86,7 +88,7 @@ class Trainer:
     # The server's part of an iteration.
 
     def request(self, iteration: int, version: int):
-        return rollout_request(self.args, iteration, version, self.algorithm.latents)
+        return rollout_request(self.config, iteration, version, self.algorithm.latents)
 
     def roll_out(self, iteration: int, bar: tqdm, pushed: int | None) -> tuple[Rollout, int, float]:
         """Push the trainer's policy (unless rank 0 ``pushed`` it), and roll out this rank's share
@@ -104,7 +106,7 @@ class Trainer:
         if pending is None:
             request = self.ranks.share(self.request(iteration, version), self.max_samples)
             rollout = stream(
-                self.client, request, self.args.stall_timeout, functools.partial(self._arrived, bar)
+                self.client, request, self.config.server.stall_timeout, functools.partial(self._arrived, bar)
             )
         return rollout, version, push_seconds
 
@@ -119,7 +121,7 @@ class Trainer:
             return None
         what = f"iteration {iteration}: the push"
         pushed = (
-            retrying(what, self.pusher.push, self.args.retries, self.client.address)
+            retrying(what, self.pusher.push, self.config.server.retries, self.client.address)
             if self.ranks.leader
             else None
         )
@@ -128,13 +130,13 @@ class Trainer:
     def rolled_out(self, iteration: int, bar: tqdm) -> tuple[Rollout, int, float]:
         """The iteration's rollout, with the server's failures retried; a failure for good stops the
         run with what finished checkpointed."""
-        args = self.args
+        config = self.config
         try:
             pushed = self.push_from_rank_0(iteration)
             return retrying(
                 f"iteration {iteration}",
                 functools.partial(self.roll_out, iteration, bar, pushed),
-                args.retries,
+                config.server.retries,
                 self.client.address,
             )
         except ServerFailure as failure:
@@ -150,28 +152,31 @@ class Trainer:
 
     def train_step(self, iteration: int) -> dict:
         """Roll out, score, update and record iteration ``iteration``; returns its metrics row."""
-        args, ranks = self.args, self.ranks
+        config, ranks = self.config, self.ranks
         start = time.perf_counter()
         bar = tqdm(
-            total=args.steps + 2, desc=f"iter {iteration:>4}", dynamic_ncols=True, disable=not ranks.leader
+            total=config.rollout.steps + 2,
+            desc=f"iter {iteration:>4}",
+            dynamic_ncols=True,
+            disable=not ranks.leader,
         )
         rollout, version, push_seconds = self.rolled_out(iteration, bar)
-        bar.update(args.steps + 1 - bar.n)
-        if args.async_ and iteration + 1 < args.iterations:
+        bar.update(config.rollout.steps + 1 - bar.n)
+        if config.rollout.async_ and iteration + 1 < config.iterations:
             # Streams while this iteration trains, on the policy just pushed: one behind the next.
             request = self.request(iteration + 1, version)
-            self.upcoming = self._prefetch.submit(stream, self.client, request, args.stall_timeout)
+            self.upcoming = self._prefetch.submit(stream, self.client, request, config.server.stall_timeout)
         if not 0 <= version - rollout.policy_version <= self.staleness:
             raise RuntimeError(f"iteration {iteration} ran on policy {rollout.policy_version}, not {version}")
 
         result, eval_seconds = None, math.nan
-        if args.eval_every and iteration % args.eval_every == 0 and ranks.leader:
+        if config.eval.every and iteration % config.eval.every == 0 and ranks.leader:
             eval_start = time.perf_counter()
             result = self.evaluate()  # the policy that rolled this iteration out
             eval_seconds = time.perf_counter() - eval_start
             if iteration == 0:
-                record_eval(args.out / "eval.json", "before", result.table)
-                eval_grid(result, args.out / "samples" / "eval-before.png")
+                record_eval(config.checkpoint.out / "eval.json", "before", result.table)
+                eval_grid(result, config.checkpoint.out / "samples" / "eval-before.png")
 
         trajectories = rollout.trajectories
         samples = [SampleInfo(t.prompt_index, t.sample_index, t.seed, t.policy_version) for t in trajectories]
@@ -209,37 +214,39 @@ class Trainer:
         }
         bar.set_postfix(reward=f"{row['reward_mean']:.5f}", ratio_dev=f"{row['ratio_max_dev']:.1e}")
         bar.close()
-        if ranks.leader and iteration in (0, args.iterations - 1):
-            save_images(trajectories, args.out / "samples" / f"iter-{iteration:04d}")
+        if ranks.leader and iteration in (0, config.iterations - 1):
+            save_images(trajectories, config.checkpoint.out / "samples" / f"iter-{iteration:04d}")
         return row
 
     def evaluate(self) -> "ShapesEval":
-        return evaluate(self.client, self.args)
+        return evaluate(self.client, self.config)
 
     def save_checkpoint(self) -> None:
         save_checkpoint(
-            self.checkpoint, self.args, self.transformer, self.optimizer, self.schedule, self.rows
+            self.checkpoint, self.config, self.transformer, self.optimizer, self.schedule, self.rows
         )
         self.saved = len(self.rows)
 
     # The run.
 
     def train(self) -> list[dict]:
-        args, ranks = self.args, self.ranks
-        metrics_path = args.out / "metrics.csv" if ranks.leader else Path(os.devnull)  # rank 0 writes the run
+        config, ranks = self.config, self.ranks
+        metrics_path = (
+            config.checkpoint.out / "metrics.csv" if ranks.leader else Path(os.devnull)
+        )  # rank 0 writes the run
         with open(metrics_path, "w", newline="") as metrics, self._prefetch:
             writer = csv.DictWriter(
                 metrics, fieldnames=COLUMNS + self.reward.columns(), extrasaction="ignore"
             )
             writer.writeheader()
             writer.writerows(self.rows)
-            for iteration in range(len(self.rows), args.iterations):
+            for iteration in range(len(self.rows), config.iterations):
                 row = self.train_step(iteration)
                 writer.writerow(row)
                 metrics.flush()
                 self.rows.append(row)
                 if ranks.leader and (
-                    len(self.rows) % args.checkpoint_every == 0 or len(self.rows) == args.iterations
+                    len(self.rows) % config.checkpoint.every == 0 or len(self.rows) == config.iterations
                 ):
                     self.save_checkpoint()
                     say(f"checkpoint: iterations 0-{iteration} in {self.checkpoint}")
@@ -250,19 +257,21 @@ class Trainer:
     def finish(self) -> None:
         """Save the policy and the plots, and leave the server on the final policy (evaluated, with
         --eval-every)."""
-        args = self.args
-        saved_policy = save_policy(self.transformer, self.lora_config, args.out)
-        plot_rewards(self.rows, args.reward, args.out / "reward.png")
+        config = self.config
+        saved_policy = save_policy(self.transformer, self.lora_config, config.checkpoint.out)
+        plot_rewards(self.rows, config.reward, config.checkpoint.out / "reward.png")
         try:
-            retrying("the final push", self.pusher.push, args.retries, self.client.address)
-            if args.eval_every:
+            retrying("the final push", self.pusher.push, config.server.retries, self.client.address)
+            if config.eval.every:
                 final = self.evaluate()
         except ServerFailure as failure:
             raise ServerFailure(f"{failure}; the run is complete, its policy in {saved_policy}") from failure
         finally:
             self.pusher.close()
-        if args.eval_every:
-            record_eval(args.out / "eval.json", "after", final.table)
-            eval_grid(final, args.out / "samples" / "eval-after.png")
-            plot_accuracy(self.rows, (args.iterations, final.accuracy), args.out / "accuracy.png")
-            say(f"eval accuracy after {args.iterations} iterations: {final.accuracy:.3f}")
+        if config.eval.every:
+            record_eval(config.checkpoint.out / "eval.json", "after", final.table)
+            eval_grid(final, config.checkpoint.out / "samples" / "eval-after.png")
+            plot_accuracy(
+                self.rows, (config.iterations, final.accuracy), config.checkpoint.out / "accuracy.png"
+            )
+            say(f"eval accuracy after {config.iterations} iterations: {final.accuracy:.3f}")

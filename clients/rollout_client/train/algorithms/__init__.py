@@ -4,10 +4,10 @@ from rollout_client.train.algorithms import flowgrpo, nft, tree  # noqa: F401 - 
 from rollout_client.train.algorithms.base import ALGORITHMS, Algorithm, register
 
 
-def algorithm_name(args) -> str:
-    """The registered algorithm a run trains with: --algorithm, whose FlowGRPO is the tree variant
-    with --tree."""
-    return "tree" if args.tree else args.algorithm
+def algorithm_name(tree_points: str, algorithm: str) -> str:
+    """The registered algorithm a run trains with: ``algorithm`` (--algorithm), whose FlowGRPO is the
+    tree variant when ``tree_points`` (--tree) names branch points."""
+    return "tree" if tree_points else algorithm
 
 
 __all__ = ["ALGORITHMS", "Algorithm", "algorithm_name", "register"]

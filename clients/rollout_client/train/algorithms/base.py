@@ -9,7 +9,7 @@ An iteration of ``Trainer.train_step`` runs, for its algorithm:
    ranks and clips them to ``max_grad_norm``, the same for every algorithm); returns the mean loss;
 4. ``metrics(rollout)``: the algorithm's columns of the iteration's metrics row.
 
-``latents`` is what its requests ask the server to stream, and ``refusal(args, world)`` the flags it
+``latents`` is what its requests ask the server to stream, and ``refusal(config, world)`` the flags it
 cannot train with (the command line refuses them). Register a new algorithm with
 ``@register("name")`` in a module of this package imported by its ``__init__``; ``--algorithm name``
 then selects it.
@@ -54,7 +54,7 @@ class Algorithm:
 
     def __init__(self, trainer: "Trainer"):
         self.trainer = trainer
-        self.args = trainer.args
+        self.config = trainer.config
 
     def start(self) -> None:
         """A new iteration's rollout is about to stream."""

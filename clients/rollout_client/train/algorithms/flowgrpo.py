@@ -1,7 +1,6 @@
 """FlowGRPO: a PPO-clipped step on the log-probs of the stochastic steps, with group-standardised
 rewards (``rollout_client.grpo``); with ``--score-while-streaming`` each step is scored as it arrives."""
 
-import argparse
 import math
 from typing import TYPE_CHECKING
 
@@ -21,6 +20,7 @@ from rollout_client.train.rollouts import Rollout, stochastic_steps
 
 if TYPE_CHECKING:
     from rollout_client import Collector, Step, Trajectory
+    from rollout_client.train.config import TrainConfig
 
 
 class PolicyUpdate:
@@ -30,8 +30,8 @@ class PolicyUpdate:
     until ``finish``; once they are known, each piece is backpropagated at once, so memory is bounded
     by one micro-batch."""
 
-    def __init__(self, transformer: torch.nn.Module, args: argparse.Namespace):
-        self.transformer, self.args = transformer, args
+    def __init__(self, transformer: torch.nn.Module, config: "TrainConfig"):
+        self.transformer, self.config = transformer, config
         self.pending: list[tuple[int, list[int], tuple]] = []  # (step, rows, (transition, reference))
         self.scored_steps: set[int] = set()
         self.weight = 0.0  # of one row at one step in the loss, once the rollout is complete
@@ -43,7 +43,7 @@ class PolicyUpdate:
         if not steps:
             return
         trajectories = collector.trajectories()
-        for i, rows in micro_batches(trajectories, steps, self.args.micro_batch):
+        for i, rows in micro_batches(trajectories, steps, self.config.optim.micro_batch):
             self.pending.append((i, rows, self._score(trajectories, i, rows)))
         self.scored_steps.update(steps)
 
@@ -55,7 +55,7 @@ class PolicyUpdate:
         for i, rows, scored in self.pending:
             self._backward(trajectories, advantages[rows], i, rows, scored)
         todo = [i for i in steps if i not in self.scored_steps]
-        for i, rows in micro_batches(trajectories, todo, self.args.micro_batch):
+        for i, rows in micro_batches(trajectories, todo, self.config.optim.micro_batch):
             self._backward(trajectories, advantages[rows], i, rows, self._score(trajectories, i, rows))
 
     def finish_tree(self, leaves: list["Trajectory"], node_advantages: torch.Tensor) -> None:
@@ -65,20 +65,20 @@ class PolicyUpdate:
         for i in sorted({edge.step for edge in edges}):
             at_step = [edge for edge in edges if edge.step == i]
             holders = [leaves[edge.row] for edge in at_step]
-            for piece in row_batches(holders, self.args.micro_batch):
+            for piece in row_batches(holders, self.config.optim.micro_batch):
                 rows = [at_step[k].row for k in piece]
                 edge_advantages = node_advantages[[at_step[k].node for k in piece]]
                 self._backward(leaves, edge_advantages, i, rows, self._score(leaves, i, rows))
 
     def _score(self, trajectories, i, rows):
         pieces = [trajectories[r] for r in rows]
-        transition = step_transitions(self.transformer, pieces, i, self.args.device)
+        transition = step_transitions(self.transformer, pieces, i, self.config.device)
         reference = None
-        if self.args.kl_beta > 0:
+        if self.config.optim.kl_beta > 0:
             with torch.no_grad():
                 self.transformer.disable_adapters()
                 try:
-                    reference = step_transitions(self.transformer, pieces, i, self.args.device).means
+                    reference = step_transitions(self.transformer, pieces, i, self.config.device).means
                 finally:
                     self.transformer.enable_adapters()
         return transition, reference
@@ -89,11 +89,11 @@ class PolicyUpdate:
         ratio = torch.exp(transition.log_probs.detach() - old)
         self.ratio_max_dev = max(self.ratio_max_dev, (ratio - 1).abs().max().item())
         piece_advantages = piece_advantages.to(old.device)
-        loss = clipped_policy_loss(transition.log_probs, old, piece_advantages, self.args.clip_range)
+        loss = clipped_policy_loss(transition.log_probs, old, piece_advantages, self.config.optim.clip_range)
         if reference is not None:
             kl = kl_to_reference(transition.means, reference, transition.stds).mean()
             self.kl += kl.item() * len(rows) * self.weight
-            loss = loss + self.args.kl_beta * kl
+            loss = loss + self.config.optim.kl_beta * kl
         (loss * len(rows) * self.weight).backward()
         self.loss += loss.item() * len(rows) * self.weight
 
@@ -101,10 +101,10 @@ class PolicyUpdate:
 @register("flowgrpo")
 class FlowGRPO(Algorithm):
     def start(self) -> None:
-        self.policy_update = PolicyUpdate(self.trainer.transformer, self.args)
+        self.policy_update = PolicyUpdate(self.trainer.transformer, self.config)
 
     def on_step(self, rollout: Rollout, step: "Step") -> None:
-        if self.args.score_while_streaming:
+        if self.config.rollout.score_while_streaming:
             self.policy_update.score_ready(rollout.collector)
 
     def advantages(self, trajectories: list["Trajectory"], rewards: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,7 @@ class FlowGRPO(Algorithm):
 
     def metrics(self, rollout: Rollout) -> dict:
         return {
-            "kl": self.policy_update.kl if self.args.kl_beta > 0 else math.nan,
+            "kl": self.policy_update.kl if self.config.optim.kl_beta > 0 else math.nan,
             "scored_steps": " ".join(map(str, stochastic_steps(rollout.collector))),
             "pruned_leaves": 0,
         }

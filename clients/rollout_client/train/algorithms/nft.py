@@ -37,20 +37,20 @@ class DiffusionNFT(Algorithm):
         """--nft-draws optimizer steps, each on every sample's final latent noised afresh, against the
         velocities of the policy that rolled them out (computed at every draw's points before the first
         step). Returns the mean loss."""
-        args, transformer = self.args, self.trainer.transformer
+        config, transformer = self.config, self.trainer.transformer
         trajectories: list[Trajectory] = rollout.trajectories
         advantages = group_advantages(rewards, torch.tensor([t.prompt_index for t in trajectories]))
         generator = torch.Generator().manual_seed(
-            args.seed * 1_000_033 + iteration
+            config.seed * 1_000_033 + iteration
         )  # a resumed run draws alike
-        x = final_latents(trajectories).to(args.device)
+        x = final_latents(trajectories).to(config.device)
         r = optimality(advantages)
-        pieces = row_batches(trajectories, args.micro_batch)
+        pieces = row_batches(trajectories, config.optim.micro_batch)
         draws = []
         with torch.no_grad():
-            for _ in range(args.nft_draws):
+            for _ in range(config.nft.draws):
                 levels = noise_levels(len(trajectories), generator)
-                x_s, target = noised(x, torch.randn(x.shape, generator=generator).to(args.device), levels)
+                x_s, target = noised(x, torch.randn(x.shape, generator=generator).to(config.device), levels)
                 v_old = torch.empty_like(x_s)
                 for rows in pieces:
                     v_old[rows] = velocities(
@@ -63,11 +63,11 @@ class DiffusionNFT(Algorithm):
             for rows in pieces:
                 v = velocities(transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows])
                 loss = (
-                    nft_loss(v, v_old[rows], target[rows], r[rows], args.nft_beta)
+                    nft_loss(v, v_old[rows], target[rows], r[rows], config.nft.beta)
                     * len(rows)
                     / len(trajectories)
                 )
                 loss.backward()
-                total += loss.item() / args.nft_draws
+                total += loss.item() / config.nft.draws
             self.trainer.optimizer_step()
         return total

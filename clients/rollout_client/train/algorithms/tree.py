@@ -1,7 +1,6 @@
 """Tree rollouts (BranchGRPO, TreeGRPO): every edge of each prompt's trees trained once with its node's
 advantage, and ``--prune-at``'s early termination of the middle nodes while the tree streams."""
 
-import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +15,7 @@ from rollout_client.train.rollouts import Rollout, say
 if TYPE_CHECKING:
     from rollout_client import RolloutClient, Step, Trajectory
     from rollout_client.rewards import Reward
+    from rollout_client.train.config import TrainConfig
 
 
 def tree_advantages(leaves: list["Trajectory"], rewards: torch.Tensor, rule: str) -> torch.Tensor:
@@ -44,11 +44,16 @@ class EarlyTermination:
     point) until this answer, which it always gets (an empty prune says "none"), so the nodes stop at
     step S + 1."""
 
-    def __init__(self, client: "RolloutClient", reward: "Reward", model_path: Path, args: argparse.Namespace):
+    def __init__(self, client: "RolloutClient", reward: "Reward", model_path: Path, config: "TrainConfig"):
         from rollout_server import families  # the trainer's side: it decodes as the server does
 
-        self.client, self.reward, self.step, self.keep = client, reward, args.prune_at, args.prune_keep
-        self.decoder = families.load(model_path, torch.device(args.device), torch.float32)
+        self.client, self.reward, self.step, self.keep = (
+            client,
+            reward,
+            config.tree.prune_at,
+            config.tree.prune_keep,
+        )
+        self.decoder = families.load(model_path, torch.device(config.device), torch.float32)
 
     @torch.no_grad()
     def prune(self, rollout: Rollout, step: "Step") -> None:
@@ -105,10 +110,10 @@ class TreeGRPO(FlowGRPO):
 
     def __init__(self, trainer):
         super().__init__(trainer)
-        args = self.args
+        config = self.config
         self.early = None
-        if args.prune_at is not None:
-            self.early = EarlyTermination(trainer.client, trainer.reward, trainer.model_path, args)
+        if config.tree.prune_at is not None:
+            self.early = EarlyTermination(trainer.client, trainer.reward, trainer.model_path, config)
 
     def on_step(self, rollout: Rollout, step: "Step") -> None:
         if self.early is not None and step.index == self.early.step:
@@ -117,7 +122,7 @@ class TreeGRPO(FlowGRPO):
     def update(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> float:
         leaves = rollout.trajectories
         self.trainer.zero_grad()
-        self.policy_update.finish_tree(leaves, tree_advantages(leaves, rewards, self.args.tree_advantages))
+        self.policy_update.finish_tree(leaves, tree_advantages(leaves, rewards, self.config.tree.advantages))
         self.trainer.optimizer_step()
         return self.policy_update.loss
 
