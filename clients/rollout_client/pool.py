@@ -48,6 +48,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollout.v1 import rollout_pb2
 from rollout_client.client import RolloutClient, resolve_kind
 from rollout_client.events import Event, decode_stream
+from rollout_client.failures import REFUSED_CREDENTIALS, REPLICA_FAILURES, SERVER_FAILURES
 from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
 from rollout_core.layout import prompt_groups, sample_layout
@@ -58,17 +59,6 @@ if TYPE_CHECKING:
     from rollout_client.weight_sync import WeightSyncGroup
 
 log = logging.getLogger("rollout_client.pool")
-
-# Failures of the replica rather than of the request: the group is re-run elsewhere.
-REPLICA_FAILURES = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-
 
 HEALTH_TIMEOUT = 2.0  # seconds for a health check or server info of the watcher
 # The default stall_seconds: a healthy replica answers within a step, a prompt encoding or a decode.
@@ -460,7 +450,7 @@ class RolloutPool:
         pool's version rules; returns the first result, or raises when none applied."""
         applied = [(r, result) for r, (result, error) in zip(targets, outcomes, strict=True) if error is None]
         errors = [error for _, error in outcomes if error is not None]
-        if not applied and not any(_replica_failure(error) for error in errors):
+        if not applied and not any(error.code() in SERVER_FAILURES for error in errors):
             raise errors[0]  # the update itself was refused (by every replica alike)
         with self._lock:
             for replica, (_, error) in zip(targets, outcomes, strict=True):
@@ -680,15 +670,11 @@ def _serving_version(client: RolloutClient) -> int | None:
             request, timeout=HEALTH_TIMEOUT, metadata=client.metadata
         ).policy_version
     except grpc.RpcError as error:
-        if error.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        if error.code() in REFUSED_CREDENTIALS:
             raise
         return None
     except ValueError:  # an RPC on a closed channel
         return None
-
-
-def _replica_failure(error: grpc.RpcError) -> bool:
-    return error.code() in REPLICA_FAILURES or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def _attempt(function, *args):
