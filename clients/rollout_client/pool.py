@@ -37,26 +37,26 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from rollout.v1 import rollout_pb2
-from rollout_client.client import RolloutClient, resolve_kind
+from rollout_client.client import RolloutClient
 from rollout_client.events import Event, decode_stream
 from rollout_client.failures import REFUSED_CREDENTIALS, REPLICA_FAILURES, SERVER_FAILURES
 from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
+from rollout_client.updates import WeightsUpdate, from_weights
+from rollout_client.weight_sync import WeightSyncGroup
 from rollout_core.layout import prompt_groups, sample_layout
 from rollout_core.tree import widest
 
 if TYPE_CHECKING:
     from rollout_client.credentials import TLS
-    from rollout_client.weight_sync import WeightSyncGroup
 
 log = logging.getLogger("rollout_client.pool")
 
@@ -115,17 +115,15 @@ class Replica:
 
 
 @dataclasses.dataclass
-class Update:
-    """One applied update, kept to replay on a replica that missed it."""
+class Kept:
+    """One applied update, kept to replay on a replica that missed it: ``send`` makes its call
+    (UpdateWeights of a snapshot, or LoadWeights) on a replica's client. ``full``: it replaces the
+    whole of its ``target``, so the updates of that target before it need no replay."""
 
     version: int
-    weights: dict[str, torch.Tensor] | None  # UpdateWeights (a snapshot), or None for LoadWeights
-    fields: dict[str, Any]
-
-    def send(self, client: RolloutClient):
-        if self.weights is None:
-            return client.load_weights(version=self.version, **self.fields)
-        return client.update_weights(self.weights, self.version, **self.fields)
+    target: str
+    full: bool
+    send: Callable[[RolloutClient], Any]
 
 
 class RolloutPool:
@@ -175,7 +173,7 @@ class RolloutPool:
             replica.version, replica.healthy = version or 0, version == self.version
         # The updates since the last full one, and the version they build on (None: a full update
         # heads them, so they build on nothing).
-        self.updates: list[Update] = []
+        self.updates: list[Kept] = []
         self.updates_base: int | None = self.version
         self.weight_sync: WeightSyncGroup | None = None  # see init_weight_sync
         self._sync_replicas: list[Replica] = []  # its replicas, in its rank order
@@ -270,7 +268,7 @@ class RolloutPool:
         """The typed events of ``request`` on ``replica``, the pool waiting on the replica while it
         waits for each message (not while its caller holds an event); closing it cancels the call."""
         with self._on(replica) as client:
-            call = client.stub.Rollout(request, timeout=client.timeout, metadata=client.metadata)
+            call = client.call("Rollout", request)
             try:
                 yield from decode_stream(self._messages(replica, call))
             finally:
@@ -401,40 +399,33 @@ class RolloutPool:
 
     # Weights ----------------------------------------------------------------------------------------
 
-    def update_weights(
-        self,
-        weights: Mapping[str, torch.Tensor],
-        version: int,
-        kind: str | None = None,
-        lora_config: Any = None,
-        adapter_name: str = "",
-        progress: bool = False,
-        target: str = "",
-    ) -> rollout_pb2.UpdateWeightsResponse:
-        """``RolloutClient.update_weights`` on every routable replica at once (a progress bar per
-        replica for a large update, when asked); returns once all of them applied it (the first
-        replica's response). A replica whose update fails, or that hangs on it, leaves routing until
-        it is brought to this version; if none applied it, the first error is raised."""
-        snapshot = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}
-        fields = {
-            "kind": kind,
-            "lora_config": lora_config,
-            "adapter_name": adapter_name,
-            "progress": progress,
-            "target": target,
-        }
-        return self._fan_out(Update(version, snapshot, fields), full=_is_full(kind, lora_config))
+    def push(self, update: WeightsUpdate, progress: bool = False) -> rollout_pb2.UpdateWeightsResponse:
+        """``RolloutClient.push`` on every routable replica at once (a progress bar per replica for a
+        large update, when asked); returns once all of them applied it (the first replica's
+        response). A replica whose update fails, or that hangs on it, leaves routing until it is
+        brought to this version; if none applied it, the first error is raised."""
+        send = functools.partial(RolloutClient.push, update=update.snapshot(), progress=progress)
+        return self._fan_out(Kept(update.version, update.target, update.resolved_kind == "full", send))
+
+    update_weights = from_weights(push)
 
     def load_weights(
         self, path: str, version: int, kind: str | None = None, adapter_name: str = "", target: str = ""
     ) -> rollout_pb2.LoadWeightsResponse:
         """``RolloutClient.load_weights`` on every routable replica: ``path`` must hold the same
         weights under each replica's ``--weights-root``."""
-        fields = {"path": path, "kind": kind, "adapter_name": adapter_name, "target": target}
-        return self._fan_out(Update(version, None, fields), full=kind == "full")
+        send = functools.partial(
+            RolloutClient.load_weights,
+            path=path,
+            version=version,
+            kind=kind,
+            adapter_name=adapter_name,
+            target=target,
+        )
+        return self._fan_out(Kept(version, target, kind == "full", send))
 
-    def _fan_out(self, update: Update, full: bool):
-        if full:
+    def _fan_out(self, update: Kept):
+        if update.full:
             self._static_info()  # read now, not under the lock in _keep: it calls a replica
         with self._update_lock:
             with self._lock:
@@ -443,9 +434,9 @@ class RolloutPool:
                 raise NoReplica(f"no replica at policy version {self.version} to update")
             with ThreadPoolExecutor(len(targets), thread_name_prefix="rollout-pool-update") as executor:
                 outcomes = list(executor.map(lambda r: _attempt(self._call, r, update.send), targets))
-            return self._settle(update, full, targets, outcomes)
+            return self._settle(update, targets, outcomes)
 
-    def _settle(self, update: Update, full: bool, targets: list[Replica], outcomes: list[tuple]):
+    def _settle(self, update: Kept, targets: list[Replica], outcomes: list[tuple]):
         """Record which of ``targets`` applied ``update`` (outcomes: (result, error) each) under the
         pool's version rules; returns the first result, or raises when none applied."""
         applied = [(r, result) for r, (result, error) in zip(targets, outcomes, strict=True) if error is None]
@@ -463,19 +454,17 @@ class RolloutPool:
                     replica.healthy = False
             if applied:
                 self.version = update.version
-                self._keep(update, full)
+                self._keep(update)
             self._lock.notify_all()
         if not applied:
             raise errors[0]
         return applied[0][1]
 
-    def init_weight_sync(self, **options) -> "WeightSyncGroup":
+    def init_weight_sync(self, **options) -> WeightSyncGroup:
         """Put this process (the trainer's rank 0) and every rank of every replica at the pool's
         policy version in one weight-sync group (options as ``WeightSyncGroup``'s), replacing the
         pool's previous group; ``update_weights_from_group`` then reaches all of them with one
         broadcast per bucket."""
-        from rollout_client.weight_sync import WeightSyncGroup
-
         with self._update_lock:
             with self._lock:
                 targets = [r for r in self.replicas if r.healthy and r.version == self.version]
@@ -489,46 +478,38 @@ class RolloutPool:
             self._sync_replicas = targets
         return self.weight_sync
 
-    def update_weights_from_group(
-        self,
-        weights: Mapping[str, torch.Tensor],
-        version: int,
-        kind: str | None = None,
-        lora_config: Any = None,
-        adapter_name: str = "",
-        target: str = "",
-    ) -> rollout_pb2.GroupUpdateApplied:
-        """``update_weights`` over the pool's weight-sync group (``init_weight_sync`` first): one
-        broadcast per bucket reaches every replica in it. The version rules are the same: a replica
-        that fails the update leaves routing, and is brought to this version over gRPC (from the
-        pool's snapshot) before it routes again; once a broadcast failed the group is gone: call
+    def push_over_group(self, update: WeightsUpdate) -> rollout_pb2.GroupUpdateApplied:
+        """``push`` over the pool's weight-sync group (``init_weight_sync`` first): one broadcast per
+        bucket reaches every replica in it. The version rules are the same: a replica that fails the
+        update leaves routing, and is brought to this version over gRPC (from the pool's snapshot)
+        before it routes again; once a broadcast failed the group is gone: call
         ``init_weight_sync`` again. Returns the first replica's answer."""
         if self.weight_sync is None:
             raise RuntimeError("the pool has no weight-sync group: call init_weight_sync first")
-        fields = {"kind": kind, "lora_config": lora_config, "adapter_name": adapter_name, "target": target}
-        snapshot = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}
-        full = _is_full(kind, lora_config)
-        if full:
+        send = functools.partial(RolloutClient.push, update=update.snapshot(), progress=False)
+        kept = Kept(update.version, update.target, update.resolved_kind == "full", send)
+        if kept.full:
             self._static_info()
         with self._update_lock:
-            outcomes = self.weight_sync.update(weights, version, **fields)  # from where they are
-            update = Update(version, snapshot, {**fields, "progress": False})
+            outcomes = self.weight_sync.push_outcomes(update)  # from where they are
             pairs = [(outcome.applied, outcome.error) for outcome in outcomes]
-            return self._settle(update, full, self._sync_replicas, pairs)
+            return self._settle(kept, self._sync_replicas, pairs)
 
-    def _keep(self, update: Update, full: bool) -> None:
+    update_weights_from_group = from_weights(push_over_group)
+
+    def _keep(self, update: Kept) -> None:
         """Add ``update`` to the kept ones. A full update replaces every earlier update of its
         transformer; once it replaces the model's only transformer, the kept updates build on nothing."""
-        if not full:
+        if not update.full:
             self.updates.append(update)
             return
-        target = update.fields.get("target") or "transformer"
-        self.updates = [u for u in self.updates if (u.fields.get("target") or "transformer") != target]
+        target = update.target or "transformer"
+        self.updates = [u for u in self.updates if (u.target or "transformer") != target]
         self.updates.append(update)
         if len(self._static_info().transformers) <= 1:
             self.updates_base = None
 
-    def _missed(self, version: int) -> list[Update]:
+    def _missed(self, version: int) -> list[Kept]:
         """The kept updates a replica at ``version`` has not applied, in order (a restarted replica
         starts from the model folder: the pool's first version). Call with the lock held."""
         if version >= self.version:
@@ -651,24 +632,15 @@ class RolloutPool:
         self.close()
 
 
-def _is_full(kind: str | None, lora_config: Any) -> bool:
-    return resolve_kind(kind, lora_config) == "full"
-
-
 def _serving_version(client: RolloutClient) -> int | None:
     """The server's policy version if its gRPC health says SERVING, else None (also when its channel
     was just closed: the replica was declared hung). Refused credentials are raised: waiting would
     not help."""
     try:
-        health = health_pb2_grpc.HealthStub(client.channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT, metadata=client.metadata
-        )
-        if health.status != health_pb2.HealthCheckResponse.SERVING:
+        if client.health(timeout=HEALTH_TIMEOUT) != health_pb2.HealthCheckResponse.SERVING:
             return None
         request = rollout_pb2.GetServerInfoRequest()
-        return client.stub.GetServerInfo(
-            request, timeout=HEALTH_TIMEOUT, metadata=client.metadata
-        ).policy_version
+        return client.call("GetServerInfo", request, timeout=HEALTH_TIMEOUT).policy_version
     except grpc.RpcError as error:
         if error.code() in REFUSED_CREDENTIALS:
             raise
