@@ -1,5 +1,6 @@
-"""The layering the code keeps: the front ends (gRPC and HTTP) call the engine's facade only, and the
-exceptions that cross layers come from one module."""
+"""The layering the code keeps: the front ends (gRPC and HTTP) call the engine's facade only, the
+exceptions that cross layers come from one module, and the client's modules import one another
+without a circle."""
 
 import ast
 from pathlib import Path
@@ -7,6 +8,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rollout_server"
+CLIENTS = PACKAGE.parent / "clients"
+CLIENT_PACKAGES = ("rollout_client", "rollout_core")
 # What the engine keeps behind its facade: the gRPC layer imports none of it, and reaches through the
 # engine to none of it.
 ENGINE_INTERNALS = ("scheduler", "policy", "runner", "sampler", "stream")
@@ -57,3 +60,74 @@ def test_exceptions_that_cross_layers_are_defined_in_the_errors_module_only():
             if isinstance(node, ast.ClassDef) and node.name in CROSS_LAYER_ERRORS:
                 defined.setdefault(node.name, []).append(path.relative_to(PACKAGE).as_posix())
     assert defined == {name: ["errors.py"] for name in CROSS_LAYER_ERRORS}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(CLIENTS).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """The modules ``tree`` imports when it runs, at module level or in a function (relative imports
+    resolved; ``from package import name`` is the submodule when there is one); what an ``if
+    TYPE_CHECKING:`` block imports does not run."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            source = ".".join(part for part in (base, node.module) if part)
+            found.update({source, *(f"{source}.{alias.name}" for alias in node.names)})
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def client_import_graph() -> dict[str, set[str]]:
+    """Each module of the client packages and the modules of those packages it imports."""
+    paths = {module_name(path): path for name in CLIENT_PACKAGES for path in (CLIENTS / name).rglob("*.py")}
+    graph = {}
+    for module, path in paths.items():
+        imported = runtime_imports(ast.parse(path.read_text()), module, path.name == "__init__.py")
+        graph[module] = (imported & paths.keys()) - {module}
+    return graph
+
+
+def a_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of ``graph`` (its modules in order, the first again at the end), or []."""
+    done: set[str] = set()
+
+    def search(module: str, path: list[str]) -> list[str]:
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return []
+        for imported in sorted(graph[module]):
+            if cycle := search(imported, [*path, module]):
+                return cycle
+        done.add(module)
+        return []
+
+    return next((cycle for module in sorted(graph) if (cycle := search(module, []))), [])
+
+
+def test_the_client_packages_import_without_a_circle():
+    graph = client_import_graph()
+    assert {"rollout_client.client", "rollout_client.routing"} <= graph["rollout_client.pool"]
+    assert "rollout_client.client" not in graph["rollout_client.weight_sync"]  # TYPE_CHECKING only
+    assert not a_cycle(graph), " -> ".join(a_cycle(graph))
+
+
+def test_an_import_circle_is_seen():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert a_cycle(graph) == ["a", "b", "c", "a"]
+    assert not a_cycle({"a": {"b"}, "b": set()})

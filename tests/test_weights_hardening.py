@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
-from rollout_client.client import lora_config_json
+from rollout_client.updates import lora_config_json
 from rollout_server.weights.apply import apply_update
 from rollout_server.weights.update import FULL, LORA, WeightUpdate
 

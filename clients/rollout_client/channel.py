@@ -2,12 +2,13 @@
 
 A Rollout call that a server refuses before its first message, because it is full
 (RESOURCE_EXHAUSTED) or going away (UNAVAILABLE), is tried again by gRPC itself, with exponential
-backoff: the channel's service config carries a ``retryPolicy`` for the Rollout method. gRPC never
-retries a call once a response message has arrived, so a rollout that started is never run twice.
+backoff: the channel's service config carries a ``retryPolicy`` for the Rollout method, with the
+codes of ``rollout_client.failures.CHANNEL_RETRIES`` by default. gRPC never retries a call once a
+response message has arrived, so a rollout that started is never run twice.
 gRPC does not tell the application how many attempts a call took; servers return the count they
 received in the ``rollout-previous-attempts`` trailer.
 
-Imports grpc and the generated messages only, so that command lines and the server's limits can
+Imports grpc, the generated messages and ``failures`` only, so that command lines and the server's limits can
 read these constants without loading torch.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from rollout.v1 import rollout_pb2
+from rollout_client.failures import CHANNEL_RETRIES
 
 # Large enough for any message a server sends (its limit is reported by GetServerInfo).
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024
@@ -48,7 +50,7 @@ class RetryPolicy:
     initial_backoff: float = 0.25
     max_backoff: float = 4.0
     backoff_multiplier: float = 2.0
-    codes: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+    codes: tuple[grpc.StatusCode, ...] = CHANNEL_RETRIES
 
     def __post_init__(self):
         if not 2 <= self.max_attempts <= MAX_ATTEMPTS_LIMIT:

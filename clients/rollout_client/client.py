@@ -1,14 +1,14 @@
 """``RolloutClient``: call a rollout server, get typed events or whole trajectories, prune trees,
-push weights."""
+push weights. The client owns the transport: every call of the package to a server goes through its
+``call`` (its timeout and token), and its health through ``health``."""
 
-import json
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
-import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -17,54 +17,15 @@ from rollout_client.credentials import TLS, bearer_metadata
 from rollout_client.events import Event, Started, decode_stream
 from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
+from rollout_client.updates import WEIGHTS_KINDS, WeightsUpdate, from_weights
+from rollout_client.weight_sync import WeightSyncGroup
 from rollout_core import codec
-
-if TYPE_CHECKING:
-    from rollout_client.weight_sync import WeightSyncGroup
 
 # Weight update pieces: well below the server's 4 MiB receive limit, and in the 1-4 MiB range where
 # Python gRPC moves bytes fastest.
 UPDATE_CHUNK_BYTES = 1024 * 1024
 # Updates at least this large get a progress bar (when asked for).
 PROGRESS_MIN_BYTES = 32 * 1024 * 1024
-WEIGHTS_KINDS = {
-    "full": rollout_pb2.WEIGHTS_KIND_FULL,
-    "subset": rollout_pb2.WEIGHTS_KIND_SUBSET,
-    "lora": rollout_pb2.WEIGHTS_KIND_LORA,
-}
-
-
-def lora_config_json(config: Any) -> str:
-    """A peft ``LoraConfig`` (or its dict) as the JSON an update's header carries (sets as lists)."""
-    values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-
-    def listed(value: Any) -> list:
-        if isinstance(value, set | frozenset):
-            return sorted(value)
-        raise TypeError(f"{type(value).__name__} in a LoraConfig is not JSON serialisable")
-
-    return json.dumps(values, default=listed)
-
-
-def resolve_kind(kind: str | None, lora_config: Any) -> str:
-    """An update's kind ("full", "subset" or "lora"): as given, else "lora" with a LoRA config and
-    "full" without."""
-    return kind or ("lora" if lora_config is not None else "full")
-
-
-def update_header(
-    version: int, kind: str | None, lora_config: Any, adapter_name: str, target: str
-) -> rollout_pb2.WeightsUpdateHeader:
-    """The header of an update (UpdateWeights, or a group update's manifest)."""
-    return rollout_pb2.WeightsUpdateHeader(
-        policy_version=version,
-        kind=WEIGHTS_KINDS[resolve_kind(kind, lora_config)],
-        lora_config_json=lora_config_json(lora_config) if lora_config is not None else "",
-        adapter_name=adapter_name,
-        target=target,
-    )
-
-
 UPDATE_WEIGHTS_METHOD = (
     f"/{rollout_pb2.DESCRIPTOR.services_by_name['RolloutService'].full_name}/UpdateWeights"
 )
@@ -133,19 +94,33 @@ class RolloutClient:
         else:
             self.channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
         # UpdateWeights with messages the client frames itself (see update_frame).
         self._update_weights = self.channel.stream_unary(
             UPDATE_WEIGHTS_METHOD, response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString
         )
 
+    def call(self, method: str, request: Any, **options: Any) -> Any:
+        """The RolloutService method named ``method`` on ``request`` (a message, or an iterator of them
+        for a client-streaming method), with the client's timeout and token unless ``options`` give
+        their own (``timeout=None``: no deadline). Answers as the stub does: a message, or an iterator
+        of them for a server-streaming method."""
+        return getattr(self.stub, method)(request, **self._options(options))
+
+    def _options(self, options: dict[str, Any]) -> dict[str, Any]:
+        return {"timeout": self.timeout, "metadata": self.metadata, **options}
+
+    def health(self, **options: Any) -> int:
+        """The server's gRPC health (``grpc.health.v1``): ``HealthCheckResponse.SERVING``, or
+        NOT_SERVING once it drains or a rank failed; ``options`` as ``call``'s."""
+        return self._health.Check(health_pb2.HealthCheckRequest(), **self._options(options)).status
+
     def server_info(self) -> rollout_pb2.GetServerInfoResponse:
-        return self.stub.GetServerInfo(
-            rollout_pb2.GetServerInfoRequest(), timeout=self.timeout, metadata=self.metadata
-        )
+        return self.call("GetServerInfo", rollout_pb2.GetServerInfoRequest())
 
     def stream(self, request: rollout_pb2.RolloutRequest | None = None, **fields) -> Iterator[Event]:
         """Typed events of one rollout as they arrive; closing the iterator cancels the rollout."""
-        call = self.stub.Rollout(as_request(request, fields), timeout=self.timeout, metadata=self.metadata)
+        call = self.call("Rollout", as_request(request, fields))
         try:
             yield from decode_stream(call)
         finally:
@@ -170,47 +145,35 @@ class RolloutClient:
         request = rollout_pb2.PruneRolloutRequest(
             request_id=started.request_id, nodes=nodes, control_token=started.message.control_token
         )
-        return self.stub.PruneRollout(request, timeout=self.timeout, metadata=self.metadata)
+        return self.call("PruneRollout", request)
 
-    def update_weights(
-        self,
-        weights: Mapping[str, torch.Tensor],
-        version: int,
-        kind: str | None = None,
-        lora_config: Any = None,
-        adapter_name: str = "",
-        progress: bool = True,
-        target: str = "",
-    ) -> rollout_pb2.UpdateWeightsResponse:
-        """Stream new policy weights to the server; returns once they are applied.
-
-        ``weights`` is the transformer's state dict (kind "full"), some of its tensors ("subset"), or
-        a PEFT LoRA adapter, ``peft.get_peft_model_state_dict(transformer)``, with its ``lora_config``
-        (kind "lora", the default when a config is given). Tensors must have the server model's
-        dtypes. ``version`` must be above the server's policy version: rollouts that start after
-        this call returns report it. A progress bar counts the bytes sent of a large update.
-        ``target`` names the transformer it changes when the model has several (Wan 2.2:
-        "transformer_2" for the low-noise expert; GetServerInfo lists them).
-        """
-        header = update_header(version, kind, lora_config, adapter_name, target)
+    def push(self, update: WeightsUpdate, progress: bool = True) -> rollout_pb2.UpdateWeightsResponse:
+        """Stream ``update`` to the server (UpdateWeights); returns once it is applied, and rollouts
+        that start after it run on its version. A progress bar counts the bytes sent of a large
+        update, unless ``progress`` is False."""
+        header = update.header()
 
         def frame(index: int, length: int) -> bytes:
             bar.update(length)  # called once per piece, as it is sent
             return update_frame(header, index, length)
 
-        header.total_bytes, messages = codec.encode_in_pieces(weights, UPDATE_CHUNK_BYTES, frame)
+        header.total_bytes, messages = codec.encode_in_pieces(update.weights, UPDATE_CHUNK_BYTES, frame)
         quiet = not progress or header.total_bytes < PROGRESS_MIN_BYTES
         with tqdm(
-            total=header.total_bytes, unit="B", unit_scale=True, desc=f"policy v{version}", disable=quiet
+            total=header.total_bytes,
+            unit="B",
+            unit_scale=True,
+            desc=f"policy v{update.version}",
+            disable=quiet,
         ) as bar:
-            return self._update_weights(messages, timeout=self.timeout, metadata=self.metadata)
+            return self._update_weights(messages, **self._options({}))
 
-    def init_weight_sync(self, **options) -> "WeightSyncGroup":
+    update_weights = from_weights(push)
+
+    def init_weight_sync(self, **options) -> WeightSyncGroup:
         """Join this server to a new weight-sync group with this process as the trainer's rank 0
         (``rollout_client.weight_sync.WeightSyncGroup`` takes the options); ``update_weights`` of
         the group then broadcasts to every rank of the server."""
-        from rollout_client.weight_sync import WeightSyncGroup
-
         return WeightSyncGroup([self], **options)
 
     def load_weights(
@@ -226,7 +189,7 @@ class RolloutClient:
             adapter_name=adapter_name,
             target=target,
         )
-        return self.stub.LoadWeights(request, timeout=self.timeout, metadata=self.metadata)
+        return self.call("LoadWeights", request)
 
     def close(self) -> None:
         self.channel.close()

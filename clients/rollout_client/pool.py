@@ -36,41 +36,31 @@ import dataclasses
 import functools
 import logging
 import threading
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout.v1 import rollout_pb2
-from rollout_client.client import RolloutClient, resolve_kind
-from rollout_client.events import Event, decode_stream
+from rollout_client.client import RolloutClient
+from rollout_client.events import Event  # noqa: TC001 - read at run time, as RolloutSource's
+from rollout_client.failures import REPLICA_FAILURES, SERVER_FAILURES
+from rollout_client.routing import NoReplica, Replica, ReplicaHung, Routing, serving_version
 from rollout_client.source import as_request
 from rollout_client.trajectory import Trajectory, collect
+from rollout_client.updates import WeightsUpdate, from_weights
+from rollout_client.weight_sync import WeightSyncGroup
 from rollout_core.layout import prompt_groups, sample_layout
 from rollout_core.tree import widest
 
 if TYPE_CHECKING:
     from rollout_client.credentials import TLS
-    from rollout_client.weight_sync import WeightSyncGroup
+
+__all__ = ["NoReplica", "ReplicaHung", "RolloutPool"]  # the errors of routing.py reach the pool's callers
 
 log = logging.getLogger("rollout_client.pool")
 
-# Failures of the replica rather than of the request: the group is re-run elsewhere.
-REPLICA_FAILURES = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-
-
-HEALTH_TIMEOUT = 2.0  # seconds for a health check or server info of the watcher
 # The default stall_seconds: a healthy replica answers within a step, a prompt encoding or a decode.
 STALL_SECONDS = 60.0
 # What a replica that hung must complete before it routes again: one step of one sample at the
@@ -87,55 +77,16 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class NoReplica(RuntimeError):
-    """No replica can take the work within the pool's wait."""
-
-
-class ReplicaHung(grpc.RpcError):
-    """A call ended because its replica was declared hung (the pool waited ``stall_seconds`` on it
-    without receiving anything). Its code is UNAVAILABLE, as for a replica that went away."""
-
-    def __init__(self, address: str, seconds: float):
-        super().__init__(f"replica {address} sent nothing for {seconds:g} s")
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return str(self)
-
-    def trailing_metadata(self) -> None:
-        return None  # no server status came (grpc_status.rpc_status.from_call reads this)
-
-
 @dataclasses.dataclass
-class Replica:
-    address: str
-    client: RolloutClient
-    version: int = 0
-    healthy: bool = False
-    outstanding: int = 0  # samples routed to it and not finished
-    failures: int = 0  # prompt groups that failed on it and were re-run elsewhere
-    stuck: str = ""  # why it cannot catch up with the pool's version, if it cannot
-    hangs: int = 0  # times it was declared hung
-    needs_probe: bool = False  # it hung: a probe rollout must complete before it routes again
-    waiting: int = 0  # calls the pool is blocked on, waiting for the replica's next word
-    heard_at: float = 0.0  # its last word (monotonic), or when the pool began to wait on it
-    recovering: bool = False  # a replay or a probe of it is running
-
-
-@dataclasses.dataclass
-class Update:
-    """One applied update, kept to replay on a replica that missed it."""
+class Kept:
+    """One applied update, kept to replay on a replica that missed it: ``send`` makes its call
+    (UpdateWeights of a snapshot, or LoadWeights) on a replica's client. ``full``: it replaces the
+    whole of its ``target``, so the updates of that target before it need no replay."""
 
     version: int
-    weights: dict[str, torch.Tensor] | None  # UpdateWeights (a snapshot), or None for LoadWeights
-    fields: dict[str, Any]
-
-    def send(self, client: RolloutClient):
-        if self.weights is None:
-            return client.load_weights(version=self.version, **self.fields)
-        return client.update_weights(self.weights, self.version, **self.fields)
+    target: str
+    full: bool
+    send: Callable[[RolloutClient], Any]
 
 
 class RolloutPool:
@@ -170,154 +121,45 @@ class RolloutPool:
             raise ValueError(f"stall_seconds must be > 0, got {stall_seconds}")
         # No gRPC retries on a replica's channel: a refused or failed group is re-run on another
         # replica at once, rather than retried on the same one.
-        self._connect = functools.partial(
+        connect = functools.partial(
             RolloutClient, timeout=timeout, tls=tls, token=token, channel_options=CHANNEL_OPTIONS, retry=None
         )
-        self.replicas = [Replica(a, self._connect(a)) for a in addresses]
-        self.max_retries, self.wait_seconds, self.stall_seconds = max_retries, wait_seconds, stall_seconds
+        self._routing = Routing(addresses, connect, wait_seconds, stall_seconds, health_interval)
+        self.replicas = self._routing.replicas
+        self.max_retries = max_retries
         self.retries = 0  # prompt groups re-run on another replica
-        self._lock = threading.Condition()  # guards the replicas' routing state
         self._update_lock = threading.Lock()  # one fan-out update at a time
         with ThreadPoolExecutor(len(self.replicas)) as executor:  # a stopped replica delays no other
-            versions = list(executor.map(_serving_version, [replica.client for replica in self.replicas]))
-        self.version = max((v for v in versions if v is not None), default=0)
+            versions = list(executor.map(serving_version, [replica.client for replica in self.replicas]))
+        self._routing.version = max((v for v in versions if v is not None), default=0)
         for replica, version in zip(self.replicas, versions, strict=True):
             replica.version, replica.healthy = version or 0, version == self.version
         # The updates since the last full one, and the version they build on (None: a full update
         # heads them, so they build on nothing).
-        self.updates: list[Update] = []
+        self.updates: list[Kept] = []
         self.updates_base: int | None = self.version
         self.weight_sync: WeightSyncGroup | None = None  # see init_weight_sync
         self._sync_replicas: list[Replica] = []  # its replicas, in its rank order
         self._info: rollout_pb2.GetServerInfoResponse | None = None
         self._stop = threading.Event()
-        self._health_interval = health_interval
         self._recoveries = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="rollout-pool-recover")
         self._watchers = [
             threading.Thread(target=self._watch, args=(replica,), name=f"rollout-pool-watch-{k}", daemon=True)
             for k, replica in enumerate(self.replicas)
         ]
         self._watchers.append(
-            threading.Thread(target=self._watch_stalls, name="rollout-pool-stalls", daemon=True)
+            threading.Thread(
+                target=self._routing.watch_stalls, args=(self._stop,), name="rollout-pool-stalls", daemon=True
+            )
         )
         for watcher in self._watchers:
             watcher.start()
 
-    # Routing ----------------------------------------------------------------------------------------
-
-    def _routable(self, replica: Replica, min_version: int) -> bool:
-        if not replica.healthy:
-            return False
-        return replica.version == self.version or (0 < min_version <= replica.version)
-
-    def _acquire(self, samples: int, min_version: int, avoid: set[str]) -> Replica:
-        """The least loaded routable replica (current ones first, then ones not in ``avoid``); waits
-        up to ``wait_seconds`` for one."""
-        deadline = time.monotonic() + self.wait_seconds
-        with self._lock:
-            while True:
-                routable = [r for r in self.replicas if self._routable(r, min_version)]
-                if routable:
-                    replica = min(
-                        routable,
-                        key=lambda r: (r.version != self.version, r.address in avoid, r.outstanding),
-                    )
-                    replica.outstanding += samples
-                    return replica
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise NoReplica(
-                        f"no replica at policy version {self.version} within {self.wait_seconds} s"
-                    )
-                self._lock.wait(min(left, self._health_interval))
-
-    def _release(self, replica: Replica, samples: int) -> None:
-        with self._lock:
-            replica.outstanding -= samples
-
-    def _suspend(self, replica: Replica, reason: str) -> None:
-        with self._lock:
-            if replica.healthy:
-                log.warning("replica %s out of routing: %s", replica.address, reason)
-            replica.healthy = False
-
-    # Calls on a replica, under the stall rule -------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _on(self, replica: Replica) -> Iterator[RolloutClient]:
-        """The replica's client for one call. A call that fails because the replica was declared
-        hung meanwhile (its channel closed under the call, or before it began) raises ReplicaHung."""
-        with self._lock:
-            client, hangs = replica.client, replica.hangs
-        try:
-            yield client
-        except (grpc.RpcError, ValueError) as error:  # ValueError: an RPC on a closed channel
-            if replica.hangs == hangs:
-                raise
-            raise ReplicaHung(replica.address, self.stall_seconds) from error
-
-    @contextlib.contextmanager
-    def _waiting(self, replica: Replica) -> Iterator[None]:
-        """The pool waits on ``replica`` for the body; the wait's end (an answer, or an error) is a
-        word from it."""
-        with self._lock:
-            if not replica.waiting:
-                replica.heard_at = time.monotonic()
-            replica.waiting += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                replica.waiting -= 1
-                replica.heard_at = time.monotonic()
-
-    def _call(self, replica: Replica, send):
-        """``send(client)``, one unary or client-streaming call on ``replica``, under the stall rule."""
-        with self._on(replica) as client, self._waiting(replica):
-            return send(client)
-
-    def _events(self, replica: Replica, request: rollout_pb2.RolloutRequest) -> Iterator[Event]:
-        """The typed events of ``request`` on ``replica``, the pool waiting on the replica while it
-        waits for each message (not while its caller holds an event); closing it cancels the call."""
-        with self._on(replica) as client:
-            call = client.stub.Rollout(request, timeout=client.timeout, metadata=client.metadata)
-            try:
-                yield from decode_stream(self._messages(replica, call))
-            finally:
-                call.cancel()
-
-    def _messages(self, replica: Replica, call) -> Iterator[rollout_pb2.RolloutResponse]:
-        """The call's messages, each waited for under the stall rule."""
-        while True:
-            with self._waiting(replica):
-                message = next(call, None)
-            if message is None:
-                return
-            yield message
-
-    def _watch_stalls(self) -> None:
-        """Declare hung each replica the pool has waited on for ``stall_seconds`` without a word: it
-        leaves routing and its channel is replaced, which cancels all its calls (its groups re-run
-        elsewhere, its updates count as missed), and it needs a probe to route again."""
-        while not self._stop.wait(min(1.0, self.stall_seconds / 4)):
-            closing = []
-            with self._lock:
-                now = time.monotonic()
-                for replica in self.replicas:
-                    if not replica.waiting or now - replica.heard_at <= self.stall_seconds:
-                        continue
-                    log.warning(
-                        "replica %s hung: the pool waited %.1f s on it without a word; its calls are "
-                        "cancelled, and it routes again after a probe rollout",
-                        replica.address,
-                        now - replica.heard_at,
-                    )
-                    closing.append(replica.client)
-                    replica.client = self._connect(replica.address)
-                    replica.hangs += 1
-                    replica.healthy, replica.needs_probe, replica.heard_at = False, True, now
-            for client in closing:
-                client.close()
+    @property
+    def version(self) -> int:
+        """The pool's policy version (the highest a replica served when the pool started, then that of
+        the last update a replica applied): work routes to the replicas at it."""
+        return self._routing.version
 
     # Rollouts ---------------------------------------------------------------------------------------
 
@@ -340,10 +182,10 @@ class RolloutPool:
         samples = max(widest(request), len(request.prompts))
         avoid: set[str] = set()
         for attempt in range(self.max_retries + 1):
-            replica = self._acquire(samples, request.min_policy_version, avoid)
+            replica = self._routing.acquire(samples, request.min_policy_version, avoid)
             started = False
             try:
-                for event in self._events(replica, request):
+                for event in self._routing.events(replica, request):
                     started = True
                     yield event
                 return
@@ -352,7 +194,7 @@ class RolloutPool:
                     raise
                 self._failed(replica, error, avoid)
             finally:
-                self._release(replica, samples)
+                self._routing.release(replica, samples)
 
     def _split(
         self, request: rollout_pb2.RolloutRequest
@@ -380,10 +222,10 @@ class RolloutPool:
         samples = max(widest(request), 1)
         avoid: set[str] = set()
         for attempt in range(self.max_retries + 1):
-            replica = self._acquire(samples, request.min_policy_version, avoid)
+            replica = self._routing.acquire(samples, request.min_policy_version, avoid)
             try:
                 trajectories = collect(
-                    self._events(replica, request), [image.data for image in request.condition_images]
+                    self._routing.events(replica, request), [image.data for image in request.condition_images]
                 )
                 break
             except grpc.RpcError as error:
@@ -391,7 +233,7 @@ class RolloutPool:
                     raise
                 self._failed(replica, error, avoid)
             finally:
-                self._release(replica, samples)
+                self._routing.release(replica, samples)
         if prompt_index is None:
             return trajectories  # the request went whole
         first = prompt_index * len(trajectories)
@@ -402,67 +244,59 @@ class RolloutPool:
 
     def _failed(self, replica: Replica, error: grpc.RpcError, avoid: set[str]) -> None:
         avoid.add(replica.address)
-        with self._lock:
+        with self._routing.lock:
             replica.failures += 1
             self.retries += 1
         if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full queue is not a failure
-            self._suspend(replica, f"{error.code().name}: {error.details()}")
+            self._routing.suspend(replica, f"{error.code().name}: {error.details()}")
         log.warning("re-running a prompt group that failed on %s (%s)", replica.address, error.code().name)
 
     # Weights ----------------------------------------------------------------------------------------
 
-    def update_weights(
-        self,
-        weights: Mapping[str, torch.Tensor],
-        version: int,
-        kind: str | None = None,
-        lora_config: Any = None,
-        adapter_name: str = "",
-        progress: bool = False,
-        target: str = "",
-    ) -> rollout_pb2.UpdateWeightsResponse:
-        """``RolloutClient.update_weights`` on every routable replica at once (a progress bar per
-        replica for a large update, when asked); returns once all of them applied it (the first
-        replica's response). A replica whose update fails, or that hangs on it, leaves routing until
-        it is brought to this version; if none applied it, the first error is raised."""
-        snapshot = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}
-        fields = {
-            "kind": kind,
-            "lora_config": lora_config,
-            "adapter_name": adapter_name,
-            "progress": progress,
-            "target": target,
-        }
-        return self._fan_out(Update(version, snapshot, fields), full=_is_full(kind, lora_config))
+    def push(self, update: WeightsUpdate, progress: bool = False) -> rollout_pb2.UpdateWeightsResponse:
+        """``RolloutClient.push`` on every routable replica at once (a progress bar per replica for a
+        large update, when asked); returns once all of them applied it (the first replica's
+        response). A replica whose update fails, or that hangs on it, leaves routing until it is
+        brought to this version; if none applied it, the first error is raised."""
+        send = functools.partial(RolloutClient.push, update=update.snapshot(), progress=progress)
+        return self._fan_out(Kept(update.version, update.target, update.resolved_kind == "full", send))
+
+    update_weights = from_weights(push)
 
     def load_weights(
         self, path: str, version: int, kind: str | None = None, adapter_name: str = "", target: str = ""
     ) -> rollout_pb2.LoadWeightsResponse:
         """``RolloutClient.load_weights`` on every routable replica: ``path`` must hold the same
         weights under each replica's ``--weights-root``."""
-        fields = {"path": path, "kind": kind, "adapter_name": adapter_name, "target": target}
-        return self._fan_out(Update(version, None, fields), full=kind == "full")
+        send = functools.partial(
+            RolloutClient.load_weights,
+            path=path,
+            version=version,
+            kind=kind,
+            adapter_name=adapter_name,
+            target=target,
+        )
+        return self._fan_out(Kept(version, target, kind == "full", send))
 
-    def _fan_out(self, update: Update, full: bool):
-        if full:
+    def _fan_out(self, update: Kept):
+        if update.full:
             self._static_info()  # read now, not under the lock in _keep: it calls a replica
         with self._update_lock:
-            with self._lock:
-                targets = [r for r in self.replicas if r.healthy and r.version == self.version]
+            targets = self._routing.current()
             if not targets:
                 raise NoReplica(f"no replica at policy version {self.version} to update")
             with ThreadPoolExecutor(len(targets), thread_name_prefix="rollout-pool-update") as executor:
-                outcomes = list(executor.map(lambda r: _attempt(self._call, r, update.send), targets))
-            return self._settle(update, full, targets, outcomes)
+                outcomes = list(executor.map(lambda r: _attempt(self._routing.call, r, update.send), targets))
+            return self._settle(update, targets, outcomes)
 
-    def _settle(self, update: Update, full: bool, targets: list[Replica], outcomes: list[tuple]):
+    def _settle(self, update: Kept, targets: list[Replica], outcomes: list[tuple]):
         """Record which of ``targets`` applied ``update`` (outcomes: (result, error) each) under the
         pool's version rules; returns the first result, or raises when none applied."""
         applied = [(r, result) for r, (result, error) in zip(targets, outcomes, strict=True) if error is None]
         errors = [error for _, error in outcomes if error is not None]
-        if not applied and not any(_replica_failure(error) for error in errors):
+        if not applied and not any(error.code() in SERVER_FAILURES for error in errors):
             raise errors[0]  # the update itself was refused (by every replica alike)
-        with self._lock:
+        with self._routing.lock:
             for replica, (_, error) in zip(targets, outcomes, strict=True):
                 if error is None:
                     replica.version = update.version
@@ -472,23 +306,20 @@ class RolloutPool:
                     )
                     replica.healthy = False
             if applied:
-                self.version = update.version
-                self._keep(update, full)
-            self._lock.notify_all()
+                self._routing.version = update.version
+                self._keep(update)
+            self._routing.lock.notify_all()
         if not applied:
             raise errors[0]
         return applied[0][1]
 
-    def init_weight_sync(self, **options) -> "WeightSyncGroup":
+    def init_weight_sync(self, **options) -> WeightSyncGroup:
         """Put this process (the trainer's rank 0) and every rank of every replica at the pool's
         policy version in one weight-sync group (options as ``WeightSyncGroup``'s), replacing the
         pool's previous group; ``update_weights_from_group`` then reaches all of them with one
         broadcast per bucket."""
-        from rollout_client.weight_sync import WeightSyncGroup
-
         with self._update_lock:
-            with self._lock:
-                targets = [r for r in self.replicas if r.healthy and r.version == self.version]
+            targets = self._routing.current()
             if not targets:
                 raise NoReplica(f"no replica at policy version {self.version} to join a group")
             if self.weight_sync is not None:
@@ -499,46 +330,38 @@ class RolloutPool:
             self._sync_replicas = targets
         return self.weight_sync
 
-    def update_weights_from_group(
-        self,
-        weights: Mapping[str, torch.Tensor],
-        version: int,
-        kind: str | None = None,
-        lora_config: Any = None,
-        adapter_name: str = "",
-        target: str = "",
-    ) -> rollout_pb2.GroupUpdateApplied:
-        """``update_weights`` over the pool's weight-sync group (``init_weight_sync`` first): one
-        broadcast per bucket reaches every replica in it. The version rules are the same: a replica
-        that fails the update leaves routing, and is brought to this version over gRPC (from the
-        pool's snapshot) before it routes again; once a broadcast failed the group is gone: call
+    def push_over_group(self, update: WeightsUpdate) -> rollout_pb2.GroupUpdateApplied:
+        """``push`` over the pool's weight-sync group (``init_weight_sync`` first): one broadcast per
+        bucket reaches every replica in it. The version rules are the same: a replica that fails the
+        update leaves routing, and is brought to this version over gRPC (from the pool's snapshot)
+        before it routes again; once a broadcast failed the group is gone: call
         ``init_weight_sync`` again. Returns the first replica's answer."""
         if self.weight_sync is None:
             raise RuntimeError("the pool has no weight-sync group: call init_weight_sync first")
-        fields = {"kind": kind, "lora_config": lora_config, "adapter_name": adapter_name, "target": target}
-        snapshot = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}
-        full = _is_full(kind, lora_config)
-        if full:
+        send = functools.partial(RolloutClient.push, update=update.snapshot(), progress=False)
+        kept = Kept(update.version, update.target, update.resolved_kind == "full", send)
+        if kept.full:
             self._static_info()
         with self._update_lock:
-            outcomes = self.weight_sync.update(weights, version, **fields)  # from where they are
-            update = Update(version, snapshot, {**fields, "progress": False})
+            outcomes = self.weight_sync.push_outcomes(update)  # from where they are
             pairs = [(outcome.applied, outcome.error) for outcome in outcomes]
-            return self._settle(update, full, self._sync_replicas, pairs)
+            return self._settle(kept, self._sync_replicas, pairs)
 
-    def _keep(self, update: Update, full: bool) -> None:
+    update_weights_from_group = from_weights(push_over_group)
+
+    def _keep(self, update: Kept) -> None:
         """Add ``update`` to the kept ones. A full update replaces every earlier update of its
         transformer; once it replaces the model's only transformer, the kept updates build on nothing."""
-        if not full:
+        if not update.full:
             self.updates.append(update)
             return
-        target = update.fields.get("target") or "transformer"
-        self.updates = [u for u in self.updates if (u.fields.get("target") or "transformer") != target]
+        target = update.target or "transformer"
+        self.updates = [u for u in self.updates if (u.target or "transformer") != target]
         self.updates.append(update)
         if len(self._static_info().transformers) <= 1:
             self.updates_base = None
 
-    def _missed(self, version: int) -> list[Update]:
+    def _missed(self, version: int) -> list[Kept]:
         """The kept updates a replica at ``version`` has not applied, in order (a restarted replica
         starts from the model folder: the pool's first version). Call with the lock held."""
         if version >= self.version:
@@ -553,82 +376,75 @@ class RolloutPool:
         """Each health_interval (a check takes at most two HEALTH_TIMEOUTs): take the replica out of
         routing if it stopped serving, re-admit it if it serves at the pool's version, or start
         bringing it back (``_recover``, off this thread: a watcher never waits on a replica's work)."""
-        while not self._stop.wait(self._health_interval):
-            with self._lock:
+        while not self._stop.wait(self._routing.health_interval):
+            with self._routing.lock:
                 client, known = replica.client, replica.version
             try:
-                version = _serving_version(client)
+                version = serving_version(client)
             except grpc.RpcError as error:
-                self._suspend(replica, f"{error.code().name}: {error.details()}")
+                self._routing.suspend(replica, f"{error.code().name}: {error.details()}")
                 continue
             if version is None:
-                self._suspend(replica, "not serving")
+                self._routing.suspend(replica, "not serving")
             else:
                 self._serving(replica, version, known)
 
     def _serving(self, replica: Replica, version: int, known: int) -> None:
         """The replica serves at ``version`` (the pool knew it at ``known`` before the check)."""
-        with self._lock:
+        with self._routing.lock:
             if replica.recovering or replica.version != known:
                 return  # an update or a replay changed it during the check: the reading may be stale
             if version < self.version:
-                self._suspend(replica, f"at policy version {version}, below the pool's {self.version}")
+                self._routing.suspend(
+                    replica, f"at policy version {version}, below the pool's {self.version}"
+                )
             elif not replica.needs_probe:
-                self._admit(replica, version)
+                self._routing.admit(replica, version)
                 return
             replica.recovering = True
         self._recoveries.submit(self._recover, replica, version)
-
-    def _admit(self, replica: Replica, version: int) -> None:
-        """Record a serving replica's version, and route to it when that is the pool's. Call with the
-        lock held."""
-        replica.version = version
-        if not replica.healthy and not replica.needs_probe and version == self.version:
-            replica.healthy = True
-            log.info("replica %s in routing at policy version %d", replica.address, version)
-            self._lock.notify_all()
 
     def _recover(self, replica: Replica, version: int) -> None:
         """Bring a serving replica at ``version`` back: replay, in order and with their versions, the
         updates it missed (and those kept meanwhile), run the probe rollout if it hung, then admit
         it. Every call falls under the stall rule, so a replica that hangs again ends it."""
         try:
-            with self._lock:
+            with self._routing.lock:
                 hangs = replica.hangs
                 missed = self._missed(version)
             while missed:
                 for update in missed:
-                    self._call(replica, update.send)
+                    self._routing.call(replica, update.send)
                     version = update.version
                     log.info("replica %s replayed policy version %d", replica.address, version)
-                with self._lock:
+                with self._routing.lock:
                     missed = self._missed(version)
             if replica.needs_probe:
-                collect(self._events(replica, PROBE))
+                collect(self._routing.events(replica, PROBE))
                 log.info("replica %s completed a probe rollout", replica.address)
-            with self._lock:
+            with self._routing.lock:
                 if replica.hangs == hangs:
                     replica.needs_probe = False
-                self._admit(replica, version)
+                self._routing.admit(replica, version)
             replica.stuck = ""
         except (grpc.RpcError, RuntimeError, ValueError) as error:
             if replica.stuck != str(error):  # once, not every health round
                 log.warning("replica %s cannot come back yet: %s", replica.address, error)
             replica.stuck = str(error)
         finally:
-            with self._lock:
+            with self._routing.lock:
                 replica.recovering = False
 
     # The rest of the client surface ----------------------------------------------------------------
 
     def server_info(self) -> rollout_pb2.GetServerInfoResponse:
         """GetServerInfo of a replica at the pool's policy version."""
-        with self._lock:
+        with self._routing.lock:
             candidates = sorted(self.replicas, key=lambda r: (not r.healthy, r.version != self.version))
         errors = []
         for replica in candidates:
             try:
-                return self._call(replica, RolloutClient.server_info)
+                return self._routing.call(replica, RolloutClient.server_info)
             except grpc.RpcError as error:
                 errors.append(error)
         raise errors[0]
@@ -638,7 +454,7 @@ class RolloutPool:
         infos: dict[str, Any] = {}
         for replica in self.replicas:
             try:
-                infos[replica.address] = self._call(replica, RolloutClient.server_info)
+                infos[replica.address] = self._routing.call(replica, RolloutClient.server_info)
             except grpc.RpcError as error:
                 infos[replica.address] = error
         return infos
@@ -659,36 +475,6 @@ class RolloutPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _is_full(kind: str | None, lora_config: Any) -> bool:
-    return resolve_kind(kind, lora_config) == "full"
-
-
-def _serving_version(client: RolloutClient) -> int | None:
-    """The server's policy version if its gRPC health says SERVING, else None (also when its channel
-    was just closed: the replica was declared hung). Refused credentials are raised: waiting would
-    not help."""
-    try:
-        health = health_pb2_grpc.HealthStub(client.channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT, metadata=client.metadata
-        )
-        if health.status != health_pb2.HealthCheckResponse.SERVING:
-            return None
-        request = rollout_pb2.GetServerInfoRequest()
-        return client.stub.GetServerInfo(
-            request, timeout=HEALTH_TIMEOUT, metadata=client.metadata
-        ).policy_version
-    except grpc.RpcError as error:
-        if error.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            raise
-        return None
-    except ValueError:  # an RPC on a closed channel
-        return None
-
-
-def _replica_failure(error: grpc.RpcError) -> bool:
-    return error.code() in REPLICA_FAILURES or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def _attempt(function, *args):

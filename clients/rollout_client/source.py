@@ -22,16 +22,11 @@ class RolloutSource(Protocol):
         """One Trajectory per sample, prompt-major."""
 
     def update_weights(
-        self,
-        weights: Mapping[str, torch.Tensor],
-        version: int,
-        kind: str | None = None,
-        lora_config: Any = None,
-        adapter_name: str = "",
-        progress: bool = ...,
-        target: str = "",
+        self, weights: Mapping[str, torch.Tensor], version: int, *fields: Any, **options: Any
     ) -> rollout_pb2.UpdateWeightsResponse:
-        """Push policy weights as ``version``; returns once they serve."""
+        """Push ``WeightsUpdate(weights, version, *fields)`` as policy ``version`` (the keywords of
+        ``rollout_client.updates.WeightsUpdate`` build it, ``progress=`` shows a bar); returns once
+        it serves."""
 
     def load_weights(
         self, path: str, version: int, kind: str | None = None, adapter_name: str = "", target: str = ""

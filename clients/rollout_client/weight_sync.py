@@ -4,9 +4,9 @@ rank of every server.
 The trainer process is rank 0 of the group: it hosts the group's store (a torch.distributed
 TCPStore) and is the source of every broadcast. ``WeightSyncGroup(clients, ...)`` has each server join
 with InitWeightSync (a server with N sequence-parallel ranks takes N consecutive group ranks), then
-``update_weights`` sends each server the manifest, waits until all are ready, tells them to start,
-and broadcasts the tensors in buckets (``rollout_core.buckets``): one collective per bucket reaches
-every server at once, however many there are.
+``push`` (or ``update_weights``) sends each server the manifest, waits until all are ready, tells
+them to start, and broadcasts the tensors in buckets (``rollout_core.buckets``): one collective per
+bucket reaches every server at once, however many there are.
 
 The group has no authentication of its own: keep the trainer and the servers on a private network
 (docs/security.md). Its RPCs take the servers' admin token.
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.v1 import rollout_pb2
+from rollout_client.updates import WeightsUpdate, from_weights
 from rollout_core import buckets, checksum
 from rollout_core.dtypes import SAFETENSORS_NAMES
 
@@ -76,9 +77,7 @@ class _Call:
         named.MergeFrom(manifest)
         self._requests: queue.Queue = queue.Queue()
         self._requests.put(rollout_pb2.UpdateWeightsFromGroupRequest(manifest=named))
-        self._responses = client.stub.UpdateWeightsFromGroup(
-            iter(self._requests.get, None), timeout=client.timeout, metadata=client.metadata
-        )
+        self._responses = client.call("UpdateWeightsFromGroup", iter(self._requests.get, None))
 
     def answer(self) -> rollout_pb2.UpdateWeightsFromGroupResponse:
         return next(self._responses)
@@ -171,7 +170,7 @@ class WeightSyncGroup:
             backend=self.backend,
             timeout_seconds=self.timeout,
         )
-        return client.stub.InitWeightSync(request, timeout=client.timeout, metadata=client.metadata)
+        return client.call("InitWeightSync", request)
 
     def _create_group(self, store, timeout: datetime.timedelta):
         if self.backend == "nccl":
@@ -183,51 +182,35 @@ class WeightSyncGroup:
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.master_address)]
         return dist.ProcessGroupGloo(store, 0, self.world_size, options)
 
-    def update_weights(
-        self,
-        weights: Mapping[str, torch.Tensor],
-        version: int,
-        kind: str | None = None,
-        lora_config: Any = None,
-        adapter_name: str = "",
-        target: str = "",
-        expect_checksum: str | None = None,
+    def push(
+        self, update: WeightsUpdate, expect_checksum: str | None = None
     ) -> list[rollout_pb2.GroupUpdateApplied]:
-        """Broadcast new policy weights to every server of the group; returns each server's answer
-        once all applied them. Kinds, dtypes, versions and ``target`` as ``RolloutClient.update_weights``.
+        """Broadcast ``update`` to every server of the group; returns each server's answer once all
+        applied it. Kinds, dtypes, versions and targets as for ``RolloutClient.push``.
 
         Every rank of every server must report the same ``weights_checksum``: ``expect_checksum``
         when given, else, for a FULL update of a model whose only transformer it replaces, the
-        checksum of ``weights`` themselves (ChecksumMismatch otherwise). A server that refuses or
-        fails raises its gRPC error (see ``update``)."""
-        outcomes = self.update(weights, version, kind, lora_config, adapter_name, target, expect_checksum)
+        checksum of the update's tensors themselves (ChecksumMismatch otherwise). A server that
+        refuses or fails raises its gRPC error (see ``push_outcomes``)."""
+        outcomes = self.push_outcomes(update, expect_checksum)
         for outcome in outcomes:
             if outcome.error is not None:
                 raise outcome.error
         return [outcome.applied for outcome in outcomes]
 
-    def update(
-        self,
-        weights: Mapping[str, torch.Tensor],
-        version: int,
-        kind: str | None = None,
-        lora_config: Any = None,
-        adapter_name: str = "",
-        target: str = "",
-        expect_checksum: str | None = None,
-    ) -> list[Outcome]:
-        """``update_weights``, with each server's outcome instead of the first error. When a server
-        refuses the manifest, nothing is broadcast and the others drop the update (ABORTED); when a
-        broadcast fails, every server keeps its previous weights and leaves the group."""
-        from rollout_client.client import resolve_kind, update_header
+    update_weights = from_weights(push)
 
+    def push_outcomes(self, update: WeightsUpdate, expect_checksum: str | None = None) -> list[Outcome]:
+        """``push``, with each server's outcome instead of the first error. When a server refuses the
+        manifest, nothing is broadcast and the others drop the update (ABORTED); when a broadcast
+        fails, every server keeps its previous weights and leaves the group."""
         if self._group is None:
             raise RuntimeError("the weight-sync group broke in an earlier update: create a new one")
-        tensors = {name: tensor.detach() for name, tensor in full_tensors(weights).items()}
+        tensors = {name: tensor.detach() for name, tensor in full_tensors(update.weights).items()}
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
         assigned = buckets.assign(sizes, self.bucket_bytes)
         manifest = rollout_pb2.GroupUpdateManifest(
-            header=update_header(version, kind, lora_config, adapter_name, target),
+            header=update.header(),
             tensors=[
                 rollout_pb2.GroupTensor(
                     name=name, dtype=SAFETENSORS_NAMES[t.dtype], shape=list(t.shape), bucket=bucket
@@ -235,10 +218,10 @@ class WeightSyncGroup:
                 for (name, t), bucket in zip(tensors.items(), assigned, strict=True)
             ],
         )
-        full = resolve_kind(kind, lora_config) == "full"
-        if expect_checksum is None and full and self._replaces_whole_policy(target):
+        full = update.resolved_kind == "full"
+        if expect_checksum is None and full and self._replaces_whole_policy(update.target):
             expect_checksum = checksum.weights_checksum(
-                checksum.policy_tensors({target or "transformer": tensors})
+                checksum.policy_tensors({update.target or "transformer": tensors})
             )
         calls = [_Call(client, manifest, k) for client, k in zip(self.clients, self.group_ids, strict=True)]
         outcomes = [Outcome() for _ in calls]
@@ -275,6 +258,8 @@ class WeightSyncGroup:
                 f"the servers report {sorted(served)} after the update; expected {expect_checksum or 'one'}"
             )
         return outcomes
+
+    update = from_weights(push_outcomes)
 
     def joined(self) -> list[bool]:
         """Whether each server is still in this group (one that restarted, or joined another, is
@@ -335,6 +320,4 @@ def _answer(call: _Call) -> rollout_pb2.UpdateWeightsFromGroupResponse | grpc.Rp
 
 
 def _destroy(client: "RolloutClient") -> None:
-    client.stub.DestroyWeightSync(
-        rollout_pb2.DestroyWeightSyncRequest(), timeout=client.timeout, metadata=client.metadata
-    )
+    client.call("DestroyWeightSync", rollout_pb2.DestroyWeightSyncRequest())
