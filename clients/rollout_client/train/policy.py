@@ -12,6 +12,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save_file
 
 from rollout_client.train.rollouts import ServerFailure, Watchdog, say
+from rollout_client.updates import WeightsUpdate
 from rollout_client.weight_sync import ChecksumMismatch
 from rollout_core import checksum
 
@@ -93,7 +94,7 @@ class Pusher:
             if self.config.sync.weight_sync == "group":
                 served = self._push_over_group(weights, version, kind, expected)
             else:
-                pushed = client.update_weights(weights, version, kind, self.lora_config, progress=False)
+                pushed = client.push(WeightsUpdate(weights, version, kind, self.lora_config), progress=False)
                 served = pushed.weights_checksum
             bound = list(client.server_info().lora_adapter.modules)
         if served != expected:
@@ -113,8 +114,8 @@ class Pusher:
                 master_address=self.config.sync.address, timeout=self.config.server.stall_timeout
             )
         try:
-            [applied] = self.group.update_weights(
-                weights, version, kind, self.lora_config, expect_checksum=expected
+            [applied] = self.group.push(
+                WeightsUpdate(weights, version, kind, self.lora_config), expect_checksum=expected
             )
         except ChecksumMismatch as mismatch:
             raise ServerFailure(f"the push of policy {version} over the group: {mismatch}") from None

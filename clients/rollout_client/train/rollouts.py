@@ -16,22 +16,12 @@ from tqdm import tqdm
 from rollout.v1 import rollout_pb2
 from rollout_client import Collector, RolloutClient, Step, Trajectory
 from rollout_client.events import decode_stream
+from rollout_client.failures import SERVER_FAILURES
 from rollout_client.grpo import sde_window
 from rollout_client.train.prompts import iteration_prompts
 
 if TYPE_CHECKING:
     from rollout_client.train.config import TrainConfig
-
-# Statuses of a server that is down, restarting, overloaded or stuck rather than of a bad request.
-SERVER_FAILURES = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-}
 
 
 MAX_RETRY_PAUSE = 30.0  # seconds; the pauses double from 1 s up to this
@@ -167,7 +157,7 @@ def stream(client: RolloutClient, request, stall_seconds: float, on_step=None) -
     The call has no deadline, since its length depends on the server's load; a server that sends
     nothing for ``stall_seconds`` ends it with ServerStalled."""
     rollout, start = Rollout(), time.perf_counter()
-    call = client.stub.Rollout(request, metadata=client.metadata)
+    call = client.call("Rollout", request, timeout=None)
     with Watchdog(f"rollout {request.request_id}", stall_seconds, call.cancel) as watchdog:
         try:
             for event in watchdog.watched(decode_stream(call)):
