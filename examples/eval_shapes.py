@@ -4,7 +4,7 @@
     python examples/eval_shapes.py --lora train-output-shapes/lora
     python examples/eval_shapes.py --server HOST:PORT
 
-Each eval prompt (``rollout_client.rewards.shapes.eval_prompts()``) is sampled ``--samples`` times
+Each eval prompt (``rollout_client.rewards.scenes.eval_prompts()``) is sampled ``--samples`` times
 with the deterministic ODE sampler from fixed seeds, with the server's CFG (or ``--cfg``), and every image is
 scored strictly (the right objects, counts, colours and relation, nothing extra; see
 ``rollout_client.shapes_eval``). Prints the table per task type and overall,

@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from rollout_client.rewards import shapes
+from rollout_client.rewards import scenes, shapes
 from rollout_server.presets.shapes import TEXT_TOKENS, untrained_shapes_pipeline
 
 STAGES = ("vae", "transformer")
@@ -70,12 +70,14 @@ def batch_rng(seed: int, stage: str, step: int) -> np.random.Generator:
     return np.random.default_rng([seed, STAGES.index(stage), step])
 
 
-def scenes(specs: list, count: int, size: int, rng: np.random.Generator) -> tuple[torch.Tensor, list[str]]:
+def rendered_scenes(
+    specs: list, count: int, size: int, rng: np.random.Generator
+) -> tuple[torch.Tensor, list[str]]:
     """``count`` rendered scenes as a [count, 3, size, size] tensor in [-1, 1], and their captions."""
     chosen = [specs[i] for i in rng.integers(len(specs), size=count)]
-    images = [np.asarray(shapes.render(spec, size, rng=rng), dtype=np.float32) for spec in chosen]
+    images = [np.asarray(scenes.render(spec, size, rng=rng), dtype=np.float32) for spec in chosen]
     pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2) / 127.5 - 1
-    return pixels, [shapes.caption(spec) for spec in chosen]
+    return pixels, [scenes.caption(spec) for spec in chosen]
 
 
 def crops(pixels: torch.Tensor, side: int, rng: np.random.Generator) -> torch.Tensor:
@@ -124,7 +126,7 @@ def train_vae(pipe, args, state: dict, specs: list, save) -> None:
         range(len(losses), args.vae_steps), desc="vae", initial=len(losses), total=args.vae_steps
     ):
         rng = batch_rng(args.seed, "vae", step)
-        pixels, _ = scenes(specs, args.vae_batch, args.size, rng)
+        pixels, _ = rendered_scenes(specs, args.vae_batch, args.size, rng)
         pixels = crops(pixels, args.vae_crop, rng)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args.vae_lr, step, args.vae_steps)
@@ -145,7 +147,7 @@ def train_vae(pipe, args, state: dict, specs: list, save) -> None:
 @torch.no_grad()
 def latent_statistics(pipe, args, specs: list) -> dict:
     """The VAE's shift and scaling factors: the mean and 1 / std of its latents over 512 scenes."""
-    pixels, _ = scenes(specs, 512, args.size, batch_rng(args.seed, "vae", 10**9))
+    pixels, _ = rendered_scenes(specs, 512, args.size, batch_rng(args.seed, "vae", 10**9))
     latents = torch.cat([pipe.vae.encode(chunk).latent_dist.mode() for chunk in pixels.split(64)])
     return {"shift_factor": latents.mean().item(), "scaling_factor": 1 / latents.std().item()}
 
@@ -175,7 +177,7 @@ def train_transformer(pipe, args, state: dict, specs: list, text: TextCache, sav
         range(len(losses), args.steps), desc="transformer", initial=len(losses), total=args.steps
     ):
         rng = batch_rng(args.seed, "transformer", step)
-        pixels, captions = scenes(specs, args.batch, args.size, rng)
+        pixels, captions = rendered_scenes(specs, args.batch, args.size, rng)
         captions = [
             "" if drop else caption
             for caption, drop in zip(captions, rng.random(args.batch) < CAPTION_DROPOUT, strict=True)
@@ -218,7 +220,7 @@ def train_transformer(pipe, args, state: dict, specs: list, text: TextCache, sav
 def strict_accuracy(pipe, args) -> dict:
     """Samples one image per eval prompt (ODE, seeded, true CFG against the empty prompt) and scores
     them strictly, per task type."""
-    prompts = shapes.eval_prompts()
+    prompts = scenes.eval_prompts()
     images = [
         pipe(
             prompt=prompt,
@@ -263,14 +265,14 @@ def main(argv=None) -> None:
         torch.save(state, checkpoint.with_suffix(".tmp"))
         checkpoint.with_suffix(".tmp").replace(checkpoint)
 
-    specs = shapes.pretraining_specs()
+    specs = scenes.pretraining_specs()
     began = time.perf_counter()
     train_vae(pipe, args, state, specs, save)
     if "latents" not in state:
         state["latents"] = latent_statistics(pipe, args, specs)
         pipe.vae.register_to_config(**state["latents"])
         save()
-    text = TextCache(pipe, sorted({shapes.caption(spec) for spec in specs}))
+    text = TextCache(pipe, sorted({scenes.caption(spec) for spec in specs}))
     train_transformer(pipe, args, state, specs, text, save)
     seconds = time.perf_counter() - began
 

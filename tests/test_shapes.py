@@ -13,8 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from rollout_client.rewards import shapes
-from rollout_client.rewards.shapes import (
+from rollout_client.rewards import scenes
+from rollout_client.rewards.scenes import (
     BACKGROUND,
     HELD_OUT_FOUR,
     HELD_OUT_PAIRS,
@@ -24,22 +24,24 @@ from rollout_client.rewards.shapes import (
     Detection,
     ObjectGroup,
     SceneSpec,
-    accuracy_table,
     all_specs,
     caption,
-    detect,
     eval_prompts,
-    evaluate,
-    format_accuracy_table,
-    geneval_reward,
     parse_prompt,
     pretraining_specs,
     relation_holds,
     render,
     sample_scene,
+    train_prompts,
+)
+from rollout_client.rewards.shapes import (
+    accuracy_table,
+    detect,
+    evaluate,
+    format_accuracy_table,
+    geneval_reward,
     score,
     strict_accuracy,
-    train_prompts,
 )
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "training.md"
@@ -424,7 +426,7 @@ def test_pretraining_excludes_exactly_the_held_out_scenes():
         "two_objects": 24,
         "position": 134,
     }
-    assert all(shapes.is_held_out(spec) == (spec in held_out) for spec in all_specs())
+    assert all(scenes.is_held_out(spec) == (spec in held_out) for spec in all_specs())
     # Pretraining still shows every colour-shape pair in every task, and every relation.
     for task in TASKS:
         seen = {(g.color, g.shape) for spec in pretraining_specs() if spec.task == task for g in spec.objects}

@@ -15,7 +15,7 @@ from PIL import Image
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
-from rollout_client.rewards import shapes
+from rollout_client.rewards import scenes, shapes
 from rollout_client.shapes_eval import eval_request, evaluate_policy
 
 # The committed model's strict accuracy on the eval prompts, one ODE sample each at EVAL_STEPS, must
@@ -72,7 +72,7 @@ def run_trainer(server, flags: list[str], out) -> list[dict]:
 def test_the_base_model_is_right_on_some_scenes_and_wrong_on_others(family_resources):
     result = evaluate_policy(family_resources.client("shapes"), eval_request(steps=EVAL_STEPS))
     correct, total = result.table["overall"]
-    assert total == len(shapes.eval_prompts()) == len(result.images)
+    assert total == len(scenes.eval_prompts()) == len(result.images)
     low, high = BASE_ACCURACY
     assert low <= correct / total <= high, shapes.format_accuracy_table(result.table)
     assert result.table["single"][0] > 0  # it draws at least some of the easiest scenes right
@@ -90,7 +90,7 @@ def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lor
     assert [row["eval_accuracy"] != "nan" for row in rows] == [True, False]
     tables = json.loads((out / "eval.json").read_text())
     assert set(tables) == {"before", "after"}
-    assert tables["before"]["overall"]["total"] == len(shapes.eval_prompts())
+    assert tables["before"]["overall"]["total"] == len(scenes.eval_prompts())
     assert float(rows[0]["eval_accuracy"]) == pytest.approx(tables["before"]["overall"]["correct"] / 64)
     for name in ("accuracy.png", "reward.png", "samples/eval-before.png", "samples/eval-after.png"):
         assert Image.open(out / name).format == "PNG"

@@ -1,6 +1,6 @@
 """GenEval-style evaluation of a served policy on the shapes task.
 
-Each eval prompt (``rewards.shapes.eval_prompts()``) is sampled ``samples`` times with the
+Each eval prompt (``rewards.scenes.eval_prompts()``) is sampled ``samples`` times with the
 deterministic ODE sampler from fixed seeds (``seed`` + k for the k-th image), at the policy the server
 serves now, and every image is scored strictly: the right objects, counts, colours and relation, and
 nothing extra. The same call before and after training compares the same noise.
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rollout.v1 import rollout_pb2
-from rollout_client.rewards import shapes
+from rollout_client.rewards import scenes, shapes
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -41,7 +41,7 @@ def eval_request(
     prompt)."""
     return rollout_pb2.RolloutRequest(
         request_id="eval-shapes",
-        prompts=shapes.eval_prompts(),
+        prompts=scenes.eval_prompts(),
         samples_per_prompt=samples,
         base_seed=seed,
         num_steps=steps,

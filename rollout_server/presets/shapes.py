@@ -48,9 +48,9 @@ TRAINED_COMPONENTS = ("vae", "transformer")
 
 def shapes_corpus() -> str:
     """The tokenizers' training text: the embedded corpus and every caption of the grammar."""
-    from rollout_client.rewards import shapes
+    from rollout_client.rewards import scenes
 
-    return CORPUS + "\n".join(shapes.caption(spec) for spec in shapes.all_specs()) + "\n"
+    return CORPUS + "\n".join(scenes.caption(spec) for spec in scenes.all_specs()) + "\n"
 
 
 def untrained_shapes_pipeline(folder: Path):

@@ -24,9 +24,9 @@ PROMPT_SETS = ("scenes", "shapes")  # PROMPTS above, or the shapes task's train 
 
 
 def shapes_train_prompts() -> tuple[str, ...]:
-    from rollout_client.rewards import shapes
+    from rollout_client.rewards import scenes
 
-    return shapes.train_prompts()
+    return scenes.train_prompts()
 
 
 def prompt_pool(size: int) -> tuple[str, ...]:
