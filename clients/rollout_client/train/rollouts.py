@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -227,3 +228,27 @@ def branch_points(text: str) -> list[rollout_pb2.Branch]:
             raise ValueError(f"not step:factor[:noise_level]: {item!r}") from None
         points.append(branch)
     return points
+
+
+class Prefetch:
+    """--async: the next iteration's rollout, streaming on a thread of its own while this one trains.
+    ``start`` it, ``take`` it (None when none was started); use it as a context manager, which waits
+    for a rollout still streaming when the run ends."""
+
+    def __init__(self):
+        self._executor = ThreadPoolExecutor(1)
+        self._upcoming: Future | None = None
+
+    def start(self, client: RolloutClient, request: rollout_pb2.RolloutRequest, stall_seconds: float) -> None:
+        self._upcoming = self._executor.submit(stream, client, request, stall_seconds)
+
+    def take(self) -> "Rollout | None":
+        """The prefetched rollout (its failure raised here), or None."""
+        upcoming, self._upcoming = self._upcoming, None
+        return None if upcoming is None else upcoming.result()
+
+    def __enter__(self) -> "Prefetch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._executor.shutdown()

@@ -12,7 +12,6 @@ import functools
 import math
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +32,15 @@ from rollout_client.train.metrics import (
 )
 from rollout_client.train.policy import Pusher, load_policy, save_policy
 from rollout_client.train.rewards import Rewards, SampleInfo
-from rollout_client.train.rollouts import Rollout, ServerFailure, retrying, rollout_request, say, stream
+from rollout_client.train.rollouts import (
+    Prefetch,
+    Rollout,
+    ServerFailure,
+    retrying,
+    rollout_request,
+    say,
+    stream,
+)
 
 if TYPE_CHECKING:
     from rollout_client import RolloutClient, Step
@@ -69,8 +76,7 @@ class Trainer:
             self.checkpoint.unlink()
         self.saved = len(self.rows)  # iterations in the checkpoint on disk
         self.staleness = 1 if config.rollout.async_ else 0
-        self.upcoming: Future | None = None  # async: the next rollout, streaming while this one trains
-        self._prefetch = ThreadPoolExecutor(1)
+        self.prefetch = Prefetch()  # --async: the next rollout, streaming while this one trains
 
     # The optimizer step every algorithm takes.
 
@@ -96,14 +102,12 @@ class Trainer:
         again."""
         bar.reset()
         self.algorithm.start()
-        pending, self.upcoming = self.upcoming, None
-        if pending is not None:
-            rollout = pending.result()
+        rollout = self.prefetch.take()
         push_start = time.perf_counter()
         version = self.pusher.push() if pushed is None else pushed
         push_seconds = time.perf_counter() - push_start
         bar.update(1)
-        if pending is None:
+        if rollout is None:
             request = self.ranks.share(self.request(iteration, version), self.max_samples)
             rollout = stream(
                 self.client, request, self.config.server.stall_timeout, functools.partial(self._arrived, bar)
@@ -165,7 +169,7 @@ class Trainer:
         if config.rollout.async_ and iteration + 1 < config.iterations:
             # Streams while this iteration trains, on the policy just pushed: one behind the next.
             request = self.request(iteration + 1, version)
-            self.upcoming = self._prefetch.submit(stream, self.client, request, config.server.stall_timeout)
+            self.prefetch.start(self.client, request, config.server.stall_timeout)
         if not 0 <= version - rollout.policy_version <= self.staleness:
             raise RuntimeError(f"iteration {iteration} ran on policy {rollout.policy_version}, not {version}")
 
@@ -234,7 +238,7 @@ class Trainer:
         metrics_path = (
             config.checkpoint.out / "metrics.csv" if ranks.leader else Path(os.devnull)
         )  # rank 0 writes the run
-        with open(metrics_path, "w", newline="") as metrics, self._prefetch:
+        with open(metrics_path, "w", newline="") as metrics, self.prefetch:
             writer = csv.DictWriter(
                 metrics, fieldnames=COLUMNS + self.reward.columns(), extrasaction="ignore"
             )
