@@ -235,6 +235,7 @@ def test_debug_tensors_and_an_evaluation_request(sglang, family_resources):
         sd = debug["rollout_noise_std_devs"][i]
         assert (sd > 0) == (i in SDE_STEPS)
         rebuilt = debug["rollout_prev_sample_means"][i] + sd * debug["rollout_variance_noises"][i]
+        # x' = mean + sd eps is one fp32 multiply-add on values below 10: a few ulps (< 1e-5) apart.
         torch.testing.assert_close(rebuilt, latents[i + 1], rtol=0, atol=1e-5)
     (plain, *_) = generate(
         sglang, url, sglang.RolloutRequest(prompt="two cats", seed=5, width=64, height=64, rollout=False)

@@ -512,6 +512,7 @@ def test_the_documented_algorithm_trains_with_its_own_advantages(train_client, t
         r = rewards.double()
         means = torch.tensor([r[:3].mean()] * 3 + [r[3:].mean()] * 3)
         expected = (r - means) / (r.std(correction=0) + 1e-4)
+        # fp32 means, std and one division against float64: a few u (6e-8) relative, within 1e-6.
         torch.testing.assert_close(advantages.double(), expected, rtol=1e-6, atol=0)
     finally:
         ALGORITHMS.pop("flowgrpo-global-std", None)
