@@ -161,14 +161,15 @@ class HttpFrontEnd:
     async def _body(self, request: Request, limit: int) -> object:
         """The decoded body (JSON, or msgpack by content type; empty: an empty object), read only up to
         ``limit`` bytes."""
+        too_large = HttpError(413, f"the body is larger than the server's limit of {limit} bytes")
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
-            raise HttpError(413, f"the body is larger than the server's limit of {limit} bytes")
+            raise too_large
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise HttpError(413, f"the body is larger than the server's limit of {limit} bytes")
+                raise too_large
             chunks.append(chunk)
         data = b"".join(chunks)
         if not data:
@@ -197,7 +198,6 @@ class HttpFrontEnd:
 
         def check(resolved: rollout_pb2.RolloutRequest) -> None:
             nonlocal bound
-            sglang.returned_steps(typed, resolved.num_steps)
             sizes = self.service.engine.sample_sizes(resolved)
             bound = sglang.response_bound(typed, resolved, sizes.latent_elements, sizes.text_bytes)
             if bound > self.max_response_bytes:

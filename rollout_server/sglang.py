@@ -443,6 +443,9 @@ def responses(
             steps.append(event)
         elif isinstance(event, Finished):
             peak_bytes = event.message.peak_memory_bytes
+    message = collector.started.message
+    num_steps, shape = len(message.stochastic), torch.Size(message.layout.shape)
+    indices = returned_steps(request, num_steps)
     answers = []
     for row, trajectory in enumerate(collector.trajectories()):
         answer = {
@@ -461,11 +464,10 @@ def responses(
             zeroed = torch.where(trajectory.stochastic, trajectory.log_probs, torch.zeros(()))
             answer["rollout_log_probs"] = tensor(zeroed)
             if request.rollout_debug_mode:
-                shape = collector.started.message.layout.shape
-                answer["rollout_debug_tensors"] = _debug(steps, row, trajectory.num_steps, torch.Size(shape))
+                answer["rollout_debug_tensors"] = _debug(steps, row, num_steps, shape)
             if request.rollout_return_denoising_env:
                 answer["denoising_env"] = _denoising_env(trajectory)
-            if indices := returned_steps(request, trajectory.num_steps):
+            if indices:
                 answer["dit_trajectory"] = {
                     "latents": tensor(trajectory.latents[indices]),
                     "timesteps": tensor(trajectory.timesteps[indices]),
