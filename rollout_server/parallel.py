@@ -11,7 +11,7 @@ every rank from the full noise tensor: no collective touches them. While idle, r
 heartbeat, so a rank that dies or hangs is noticed within the collective timeout instead of hanging
 the others.
 
-Launch: ``rollout-server serve --sp N`` starts N - 1 helper processes itself; under ``torchrun``
+Launch: ``rollout-server serve --sp N`` forks N - 1 helper ranks itself; under ``torchrun``
 (single or multi node) the launcher's RANK / WORLD_SIZE / LOCAL_RANK are used and rank 0 of the job
 serves gRPC. Nothing here knows a request field or a model family's arguments, and nothing exits the
 process: problems are exceptions, which the command line turns into exit messages.
@@ -21,6 +21,7 @@ import datetime
 import functools
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,7 +46,7 @@ MESH_DIMS = ("ring", "ulysses")
 # Commands rank 0 broadcasts to the others.
 HEARTBEAT, ROUND, UPDATE, STOP = "heartbeat", "round", "update", "stop"
 SYNC_JOIN, SYNC_INSTALL, SYNC_UPDATE, SYNC_LEAVE = "sync-join", "sync-install", "sync-update", "sync-leave"
-# How long a failed collective waits for a spawned rank's process to exit, so the error can name it.
+# How long a failed collective waits for a forked rank's process to exit, so the error can name it.
 _EXIT_WAIT_SECONDS = 2.0
 
 
@@ -115,7 +116,7 @@ class SequenceParallel:
     rank: int = 0
     local_rank: int = 0
     timeout_seconds: float = 120.0
-    helpers: list[subprocess.Popen] = field(default_factory=list)  # ranks this process spawned
+    helpers: list["ForkedRank"] = field(default_factory=list)  # ranks this process forked
     # Coordination (commands, flags) runs on a gloo group: on the CPU even when the model uses NCCL.
     cpu_group: Any = None
     mesh: DeviceMesh | None = None  # dims MESH_DIMS; diffusers splits attention over it
@@ -249,6 +250,51 @@ class SequenceParallel:
                 helper.kill()
 
 
+class ForkedRank:
+    """A helper rank forked by rank 0 (``--sp N`` without a launcher), with the part of
+    ``subprocess.Popen``'s interface that ``SequenceParallel`` uses.
+
+    A fork rather than a new interpreter: rank 0 has imported torch and the model libraries and has
+    loaded nothing, started no thread and opened no socket or CUDA context yet, so the fork starts at
+    once where a new interpreter spends seconds importing them again, and it shares their pages."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    @classmethod
+    def fork(cls, rank: int) -> "ForkedRank | None":
+        """Fork rank ``rank``: its handle in this process, None in the fork (which goes on as that rank)."""
+        if torch.cuda.is_initialized():
+            raise ParallelismUnsupported("CUDA was initialised before the ranks were forked")
+        sys.stdout.flush()  # or what the buffers hold is written twice
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+            return None
+        return cls(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -274,8 +320,11 @@ def start(degree: int, attention_split: str, timeout_seconds: float, device: str
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(degree))
         os.environ.update(RANK="0", LOCAL_RANK="0")
         for rank in range(1, degree):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            helpers.append(subprocess.Popen([sys.executable, "-m", "rollout_server", *sys.argv[1:]], env=env))
+            helper = ForkedRank.fork(rank)
+            if helper is None:  # this process is the new rank, and the ranks forked before it are not its own
+                helpers = []
+                break
+            helpers.append(helper)
     group = SequenceParallel(
         dims=dims,
         rank=int(os.environ["RANK"]),

@@ -26,7 +26,7 @@ def _serve(argv: list[str], log_path: str) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    sys.argv = ["rollout-server", *argv]  # --sp N starts its other ranks from sys.argv
+    sys.argv = ["rollout-server", *argv]  # what the console script's process would hold
     from rollout_server import cli
 
     cli.run()
