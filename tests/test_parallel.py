@@ -114,7 +114,7 @@ def test_the_mesh_has_named_dims_and_carries_the_split(tiny_flux_folder):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")  # the test servers' fork server: its imports are done
     results = context.Queue()
     folder = str(tiny_flux_folder / "transformer")
     processes = [context.Process(target=run_rank, args=(r, port, folder, results)) for r in (0, 1)]

@@ -18,9 +18,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from diffusers import AutoModel
+from forked import ForkedProcess
 from helpers import (
     ROOT,
     TOLERANCE,
@@ -48,7 +50,6 @@ from rollout_core import checksum
 # Columns every iteration times (above 0).
 TIMED = ("rollout_seconds", "train_seconds", "update_seconds")
 TINY = ["--iterations", "3", "--prompts", "2", "--group-size", "3", "--steps", "3", "--size", "64"]
-TRAINER = ROOT / "examples" / "train_grpo.py"
 PROBE = make_request(
     {"prompts": ["a red fox"], "samples_per_prompt": 2, "base_seed": 11, "num_steps": 3},
     {"height": 64, "width": 64},
@@ -57,8 +58,9 @@ PROBE = make_request(
 WAIT_SECONDS = 180
 
 
-def trainer_command(address: str, out, *flags: str) -> list:
-    return [sys.executable, TRAINER, "--server", address, *TINY, *flags, "--out", out]
+def trainer_args(address: str, out, *flags: str) -> list:
+    """The trainer's command line after ``python examples/train_grpo.py``."""
+    return ["--server", address, *TINY, *flags, "--out", out]
 
 
 def same_for_any_run(row: dict) -> dict:
@@ -77,20 +79,17 @@ def read_metrics(out) -> list[dict]:
 def run_trainer(address: str, out, *flags: str) -> list[dict]:
     """The trainer in this process (a process of its own only where its boundary is what a test
     checks): its metrics.csv rows."""
-    run_example("train_grpo", *trainer_command(address, out, *flags)[2:])
+    run_example("train_grpo", *trainer_args(address, out, *flags))
     return read_metrics(out)
 
 
-def start_trainer(address: str, out: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
+def start_trainer(address: str, out: Path, *flags: str) -> tuple[ForkedProcess, Path]:
     """A trainer process in the background; its output goes to the returned log file."""
     log = out.with_name(out.name + ".log")
-    with log.open("w") as file:
-        command = trainer_command(address, out, *flags)
-        process = subprocess.Popen(command, stdout=file, stderr=subprocess.STDOUT)
-    return process, log
+    return ForkedProcess(trainer_args(address, out, *flags), log, main=forked.train), log
 
 
-def wait_until(process: subprocess.Popen, log: Path, condition: Callable[[], bool]) -> None:
+def wait_until(process: ForkedProcess, log: Path, condition: Callable[[], bool]) -> None:
     """Until ``condition()`` holds; fails if the trainer exits first."""
     deadline = time.monotonic() + WAIT_SECONDS
     while True:
@@ -178,7 +177,7 @@ def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
 def run_data_parallel(address: str, out: Path, ranks: int, *flags: str) -> list[dict]:
     """The trainer under ``torchrun --nproc-per-node ranks`` (gloo on the CPU)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    command = [*launcher, *trainer_command(address, out, *flags)[1:]]
+    command = [*launcher, forked.TRAINER, *trainer_args(address, out, *flags)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_SECONDS)
     assert result.returncode == 0, result.stdout + result.stderr
     return read_metrics(out)

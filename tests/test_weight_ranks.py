@@ -55,7 +55,7 @@ def test_rank_0_update_arrives_bitwise_on_the_other_rank():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")  # the test servers' fork server: its imports are done
     results = context.Queue()
     processes = [context.Process(target=run_rank, args=(rank, port, results)) for rank in (0, 1)]
     for process in processes:
