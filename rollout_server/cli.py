@@ -247,10 +247,15 @@ def main(argv=None) -> None:
     import diffusers
     import torch
 
-    from rollout_server.parallel import start
+    from rollout_server.parallel import fork_ranks, plan, start
     from rollout_server.server import ServerOptions, follow, serve
 
     diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components" while the model loads
+    try:
+        dims = plan(args.sp, args.attention_split, args.device)
+    except (ValueError, ParallelismUnsupported) as error:
+        sys.exit(f"rollout-server: {error}")
+    helpers = fork_ranks(dims)  # before torch starts its thread pools
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -259,7 +264,7 @@ def main(argv=None) -> None:
     except FileNotFoundError as error:
         sys.exit(f"rollout-server: cannot load model {args.model!r}: {error}")
     try:
-        parallel = start(args.sp, args.attention_split, args.collective_timeout, args.device)
+        parallel = start(dims, args.collective_timeout, args.device, helpers)
     except (ValueError, ParallelismUnsupported) as error:
         sys.exit(f"rollout-server: {error}")
     options = ServerOptions(

@@ -255,8 +255,9 @@ class ForkedRank:
     ``subprocess.Popen``'s interface that ``SequenceParallel`` uses.
 
     A fork rather than a new interpreter: rank 0 has imported torch and the model libraries and has
-    loaded nothing, started no thread and opened no socket or CUDA context yet, so the fork starts at
-    once where a new interpreter spends seconds importing them again, and it shares their pages."""
+    set no thread count, run no kernel, started no thread and opened no socket or CUDA context yet
+    (``fork_ranks`` is called first), so the fork starts at once where a new interpreter spends
+    seconds importing them again, and it shares their pages."""
 
     def __init__(self, pid: int):
         self.pid = pid
@@ -301,30 +302,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(degree: int, attention_split: str, timeout_seconds: float, device: str) -> SequenceParallel:
-    """Join (under torchrun) or form (``--sp N``: spawn ranks 1..N-1) the process group and its mesh.
-    ValueError if the options disagree; ParallelismUnsupported if this machine cannot run the split."""
+def _backend(device: str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def plan(degree: int, attention_split: str, device: str) -> ParallelDims:
+    """The ranks' layout: ``--sp`` and ``--attention-split``, or the launcher's world (under torchrun
+    --sp may be left out: the launched ranks are the SP ranks). ValueError if the options disagree;
+    ParallelismUnsupported if this machine cannot run the split."""
     launched = "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if launched else degree
-    # Under a launcher --sp may be left out: the launched ranks are the SP ranks.
     dims = ParallelDims(world_size if launched and degree == 1 else degree, attention_split, world_size)
-    if dims.sp == 1:
-        return SequenceParallel(dims)
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    if backend == "gloo" and dims.ring > 1:
+    if dims.sp > 1 and _backend(device) == "gloo" and dims.ring > 1:
         raise ParallelismUnsupported(
             "ring attention needs GPUs (no CPU log-sum-exp kernel): use --attention-split ulysses"
         )
+    return dims
+
+
+def fork_ranks(dims: ParallelDims) -> list[ForkedRank]:
+    """``--sp N`` without a launcher: fork ranks 1 .. N - 1 of this process, which goes on as rank 0.
+    Call it before torch starts a thread pool (``torch.set_num_threads``, or the first kernel): a
+    pool's threads do not survive a fork, and the fork's first parallel kernel would hang on OpenMP's
+    or fail on torch's own. In a fork, and under a launcher, no helpers: []."""
+    if dims.sp == 1 or "WORLD_SIZE" in os.environ:
+        return []
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(dims.sp))
+    os.environ.update(RANK="0", LOCAL_RANK="0")
     helpers = []
-    if not launched:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(degree))
-        os.environ.update(RANK="0", LOCAL_RANK="0")
-        for rank in range(1, degree):
-            helper = ForkedRank.fork(rank)
-            if helper is None:  # this process is the new rank, and the ranks forked before it are not its own
-                helpers = []
-                break
-            helpers.append(helper)
+    for rank in range(1, dims.sp):
+        helper = ForkedRank.fork(rank)
+        if helper is None:  # this process is the new rank, and the ranks forked before it are not its own
+            return []
+        helpers.append(helper)
+    return helpers
+
+
+def start(
+    dims: ParallelDims, timeout_seconds: float, device: str, helpers: list[ForkedRank]
+) -> SequenceParallel:
+    """Join the process group of ``dims``'s ranks (torchrun's, or those ``fork_ranks`` made) and build
+    its mesh; ``helpers``: the ranks this process forked."""
+    if dims.sp == 1:
+        return SequenceParallel(dims)
+    backend = _backend(device)
     group = SequenceParallel(
         dims=dims,
         rank=int(os.environ["RANK"]),
@@ -340,7 +361,7 @@ def start(degree: int, attention_split: str, timeout_seconds: float, device: str
         dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     )
     group.mesh = dims.build_mesh("cuda" if backend == "nccl" else "cpu")
-    log.info("rank %d of %d ready (pid %d, %s)", group.rank, world_size, os.getpid(), backend)
+    log.info("rank %d of %d ready (pid %d, %s)", group.rank, dims.world_size, os.getpid(), backend)
     return group
 
 

@@ -176,6 +176,19 @@ def test_unsplittable_shape_is_invalid_argument(sp2_server, sp2_client):
     assert sp2_client.rollout(request(num_steps=2))  # still serving, ranks still in step
 
 
+def test_ranks_fork_before_torch_starts_its_thread_pools(tmp_path):
+    """--sp 2 --threads 4 on an empty cache: the ranks are forked before torch's thread pools start
+    (``--threads``, then the preset's build): a fork made after them hangs in its first parallel
+    kernel, or fails in it, and the rollout with it."""
+    flags = ("--model", "tiny-wan", "--sp", "2", "--threads", "4")
+    server = start_server(tmp_path / "empty-cache", tmp_path / "sp2.log", *flags)
+    try:
+        with RolloutClient(server.address, timeout=60) as fresh:
+            assert len(fresh.rollout(request(num_steps=2))) == 4
+    finally:
+        assert server.stop() == 0
+
+
 def test_killed_rank_ends_the_stream_and_the_server(cache_dir, tmp_path):
     timeout = 20
     server = start_server(cache_dir, tmp_path / "kill.log", "--sp", "2", "--collective-timeout", str(timeout))
