@@ -432,17 +432,28 @@ def test_requests_waiting_for_a_policy_version_hold_no_rollout_slot(one_slot):
         info = stub.GetServerInfo(rollout_pb2.GetServerInfoRequest(), timeout=WAIT_SECONDS)
         assert info.limits.max_waiting_requests == 2
         future = info.policy_version + 5
-        waiting = rollout_pb2.RolloutRequest(
-            prompts=["a blue bird"], height=64, width=64, num_steps=2, min_policy_version=future
-        )
-        waiters = [stub.Rollout(waiting, timeout=WAIT_SECONDS) for _ in range(2)]
+
+        def waiting(request_id: str) -> rollout_pb2.RolloutRequest:
+            return rollout_pb2.RolloutRequest(
+                prompts=["a blue bird"],
+                height=64,
+                width=64,
+                num_steps=2,
+                min_policy_version=future,
+                request_id=request_id,
+            )
+
+        ids = [unique_id("waiter") for _ in range(2)]
+        waiters = [stub.Rollout(waiting(request_id), timeout=WAIT_SECONDS) for request_id in ids]
         deadline = time.monotonic() + WAIT_SECONDS
-        while True:  # until both are in the wait list, a third one is admitted to it and times out
-            with pytest.raises(grpc.RpcError) as raised:
-                next(stub.Rollout(waiting, timeout=1))
-            if raised.value.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                break
+        # Both in the wait list before the third comes: sent together, the third could take a place first.
+        while not all(
+            f"rollout id={request_id} waits for policy version" in server.log() for request_id in ids
+        ):
             assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as raised:
+            next(stub.Rollout(waiting(unique_id("third")), timeout=WAIT_SECONDS))
         assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, raised.value.details()
         assert "wait for a policy version (limit 2)" in raised.value.details()
 
