@@ -186,15 +186,39 @@ QWEN2_SPECIAL_TOKENS = (
     "<|image_pad|>",
     "<|video_pad|>",
 )
+# Qwen3's vocabulary adds the markers of its reasoning block.
+QWEN3_SPECIAL_TOKENS = (*QWEN2_SPECIAL_TOKENS, "<think>", "</think>")
+# Qwen3's chat template for plain conversations (its tool calls and reasoning history left out): each turn
+# between <|im_start|> and <|im_end|>, then the generation prompt, which with enable_thinking=False opens
+# and closes an empty reasoning block, as Qwen3 does.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
 
 
-def write_qwen2_tokenizer(folder: Path, extra_text: str) -> None:
+def write_qwen2_tokenizer(
+    folder: Path,
+    extra_text: str,
+    special_tokens: tuple[str, ...] = QWEN2_SPECIAL_TOKENS,
+    chat_template: str | None = None,
+    model_max_length: int = 131072,
+) -> None:
     """Writes a byte-level BPE Qwen2 tokenizer (vocab.json, merges.txt, tokenizer.json) like Qwen2.5-VL's.
 
     Trained on the corpus plus `extra_text` (e.g. a pipeline's prompt template) until every training word is a
     single token, as the words of such templates are in Qwen2's real vocabulary: pipelines that drop a fixed
     number of template tokens then drop exactly the template. The vocabulary follows Qwen2's layout: the 256
-    byte symbols, one token per merge, then the special tokens (chat and vision markers).
+    byte symbols, one token per merge, then the `special_tokens` (chat and vision markers; Qwen3's add its
+    reasoning markers). `chat_template` is what `apply_chat_template` renders, and `model_max_length` the
+    text length a pipeline that reads it pads prompts to.
     """
     backend = Qwen2Tokenizer().backend_tokenizer
     counts: Counter[tuple[str, ...]] = Counter()
@@ -204,7 +228,7 @@ def write_qwen2_tokenizer(folder: Path, extra_text: str) -> None:
     byte_symbols = sorted(ByteLevel.alphabet())
     max_merges = sum(len(word) - 1 for word in counts)  # enough to merge every word into one token
     merges = _train_bpe_merges(counts, max_merges)
-    tokens = byte_symbols + ["".join(m) for m in merges] + list(QWEN2_SPECIAL_TOKENS)
+    tokens = byte_symbols + ["".join(m) for m in merges] + list(special_tokens)
     vocab = {token: i for i, token in enumerate(tokens)}
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -217,7 +241,9 @@ def write_qwen2_tokenizer(folder: Path, extra_text: str) -> None:
         unk_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=list(QWEN2_SPECIAL_TOKENS),
-        model_max_length=131072,
+        additional_special_tokens=list(special_tokens),
+        model_max_length=model_max_length,
     )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)
