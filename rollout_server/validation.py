@@ -203,14 +203,20 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         bad.append(("guidance_scale", f"must be finite and in [0, 100], got {resolved.guidance_scale}"))
     if not _finite_in(resolved.true_cfg_scale, 1.0, 100.0):
         bad.append(("true_cfg_scale", f"must be finite and in [1, 100], got {resolved.true_cfg_scale}"))
+    # A model that reads no scale (a step-distilled one) runs without CFG.
+    has_cfg = context.cfg_scale_field in context.scale_fields
+    reads = f"its CFG scale is {context.cfg_scale_field}" if has_cfg else "it runs without CFG"
     for field in SCALE_FIELDS:
         # A scale the model does not read would be ignored: refused, unless it is the default that a
         # started event echoes (so a resolved request can be resent).
         ignored = request.HasField(field) and getattr(request, field) != getattr(defaults, field)
         if field not in context.scale_fields and ignored:
-            bad.append((field, f"this model does not use it; its CFG scale is {context.cfg_scale_field}"))
+            bad.append((field, f"this model does not use it; {reads}"))
     if request.negative_prompt and getattr(resolved, context.cfg_scale_field) <= 1.0:
-        bad.append(("negative_prompt", f"is only used with {context.cfg_scale_field} > 1"))
+        needs = (
+            f"is only used with {context.cfg_scale_field} > 1" if has_cfg else "this model runs without CFG"
+        )
+        bad.append(("negative_prompt", needs))
     if len(request.negative_prompt) > limits.max_prompt_chars:
         bad.append(("negative_prompt", f"longer than {limits.max_prompt_chars} characters"))
 
