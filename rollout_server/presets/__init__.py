@@ -29,6 +29,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "tiny-flux": ("flux", "build_flux_preset", "tiny"),
     "small-flux": ("flux", "build_flux_preset", "small"),
     "tiny-flux-kontext": ("flux", "build_flux_kontext_preset", "tiny"),
+    "tiny-flux2-klein": ("flux2", "build_flux2_klein_preset", "tiny"),
     "tiny-sd3": ("sd3", "build_sd3_preset", "tiny"),
     "tiny-qwen-image": ("qwen_image", "build_qwen_image_preset", "tiny"),
     "tiny-qwen-image-edit": ("qwen_image", "build_qwen_image_edit_preset", "tiny"),
@@ -40,6 +41,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
 
 _BUILDER_SOURCES = (
     "flux.py",
+    "flux2.py",
     "sd3.py",
     "qwen_image.py",
     "wan.py",
@@ -140,6 +142,7 @@ PRESET_DEFAULTS: dict[str, dict[str, int | float]] = {
     "tiny-flux": {"height": 128, "width": 128, "num_steps": 10},
     "small-flux": {"height": 256, "width": 256, "num_steps": 10},
     "tiny-flux-kontext": {"height": 128, "width": 128, "num_steps": 10},
+    "tiny-flux2-klein": {"height": 128, "width": 128, "num_steps": 10},
     "tiny-sd3": {"height": 128, "width": 128, "num_steps": 10},
     "tiny-qwen-image": {"height": 128, "width": 128, "num_steps": 10},
     "tiny-qwen-image-edit": {"height": 128, "width": 128, "num_steps": 10},

@@ -27,6 +27,19 @@ TREE_ADVANTAGES = ("branch-mean", "branch-log-prob", "backed-up")  # the first i
 DEFAULT_PRUNE_KEEP = 4
 # FLUX's attention and feed-forward layers, with the latent projections in and out.
 FLUX_TARGETS = ["x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
+# FLUX.2's: the double-stream blocks' attention and image feed-forward, the single-stream blocks' fused
+# attention and feed-forward input projection, and the latent projections in and out.
+FLUX2_TARGETS = [
+    "x_embedder",
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "ff.linear_in",
+    "ff.linear_out",
+    "to_qkv_mlp_proj",
+    "proj_out",
+]
 
 
 CHECKPOINT = "checkpoint.pt"
