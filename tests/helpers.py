@@ -305,6 +305,32 @@ FAMILIES = {
         ),
         latent_shape=(16, 8, 8),
     ),
+    # FLUX.2 [klein]: packed 2x2 patches, 4-D position ids, a Qwen3 embedding of three stacked hidden
+    # states, CFG driven by guidance_scale and no guidance embedding (guidance is None in its env).
+    "flux2-klein": Family(
+        preset="tiny-flux2-klein",
+        transformer="Flux2Transformer2DModel",
+        pipeline="Flux2KleinPipeline",
+        prompts=("a red fox in the snow", "two cats"),
+        base_seed=91,
+        cfg_on={"guidance_scale": 4.0, "negative_prompt": "blurry"},
+        cfg_off={"guidance_scale": 1.0},
+        timestep_divisor=1000.0,
+        cfg_rule=("true_cfg", 4.0),
+        env_keys=frozenset(
+            {
+                "encoder_hidden_states",
+                "txt_ids",
+                "img_ids",
+                "guidance",
+                "joint_attention_kwargs",
+                "return_dict",
+            }
+        ),
+        latent_shape=(16, 16),  # 4 x 4 packed tokens of 4 x 4 channels
+        replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
+        replay_latent_dtypes=("float32", "bfloat16"),
+    ),
     "qwen-image": QWEN_IMAGE,
     # Qwen-Image-Edit: Qwen-Image's call with the image's packed latents appended to the tokens, and
     # prompt embeddings that read the image (the Qwen2.5-VL encoder's vision tokens).
@@ -612,13 +638,13 @@ def perturbed(transformer: torch.nn.Module, seed: int) -> torch.nn.Module:
     return trained
 
 
-def with_lora(transformer: torch.nn.Module, trained: bool):
-    """The trainer's copy with a PEFT LoRA adapter, freshly initialised (lora_B = 0) or trained, and
-    its LoraConfig."""
+def with_lora(transformer: torch.nn.Module, trained: bool, targets: list[str] = LORA_TARGETS):
+    """The trainer's copy with a PEFT LoRA adapter on ``targets``, freshly initialised (lora_B = 0) or
+    trained, and its LoraConfig."""
     from peft import LoraConfig
 
     adapted = copy.deepcopy(transformer)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets)
     adapted.add_adapter(config)
     if trained:
         generator = torch.Generator().manual_seed(7)

@@ -7,6 +7,7 @@ from helpers import command_line_exit
 
 from rollout_server import errors, families
 from rollout_server.families.flux import FluxAdapter, FluxKontextAdapter
+from rollout_server.families.flux2 import Flux2KleinAdapter
 from rollout_server.families.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from rollout_server.families.sd3 import SD3Adapter
 from rollout_server.families.wan_i2v import WanImageToVideoAdapter
@@ -19,6 +20,7 @@ from rollout_server.families.wan_i2v import WanImageToVideoAdapter
         ("sd3", SD3Adapter),
         ("qwen-image", QwenImageAdapter),
         ("flux-kontext", FluxKontextAdapter),
+        ("flux2-klein", Flux2KleinAdapter),
         ("qwen-image-edit", QwenImageEditAdapter),
         ("wan-i2v", WanImageToVideoAdapter),
     ],

@@ -143,7 +143,12 @@ def adapters(family_resources):
 
 @pytest.mark.parametrize(
     ("family", "shape"),
-    [("flux", MediaShape(1, 48, 80)), ("qwen-image", MediaShape(1, 48, 80)), ("wan", MediaShape(9, 48, 80))],
+    [
+        ("flux", MediaShape(1, 48, 80)),
+        ("flux2-klein", MediaShape(1, 48, 80)),
+        ("qwen-image", MediaShape(1, 48, 80)),
+        ("wan", MediaShape(9, 48, 80)),
+    ],
 )
 def test_generated_tokens_are_the_length_the_transformer_splits(adapters, family, shape):
     """A real forward at an uneven shape: every generated input the context-parallel plan splits
