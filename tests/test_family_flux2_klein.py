@@ -225,6 +225,17 @@ def test_sp2_matches_sp1(family_client, family_transformer, sp2_client):
     assert_replays(family_transformer, runs[2].trajectories())
 
 
+def test_a_shape_the_ranks_cannot_split_is_refused(sp2_client):
+    """48 x 80 pixels are 3 x 5 = 15 image tokens, which 2 ranks cannot split evenly: INVALID_ARGUMENT
+    naming height, before any work."""
+    request = family_request(FAMILY, "ODE", cfg=False, height=48, width=80)
+    with pytest.raises(grpc.RpcError) as refused:
+        sp2_client.rollout(request)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [violation.field for violation in field_violations(refused.value)] == ["height"]
+    assert "15 tokens" in refused.value.details()
+
+
 def test_a_lora_on_flux2_modules_changes_the_rollouts_as_the_trainer_replays_them(
     family_client, family_transformer, sp2_client
 ):
