@@ -1,8 +1,9 @@
-"""Real CLIP and T5 tokenizers trained locally on a small embedded corpus.
+"""Real CLIP, T5, Qwen2 and Mistral tokenizers trained locally on a small embedded corpus.
 
-The presets must never touch a model hub, so instead of downloading the FLUX tokenizers we train tokenizers
-with the same algorithms and file conventions (byte-level BPE for CLIP, SentencePiece unigram for T5) on the
-caption-like text below. Training is deterministic, so the files are byte-identical across builds.
+The presets must never touch a model hub, so instead of downloading the models' tokenizers we train tokenizers
+with the same algorithms and file conventions (byte-level BPE for CLIP, Qwen2 and Mistral, SentencePiece
+unigram for T5) on the caption-like text below. Training is deterministic, so the files are byte-identical
+across builds.
 """
 
 import io
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 from tokenizers.pre_tokenizers import ByteLevel
-from transformers import CLIPTokenizer, Qwen2Tokenizer, T5TokenizerFast
+from transformers import CLIPTokenizer, PreTrainedTokenizerFast, Qwen2Tokenizer, T5TokenizerFast
 
 CORPUS = """\
 A photo of a red fox sitting in the snow, 4k, highly detailed.
@@ -204,6 +205,19 @@ QWEN3_CHAT_TEMPLATE = (
 )
 
 
+def _whole_word_merges(extra_text: str) -> list[tuple[str, str]]:
+    """Byte-level BPE merges trained on the corpus plus `extra_text` until every training word is a single
+    token, the words split by Qwen2's normaliser and pre-tokenizer (GPT-4's pattern, which Mistral's tekken
+    splits by too)."""
+    backend = Qwen2Tokenizer().backend_tokenizer
+    counts: Counter[tuple[str, ...]] = Counter()
+    for line in (CORPUS + extra_text).splitlines(keepends=True):
+        for word, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)):
+            counts[tuple(word)] += 1
+    max_merges = sum(len(word) - 1 for word in counts)  # enough to merge every word into one token
+    return _train_bpe_merges(counts, max_merges)
+
+
 def write_qwen2_tokenizer(
     folder: Path,
     extra_text: str,
@@ -220,15 +234,8 @@ def write_qwen2_tokenizer(
     reasoning markers). `chat_template` is what `apply_chat_template` renders, and `model_max_length` the
     text length a pipeline that reads it pads prompts to.
     """
-    backend = Qwen2Tokenizer().backend_tokenizer
-    counts: Counter[tuple[str, ...]] = Counter()
-    for line in (CORPUS + extra_text).splitlines(keepends=True):
-        for word, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)):
-            counts[tuple(word)] += 1
-    byte_symbols = sorted(ByteLevel.alphabet())
-    max_merges = sum(len(word) - 1 for word in counts)  # enough to merge every word into one token
-    merges = _train_bpe_merges(counts, max_merges)
-    tokens = byte_symbols + ["".join(m) for m in merges] + list(special_tokens)
+    merges = _whole_word_merges(extra_text)
+    tokens = sorted(ByteLevel.alphabet()) + ["".join(m) for m in merges] + list(special_tokens)
     vocab = {token: i for i, token in enumerate(tokens)}
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -246,4 +253,61 @@ def write_qwen2_tokenizer(
     )
     if chat_template is not None:
         tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(folder)
+
+
+# Mistral Small 3.1's control tokens (its tokenizer numbers them first), the image markers among them.
+MISTRAL_SPECIAL_TOKENS = (
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[IMG]",
+    "<pad>",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+)
+# Mistral Small 3.1's chat template for system, user and assistant turns of text and image blocks (its
+# default system message, dates and tool calls left out): the beginning of text, the system prompt between
+# its markers, each user turn as an instruction, each image block as an image marker.
+MISTRAL3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' }}{%- endif %}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}{%- else %}{{- '[IMG]' }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{%- if message['role'] == 'system' %}{{- '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[/INST]' }}{%- else %}{{- eos_token }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def write_mistral_tokenizer(folder: Path, extra_text: str, model_max_length: int) -> None:
+    """Writes a byte-level BPE tokenizer (tokenizer.json) like Mistral Small 3.1's, with its chat template.
+
+    Trained as `write_qwen2_tokenizer`'s (every word of the corpus and of `extra_text`, e.g. a pipeline's
+    system message, one token); the vocabulary is Mistral's layout: its control tokens first, then the 256
+    byte symbols and one token per merge. `model_max_length` is the text length a pipeline pads prompts to.
+    """
+    merges = _whole_word_merges(extra_text)
+    tokens = list(MISTRAL_SPECIAL_TOKENS) + sorted(ByteLevel.alphabet()) + ["".join(m) for m in merges]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    # Qwen2's byte-level BPE backend over this vocabulary: the same normaliser, split and byte decoding.
+    backend = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None).backend_tokenizer
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=list(MISTRAL_SPECIAL_TOKENS[3:]),
+        model_max_length=model_max_length,
+    )
+    tokenizer.chat_template = MISTRAL3_CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
