@@ -8,7 +8,7 @@ import torch
 
 from rollout_server.errors import UnsupportedModel
 from rollout_server.families.flux import FluxAdapter, FluxKontextAdapter
-from rollout_server.families.flux2 import Flux2KleinAdapter
+from rollout_server.families.flux2 import Flux2Adapter, Flux2KleinAdapter
 from rollout_server.families.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from rollout_server.families.sd3 import SD3Adapter
 from rollout_server.families.wan import WanAdapter
@@ -22,6 +22,7 @@ ADAPTERS: dict[str, type["FamilyAdapter"]] = {
     for adapter in (
         FluxAdapter,
         FluxKontextAdapter,
+        Flux2Adapter,
         Flux2KleinAdapter,
         SD3Adapter,
         QwenImageAdapter,
