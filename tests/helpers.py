@@ -179,6 +179,8 @@ class Family:
     # dtype (None: the request leaves it unset).
     replay_samplers: tuple[str, ...] = ("FLOW_SDE", "CPS")
     replay_latent_dtypes: tuple[str | None, ...] = (None,)
+    # The CFG settings it covers: off and on, or off alone for a family without CFG (cfg_on unused).
+    replay_cfg: tuple[bool, ...] = (False, True)
     text_width: str = "joint_attention_dim"  # the transformer config entry of the text states' width
     # The pipeline's denoising transformers; a trainer replays with all of them by name when several.
     experts: tuple[str, ...] = ("transformer",)
@@ -201,6 +203,10 @@ FLUX_ENV_KEYS = frozenset(
         "joint_attention_kwargs",
         "return_dict",
     }
+)
+# Flux2Transformer2DModel's kwargs besides hidden_states and timestep (guidance is None for [klein]).
+FLUX2_ENV_KEYS = frozenset(
+    {"encoder_hidden_states", "txt_ids", "img_ids", "guidance", "joint_attention_kwargs", "return_dict"}
 )
 SHORT_PROMPT = "a fox"
 LONG_PROMPT = "A cozy cabin in the mountains covered with fresh snow, warm light in the windows."
@@ -317,19 +323,27 @@ FAMILIES = {
         cfg_off={"guidance_scale": 1.0},
         timestep_divisor=1000.0,
         cfg_rule=("true_cfg", 4.0),
-        env_keys=frozenset(
-            {
-                "encoder_hidden_states",
-                "txt_ids",
-                "img_ids",
-                "guidance",
-                "joint_attention_kwargs",
-                "return_dict",
-            }
-        ),
+        env_keys=FLUX2_ENV_KEYS,
         latent_shape=(16, 16),  # 4 x 4 packed tokens of 4 x 4 channels
         replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
         replay_latent_dtypes=("float32", "bfloat16"),
+    ),
+    # FLUX.2 [dev]: [klein]'s call with a Mistral3 embedding and the guidance scale embedded, no CFG.
+    "flux2": Family(
+        preset="tiny-flux2",
+        transformer="Flux2Transformer2DModel",
+        pipeline="Flux2Pipeline",
+        prompts=("a red fox in the snow", "two cats"),
+        base_seed=101,
+        cfg_on={},
+        cfg_off={"guidance_scale": 3.5},
+        timestep_divisor=1000.0,
+        cfg_rule=("none", 1.0),
+        env_keys=FLUX2_ENV_KEYS,
+        latent_shape=(16, 16),  # 4 x 4 packed tokens of 4 x 4 channels
+        replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
+        replay_latent_dtypes=("float32", "bfloat16"),
+        replay_cfg=(False,),
     ),
     "qwen-image": QWEN_IMAGE,
     # Qwen-Image-Edit: Qwen-Image's call with the image's packed latents appended to the tokens, and

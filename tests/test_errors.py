@@ -200,6 +200,7 @@ def test_noise_level_bound_is_per_sampler(client, sampler, noise_level):
         ("wan", "true_cfg_scale", 3.0),
         ("qwen-image", "guidance_scale", 3.5),
         ("flux2-klein", "true_cfg_scale", 3.0),
+        ("flux2", "true_cfg_scale", 3.0),
     ],
 )
 def test_a_scale_the_model_does_not_read_is_refused(family, field, value, family_client):

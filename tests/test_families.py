@@ -7,7 +7,7 @@ from helpers import command_line_exit
 
 from rollout_server import errors, families
 from rollout_server.families.flux import FluxAdapter, FluxKontextAdapter
-from rollout_server.families.flux2 import Flux2KleinAdapter
+from rollout_server.families.flux2 import Flux2Adapter, Flux2KleinAdapter
 from rollout_server.families.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from rollout_server.families.sd3 import SD3Adapter
 from rollout_server.families.wan_i2v import WanImageToVideoAdapter
@@ -21,6 +21,7 @@ from rollout_server.families.wan_i2v import WanImageToVideoAdapter
         ("qwen-image", QwenImageAdapter),
         ("flux-kontext", FluxKontextAdapter),
         ("flux2-klein", Flux2KleinAdapter),
+        ("flux2", Flux2Adapter),
         ("qwen-image-edit", QwenImageEditAdapter),
         ("wan-i2v", WanImageToVideoAdapter),
     ],

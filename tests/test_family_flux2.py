@@ -1,9 +1,10 @@
-"""FLUX.2 [klein] on the tiny-flux2-klein preset: the env is Flux2KleinPipeline's own (the Qwen3 chat
-template, three hidden states side by side, 4-D position ids), the schedule shifts with the image tokens
-and the step count, an ODE rollout reaches the pipeline's own final latents and images with its CFG on
-and off, SP=2 matches SP=1, a LoRA on FLUX.2's modules changes the rollouts as the trainer replays them,
-and a step-distilled [klein] refuses a CFG scale. Replay parity (each sampler, CFG on and off, bf16
-latents) is test_replay.py's, with the other families."""
+"""FLUX.2 [klein] (tiny-flux2-klein) and [dev] (tiny-flux2): the env is the pipeline's own (the text
+encoder's chat template, three hidden states side by side, 4-D position ids, [dev]'s embedded
+guidance), the schedule shifts with the image tokens and the step count, an ODE rollout reaches the
+pipeline's own final latents and images ([klein] with its CFG on and off), SP=2 matches SP=1, a LoRA
+on FLUX.2's modules changes the rollouts as the trainer replays them, and a model without CFG (a
+step-distilled [klein]) refuses a CFG scale. Replay parity (each sampler, [klein]'s CFG on and off,
+bf16 latents) is test_replay.py's, with the other families."""
 
 import json
 import os
@@ -13,7 +14,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from helpers import (
     FAMILIES,
     TOLERANCE,
@@ -40,52 +42,81 @@ from rollout_server.families.flux2 import stacked_text_layers
 from rollout_server.limits import Limits
 from rollout_server.validation import ServingContext, resolve
 
-FAMILY = "flux2-klein"
+KLEIN, DEV = "flux2-klein", "flux2"
+BOTH = [KLEIN, DEV]
 SHAPE = MediaShape(frames=1, height=64, width=64)
 GRID = 64 // 16  # 8x VAE, 2x2 patches: 4 x 4 tokens
 TOKENS = GRID * GRID
-TEXT_TOKENS = 64  # the preset tokenizer's model_max_length: every prompt is padded to it
-TEXT_LAYERS = (0, 1, 2)  # the preset's two-layer Qwen3: its embeddings and both layers
+TEXT_TOKENS = 64  # the presets' tokenizers' model_max_length: every prompt is padded to it
+TEXT_LAYERS = (0, 1, 2)  # the presets' two-layer text encoders: their embeddings and both layers
 U = 2.0**-24  # float32 unit roundoff
 
 
 @pytest.fixture(scope="module")
 def family() -> str:
-    return FAMILY
+    """The family of the tests that are [klein]'s alone (the others are parametrized over both)."""
+    return KLEIN
 
 
-def test_server_info(family_client):
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [
+        (KLEIN, ("Flux2KleinPipeline", "guidance_scale", "true_cfg", 4.0)),  # FLUX.2 [klein] base's CFG 4
+        (DEV, ("Flux2Pipeline", "true_cfg_scale", "none", 4.0)),  # FLUX.2 [dev]'s guidance 4, no CFG
+    ],
+)
+def test_server_info(family_client, family, expected):
     info = family_client.server_info()
-    assert (info.family, info.pipeline_class) == (FAMILY, "Flux2KleinPipeline")
-    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
-        "guidance_scale",
-        "true_cfg",
-        "timestep / 1000",
-    )
+    assert (info.family, info.pipeline_class, info.timestep_rule) == (family, expected[0], "timestep / 1000")
+    assert (info.cfg_scale_field, info.cfg_rule, info.defaults.guidance_scale) == expected[1:]
     defaults = info.defaults
     assert (defaults.height, defaults.width, defaults.num_steps) == (128, 128, 10)  # the preset's
-    assert (defaults.guidance_scale, defaults.true_cfg_scale) == (4.0, 1.0)  # FLUX.2 [klein] base's
-    assert info.limits.side_multiple == 16
+    assert defaults.true_cfg_scale == 1.0 and info.limits.side_multiple == 16
 
 
-def test_the_stacked_text_layers_are_the_pipelines_where_the_encoder_has_them(adapter):
-    """Layers 9, 18 and 27 of the released [klein] encoders (Qwen3-4B and -8B: 36 layers); a shallower
-    encoder's last three hidden states, which for the preset make the transformer's text width."""
-    assert stacked_text_layers(36) == stacked_text_layers(27) == (9, 18, 27)
-    assert stacked_text_layers(2) == adapter.text_encoder_out_layers == TEXT_LAYERS
-    text_width = adapter.pipe.text_encoder.config.hidden_size
+@pytest.mark.parametrize("family", BOTH)
+def test_the_stacked_text_layers_are_the_pipelines_where_the_encoder_has_them(adapter, family):
+    """Layers 9, 18 and 27 of [klein]'s 36-layer Qwen3 and 10, 20 and 30 of [dev]'s 40-layer Mistral;
+    a shallower encoder's last three hidden states, which for the presets make the text width."""
+    assert stacked_text_layers(36, (9, 18, 27)) == stacked_text_layers(27, (9, 18, 27)) == (9, 18, 27)
+    assert stacked_text_layers(40, (10, 20, 30)) == (10, 20, 30)
+    assert adapter.text_encoder_out_layers == TEXT_LAYERS
+    assert stacked_text_layers(2, adapter.pipeline_text_layers) == TEXT_LAYERS
+    text_width = adapter.pipe.text_encoder.config.get_text_config().hidden_size
     assert adapter.transformer.config.joint_attention_dim == len(TEXT_LAYERS) * text_width
 
 
+def chat_turn(family: str, pipe, prompt: str) -> str:
+    """The text the family's pipeline encodes for ``prompt``, by its tokenizer's chat template, checked
+    against the template written out: Qwen3's user turn with thinking off, or Mistral's system
+    prompt (the pipeline's system message) and instruction."""
+    if family == KLEIN:
+        turn = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        messages = [{"role": "user", "content": prompt}]
+        rendered = pipe.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+    else:
+        turn = f"<s>[SYSTEM_PROMPT]{SYSTEM_MESSAGE}[/SYSTEM_PROMPT][INST]{prompt}[/INST]"
+        messages = [
+            {"role": "system", "content": [{"type": "text", "text": SYSTEM_MESSAGE}]},
+            {"role": "user", "content": [{"type": "text", "text": prompt}]},
+        ]
+        rendered = pipe.tokenizer.apply_chat_template(messages, tokenize=False)
+    assert rendered == turn
+    return turn
+
+
+@pytest.mark.parametrize("family", BOTH)
 @torch.no_grad()  # as the pipeline encodes
-def test_env_is_the_pipelines_own(adapter, family_pipeline):
+def test_env_is_the_pipelines_own(adapter, family_pipeline, family):
     """encode_prompt's embedding and text ids and prepare_latents' image ids, bitwise; and the
-    independent formula: Qwen3's chat turn with thinking off, padded to the text length, the hidden
-    states of the encoder side by side on the channels; ids (0, 0, 0, position) for the text and
-    (0, row, column, 0) for the image tokens."""
-    pipe, prompt = family_pipeline, FAMILIES[FAMILY].prompts[0]
-    env = adapter.encode_text(prompt, 4.0, SHAPE)
-    assert set(env) == FAMILIES[FAMILY].env_keys
+    independent formula: the chat turn padded to the text length, the hidden states of the encoder
+    side by side on the channels; ids (0, 0, 0, position) for the text and (0, row, column, 0) for
+    the image tokens; the guidance scale for [dev], none for [klein]."""
+    pipe, prompt = family_pipeline, FAMILIES[family].prompts[0]
+    env = adapter.encode_text(prompt, 3.5, SHAPE)
+    assert set(env) == FAMILIES[family].env_keys
     embeds, txt_ids = pipe.encode_prompt(
         prompt=prompt, max_sequence_length=TEXT_TOKENS, text_encoder_out_layers=TEXT_LAYERS
     )
@@ -94,21 +125,22 @@ def test_env_is_the_pipelines_own(adapter, family_pipeline):
     _, latent_ids = pipe.prepare_latents(1, 4, 64, 64, torch.float32, torch.device("cpu"), None, noise)
     assert torch.equal(env["img_ids"], latent_ids)
 
-    turn = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    messages = [{"role": "user", "content": prompt}]
-    rendered = pipe.tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    turn = chat_turn(family, pipe, prompt)
+    tokens = pipe.tokenizer(
+        turn, padding="max_length", max_length=TEXT_TOKENS, add_special_tokens=False, return_tensors="pt"
     )
-    assert rendered == turn
-    tokens = pipe.tokenizer(turn, padding="max_length", max_length=TEXT_TOKENS, return_tensors="pt")
     states = pipe.text_encoder(**tokens, output_hidden_states=True).hidden_states
     assert len(states) == len(TEXT_LAYERS)
     assert torch.equal(env["encoder_hidden_states"], torch.cat(states, dim=-1))  # copies: bitwise
     assert env["txt_ids"].tolist() == [[[0, 0, 0, position] for position in range(TEXT_TOKENS)]]
     assert env["img_ids"].tolist() == [[[0, row, col, 0] for row in range(GRID) for col in range(GRID)]]
-    assert (env["guidance"], env["joint_attention_kwargs"], env["return_dict"]) == (None, None, False)
+    if family == DEV:
+        assert torch.equal(env["guidance"], torch.tensor([3.5]))  # the scale encode_text was given
+    else:
+        assert env["guidance"] is None
+    assert (env["joint_attention_kwargs"], env["return_dict"]) == (None, False)
     unseen = "Zebra café ☕ at 3am!"  # every byte is in the vocabulary
-    assert pipe.tokenizer.decode(pipe.tokenizer(unseen).input_ids) == unseen
+    assert pipe.tokenizer.decode(pipe.tokenizer(unseen, add_special_tokens=False).input_ids) == unseen
 
 
 @pytest.mark.parametrize("steps", [4, 10])
@@ -127,7 +159,7 @@ def test_the_shift_follows_the_image_tokens_and_the_step_count(adapter, steps):
 
 
 def pipeline_run(pipe, prompts, x0: torch.Tensor, guidance_scale: float):
-    """Flux2KleinPipeline's own final latents (packed tokens) and images from the packed ``x0``, at the
+    """The FLUX.2 pipeline's own final latents (packed tokens) and images from the packed ``x0``, at the
     request's size and the preset's text length and layers."""
     latents = []
 
@@ -151,17 +183,21 @@ def pipeline_run(pipe, prompts, x0: torch.Tensor, guidance_scale: float):
     return latents[-1], images
 
 
-@pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "cfg"])
-def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, cfg):
-    """Over gRPC, with the pipeline's CFG (guidance_scale 4 against its empty negative prompt) or
-    without: from the same x_0 Flux2KleinPipeline's own loop, whose sigmas are the stream's bitwise,
-    reaches the streamed final latents, and decodes them through the VAE's batch-norm statistics to
-    the streamed images."""
-    scale = 4.0 if cfg else 1.0
+@pytest.mark.parametrize(
+    ("family", "scale"),
+    [(KLEIN, 1.0), (KLEIN, 4.0), (DEV, 3.5)],
+    ids=["klein-no-cfg", "klein-cfg", "dev-guidance"],
+)
+def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family, scale):
+    """Over gRPC, [klein] with its pipeline's CFG (guidance_scale 4 against its empty negative prompt)
+    or without, [dev] with its embedded guidance: from the same x_0 the pipeline's own loop, whose
+    sigmas are the stream's bitwise, reaches the streamed final latents, and decodes them through
+    the VAE's batch-norm statistics to the streamed images."""
     request = family_request(
-        FAMILY, "ODE", cfg=False, samples_per_prompt=1, images=True, guidance_scale=scale
+        family, "ODE", cfg=False, samples_per_prompt=1, images=True, guidance_scale=scale
     )
     trajectories = family_client.rollout(request)
+    cfg = family == KLEIN and scale > 1
     assert trajectories[0].transformer_call.guidance_rule == ("true_cfg" if cfg else "none")
     pipe = family_pipeline
     bn = pipe.vae.bn
@@ -171,9 +207,9 @@ def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, cfg):
     x0 = torch.stack([t.latents[0] for t in trajectories])
     final, images = pipeline_run(pipe, request.prompts, x0, scale)
     np.testing.assert_array_equal(trajectories[0].sigmas.numpy(), pipe.scheduler.sigmas.numpy())
-    # The pipeline runs each branch's 2 rows in one forward, the server all 4 rows together: batch
-    # rounding (TOLERANCE), which CFG at s = 4 multiplies by up to 2s - 1 = 7.
-    tolerance = (2 * scale - 1) * TOLERANCE
+    # [klein]'s pipeline runs each branch's 2 rows in one forward, the server all 4 rows together:
+    # batch rounding (TOLERANCE), which CFG at s = 4 multiplies by up to 2s - 1 = 7.
+    tolerance = (2 * scale - 1) * TOLERANCE if cfg else TOLERANCE
     streamed = torch.stack([t.latents[-1] for t in trajectories])
     torch.testing.assert_close(streamed, final, atol=tolerance, rtol=0)
     for trajectory, image in zip(trajectories, images, strict=True):
@@ -201,25 +237,42 @@ def test_forward_activation_counts_what_the_blocks_run_over(adapter):
 
 @pytest.fixture(scope="module")
 def sp2_client(family_resources, cache_dir, tmp_path_factory):
-    """A tiny-flux2-klein server at --sp 2 of its own: the LoRA test changes its policy."""
-    family_resources.folder(FAMILY)  # built here first, not by the server
-    log = tmp_path_factory.mktemp("flux2-klein") / "sp2.log"
-    server = start_server(cache_dir, log, "--model", FAMILIES[FAMILY].preset, "--sp", "2")
-    try:
-        with RolloutClient(server.address, timeout=300) as client:
-            yield client
-    finally:
+    """The family's server at --sp 2, of its own (the LoRA test changes its policy): one per family,
+    started on first use."""
+    servers, clients = {}, {}
+
+    def client(family: str) -> RolloutClient:
+        if family not in clients:
+            family_resources.folder(family)  # built here first, not by the server
+            log = tmp_path_factory.mktemp(family) / "sp2.log"
+            servers[family] = start_server(cache_dir, log, "--model", FAMILIES[family].preset, "--sp", "2")
+            clients[family] = RolloutClient(servers[family].address, timeout=300)
+        return clients[family]
+
+    yield client
+    for opened in clients.values():
+        opened.close()
+    for server in servers.values():
         assert server.stop() == 0
 
 
-def test_sp2_matches_sp1(family_client, family_transformer, sp2_client):
+def family_cfg(family: str) -> bool:
+    """CFG on where the family has it."""
+    return True in FAMILIES[family].replay_cfg
+
+
+@pytest.mark.parametrize("family", BOTH)
+def test_sp2_matches_sp1(family_client, family_transformer, sp2_client, family):
     """At SP=2 the ranks split the 16 image tokens and the 64 text tokens (the plan cuts
     encoder_hidden_states and txt_ids too) and gather the image's back: noise and log-probs bitwise
-    as at SP=1, latents and velocities within TOLERANCE, with CFG, and the stream replays through a
-    plain transformer."""
+    as at SP=1, latents and velocities within TOLERANCE ([klein] with CFG), and the stream replays
+    through a plain transformer."""
     debug = [rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_VELOCITY]
-    request = family_request(FAMILY, "FLOW_SDE", cfg=True, debug_tensors=debug)
-    runs = {1: split_events(family_client.stream(request)), 2: split_events(sp2_client.stream(request))}
+    request = family_request(family, "FLOW_SDE", cfg=family_cfg(family), debug_tensors=debug)
+    runs = {
+        1: split_events(family_client.stream(request)),
+        2: split_events(sp2_client(family).stream(request)),
+    }
     assert runs[2].started.message.sp_degree == 2
     assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True)
     assert_replays(family_transformer, runs[2].trajectories())
@@ -228,42 +281,44 @@ def test_sp2_matches_sp1(family_client, family_transformer, sp2_client):
 def test_a_shape_the_ranks_cannot_split_is_refused(sp2_client):
     """48 x 80 pixels are 3 x 5 = 15 image tokens, which 2 ranks cannot split evenly: INVALID_ARGUMENT
     naming height, before any work."""
-    request = family_request(FAMILY, "ODE", cfg=False, height=48, width=80)
+    request = family_request(KLEIN, "ODE", cfg=False, height=48, width=80)
     with pytest.raises(grpc.RpcError) as refused:
-        sp2_client.rollout(request)
+        sp2_client(KLEIN).rollout(request)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [violation.field for violation in field_violations(refused.value)] == ["height"]
     assert "15 tokens" in refused.value.details()
 
 
+@pytest.mark.parametrize("family", BOTH)
 def test_a_lora_on_flux2_modules_changes_the_rollouts_as_the_trainer_replays_them(
-    family_client, family_transformer, sp2_client
+    family_client, family_transformer, sp2_client, family
 ):
     """The trainer's FLUX2_TARGETS on every rank of the SP=2 server. The split gathers proj_out's
     output, so an adapter on it is INVALID_ARGUMENT there; without it, the adapter binds to the
     modules PEFT wraps in the trainer's copy (the single-stream blocks' fused projections among them)
     and changes the rollouts, which replay through the adapted transformer and not the base; a full
     update with the base's weights then drops it."""
-    request = family_request(FAMILY, "FLOW_SDE", cfg=True)
+    client = sp2_client(family)
+    request = family_request(family, "FLOW_SDE", cfg=family_cfg(family))
     base = family_client.rollout(request)
-    version = next_version(sp2_client)
+    version = next_version(client)
     adapted, config = with_lora(family_transformer, trained=True, targets=FLUX2_TARGETS)
     with pytest.raises(grpc.RpcError) as refused:
-        sp2_client.update_weights(get_peft_model_state_dict(adapted), version, lora_config=config)
+        client.update_weights(get_peft_model_state_dict(adapted), version, lora_config=config)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [violation.field for violation in field_violations(refused.value)] == ["header.lora_config_json"]
     assert "['proj_out']" in refused.value.details()
 
     split_targets = [target for target in FLUX2_TARGETS if target != "proj_out"]
     adapted, config = with_lora(family_transformer, trained=True, targets=split_targets)
-    sp2_client.update_weights(get_peft_model_state_dict(adapted), version, lora_config=config)
+    client.update_weights(get_peft_model_state_dict(adapted), version, lora_config=config)
     wrapped = sorted(name for name, module in adapted.named_modules() if isinstance(module, BaseTunerLayer))
-    assert list(sp2_client.server_info().lora_adapter.modules) == wrapped
+    assert list(client.server_info().lora_adapter.modules) == wrapped
     single = {name.split(".", 2)[-1] for name in wrapped if name.startswith("single_")}
     assert single == {"attn.to_qkv_mlp_proj"}
     assert {"transformer_blocks.0.ff.linear_in", "x_embedder"} <= set(wrapped)
 
-    pushed = sp2_client.rollout(request)
+    pushed = client.rollout(request)
     assert {t.policy_version for t in pushed} == {version}
     changed = min((p.latents[-1] - b.latents[-1]).abs().max() for p, b in zip(pushed, base, strict=True))
     assert changed > 1e-3, "the adapter must change every sample"
@@ -271,9 +326,9 @@ def test_a_lora_on_flux2_modules_changes_the_rollouts_as_the_trainer_replays_the
     with pytest.raises(AssertionError):
         assert_replays(family_transformer, pushed)  # the base alone does not replay them
 
-    sp2_client.update_weights(family_transformer.state_dict(), version + 1)
-    assert not sp2_client.server_info().HasField("lora_adapter")
-    for restored, original in zip(sp2_client.rollout(request), base, strict=True):
+    client.update_weights(family_transformer.state_dict(), version + 1)
+    assert not client.server_info().HasField("lora_adapter")
+    for restored, original in zip(client.rollout(request), base, strict=True):
         # SP=2 against SP=1 on the same weights: the split's rounding (test_sp2_matches_sp1).
         torch.testing.assert_close(restored.latents, original.latents, atol=TOLERANCE, rtol=0)
 

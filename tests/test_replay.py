@@ -44,7 +44,7 @@ REPLAY_CASES = [
     replay_case(family, sampler, cfg, dtype)
     for family, spec in FAMILIES.items()
     for sampler in spec.replay_samplers
-    for cfg in (False, True)
+    for cfg in spec.replay_cfg
     for dtype in spec.replay_latent_dtypes
 ]
 

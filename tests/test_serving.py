@@ -509,6 +509,7 @@ def test_help_is_quiet_and_lists_every_preset():
         "tiny-wan",
         "tiny-wan2.2",
         "tiny-flux-kontext",
+        "tiny-flux2",
         "tiny-flux2-klein",
         "tiny-qwen-image-edit",
         "tiny-wan-i2v",
