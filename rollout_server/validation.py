@@ -203,7 +203,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         bad.append(("guidance_scale", f"must be finite and in [0, 100], got {resolved.guidance_scale}"))
     if not _finite_in(resolved.true_cfg_scale, 1.0, 100.0):
         bad.append(("true_cfg_scale", f"must be finite and in [1, 100], got {resolved.true_cfg_scale}"))
-    # A model that reads no scale (a step-distilled one) runs without CFG.
+    # A model that does not read its CFG field (step- or guidance-distilled) runs without CFG.
     has_cfg = context.cfg_scale_field in context.scale_fields
     reads = f"its CFG scale is {context.cfg_scale_field}" if has_cfg else "it runs without CFG"
     for field in SCALE_FIELDS:
