@@ -43,4 +43,4 @@ def detect(folder: Path) -> type["FamilyAdapter"]:
 
 
 def load(folder: Path, device: torch.device, dtype: torch.dtype) -> "FamilyAdapter":
-    return detect(folder)(folder, device, dtype)
+    return detect(folder).from_folder(folder, device, dtype)

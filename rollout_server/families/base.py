@@ -93,12 +93,23 @@ class FamilyAdapter(ABC):
     # ``generated_tokens`` gives: the sequence-parallel split checks them when a request arrives.
     generated_inputs: ClassVar[tuple[str, ...]] = ("hidden_states",)
 
-    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
-        self.folder = folder
-        self.device = device
-        self.dtype = dtype
-        self.pipe = self.pipeline_type.from_pretrained(folder, dtype=dtype).to(device)
+    def __init__(
+        self, pipe: DiffusionPipeline, device: torch.device, dtype: torch.dtype, folder: Path | None = None
+    ):
+        """The adapter of ``pipe``, a ``pipeline_type`` whose components are on ``device`` in ``dtype``:
+        loaded from ``folder`` (``from_folder``), or assembled in memory (None)."""
+        self.pipe, self.device, self.dtype, self.folder = pipe, device, dtype, folder
         self.pipe.set_progress_bar_config(disable=True)
+
+    @classmethod
+    def from_folder(cls, folder: Path, device: torch.device, dtype: torch.dtype) -> "FamilyAdapter":
+        """The adapter of a local diffusers folder of this family, loaded with ``from_pretrained``."""
+        return cls(cls.pipeline_type.from_pretrained(folder, dtype=dtype).to(device), device, dtype, folder)
+
+    @property
+    def source(self) -> str:
+        """Where the pipeline comes from, for messages: its folder, or its class when built in memory."""
+        return str(self.folder) if self.folder is not None else type(self.pipe).__name__
 
     @property
     def scale_fields(self) -> tuple[str, ...]:
@@ -214,12 +225,12 @@ class FamilyAdapter(ABC):
         profile = DecodeProfile(0.0, 0.0, 0)
         try:
             latents = torch.zeros(1, *self.latent_shape(shape), device=self.device)
-            for frames in self.decode_frames(latents, shape):
-                pixels = len(frames) * side * side
+            for piece in self.decode_pixels(latents, shape):
+                pixels = piece.numel() // 3  # RGB
                 profile = DecodeProfile(
                     max(profile.width, widest / pixels),
                     max(profile.workspace, workspace / pixels),
-                    max(profile.frames_per_piece, len(frames)),
+                    max(profile.frames_per_piece, pixels // (side * side)),
                 )
                 widest = workspace = 0
         finally:
@@ -228,10 +239,20 @@ class FamilyAdapter(ABC):
         return profile
 
     @abstractmethod
+    def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
+        """Decode one sample's final latents [1, ...] into its RGB pixels in [-1, 1], in order, a piece
+        at a time: an image family yields its one image [1, 3, H, W] once; a video family yields
+        consecutive chunks of frames [1, 3, frames, H, W], as small as its VAE decodes them. The
+        caller may stop between pieces."""
+
+    def frames_of(self, piece: torch.Tensor) -> list[Image.Image]:
+        """A decoded piece's frames as images, the pipeline's own postprocessing."""
+        return self.pipe.image_processor.postprocess(piece, output_type="pil")
+
     def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
-        """Decode one sample's final latents [1, ...] into its frames, in order, a piece at a time:
-        an image family yields its one image once; a video family yields consecutive chunks of
-        frames, as small as its VAE decodes them. The caller may stop between pieces."""
+        """``decode_pixels``, each piece as its frames' images."""
+        for piece in self.decode_pixels(latents, shape):
+            yield self.frames_of(piece)
 
 
 class PackedLatentAdapter(FamilyAdapter):
