@@ -262,7 +262,7 @@ class RolloutServer:
         waiting.cancel()
         if fatal.done():
             log.error("fatal: %s", fatal.result())
-        log.info("shutting down (grace %.0f s)", self.grace_seconds)
+        log.info("shutting down (grace %g s)", self.grace_seconds)
         await self.stop()
         return 1 if fatal.done() else 0
 
