@@ -135,6 +135,7 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
         versions=versions(),
         cfg_scale_field=adapter.cfg_scale_field,
         cfg_rule=adapter.cfg_rule,
+        cfg_off_scale=adapter.cfg_off_scale,
         timestep_rule=adapter.timestep_rule,
         features=features(adapter, options.weights_root),
     )
