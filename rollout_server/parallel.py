@@ -154,10 +154,12 @@ class SequenceParallel:
             raise ParallelismUnsupported(
                 f"{name} has no context-parallel plan in diffusers: --sp {self.degree} is not supported"
             )
-        heads = transformer.config.num_attention_heads
-        if heads % self.dims.ulysses:
+        # Read off the attention modules: the config's name for it differs between models.
+        heads = {m.heads for m in transformer.modules() if hasattr(m, "processor") and hasattr(m, "heads")}
+        if undivided := sorted(count for count in heads if count % self.dims.ulysses):
             raise ParallelismUnsupported(
-                f"{name} has {heads} attention heads: not divisible by the Ulysses degree {self.dims.ulysses}"
+                f"{name} has {undivided[0]} attention heads: not divisible by the Ulysses degree "
+                f"{self.dims.ulysses}"
             )
         config = ContextParallelConfig(
             ulysses_degree=self.dims.ulysses,

@@ -518,6 +518,7 @@ def test_help_is_quiet_and_lists_every_preset():
         "tiny-flux-kontext",
         "tiny-qwen-image-edit",
         "tiny-wan-i2v",
+        "tiny-z-image",
     }
 
 

@@ -27,6 +27,16 @@ TREE_ADVANTAGES = ("branch-mean", "branch-log-prob", "backed-up")  # the first i
 DEFAULT_PRUNE_KEEP = 4
 # FLUX's attention and feed-forward layers, with the latent projections in and out.
 FLUX_TARGETS = ["x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
+# Z-Image's: the attention and the gated feed-forward of every block (refiners included).
+Z_IMAGE_TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
+]
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -202,7 +212,11 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--lora-alpha", type=float, default=32.0, help="the LoRA's output scale is alpha / rank"
     )
-    parser.add_argument("--lora-targets", default=",".join(FLUX_TARGETS), help="comma-separated modules")
+    parser.add_argument(
+        "--lora-targets",
+        default=",".join(FLUX_TARGETS),
+        help=f"comma-separated modules (Z-Image: {','.join(Z_IMAGE_TARGETS)})",
+    )
     parser.add_argument(
         "--micro-batch", type=int_at_least(1), default=32, help="rows per forward and backward"
     )
