@@ -1,5 +1,5 @@
-"""Z-Image (``ZImagePipeline``): unpacked latents handed over one sample at a time, a dynamic-shift
-schedule, and CFG around the positive branch.
+"""Z-Image (``ZImagePipeline``: Z-Image, Z-Image-Turbo): unpacked latents handed over one sample at a
+time, the pipeline's shifted schedule, and CFG around the positive branch.
 
 The transformer is called exactly as ``ZImagePipeline.__call__`` does:
 ``transformer(x, t, cap_feats, return_dict=False)``, with ``x`` the list of the samples' latents
