@@ -27,7 +27,9 @@ from helpers import (
     assert_same_numbers,
     family_request,
     field_violations,
+    metrics_url,
     next_version,
+    scrape,
     split_events,
     stream_at_sp2,
     with_lora,
@@ -167,12 +169,25 @@ def test_the_schedule_is_the_pipelines_with_its_shift(adapter):
     assert not torch.equal(adapter.schedule(4, SHAPE)[0], sigmas)  # the shift rule matters
 
 
-def test_each_sample_has_its_own_prompts_caption(family_client, family_pipeline, family_transformer):
-    """Two prompts of different lengths, with CFG: each sample's env holds its own prompt's caption,
-    unpadded, and the negative prompt's; another prompt's env does not replay it."""
+def test_each_sample_has_its_own_prompts_caption(
+    family_resources, family_client, family_pipeline, family_transformer
+):
+    """Two prompts of different lengths, two samples each, with CFG: each sample's env holds its own
+    prompt's caption, unpadded, and the negative prompt's; another prompt's env does not replay it.
+    Rows of one caption length share a forward, the others run apart: each step runs 3 forwards,
+    2 + 2 positive rows and 4 negative ones."""
     pipe = family_pipeline
     request = family_request("z-image", "FLOW_SDE", cfg=True, num_steps=2)
+    url = metrics_url(family_resources.server("z-image"))
+    before = scrape(url)
     trajectories = family_client.rollout(request)
+    after = scrape(url)
+    moved = {
+        name: after[key] - before.get(key, 0.0)
+        for name in ("count", "sum")
+        if (key := (f"rollout_server_rows_per_forward_{name}", ())) in after
+    }
+    assert moved == {"count": 2 * 3, "sum": 2 * 8}
     lengths = [caption_tokens(pipe, text) for text in SPEC.prompts]
     negative = caption_tokens(pipe, SPEC.cfg_on["negative_prompt"])
     assert len({*lengths, negative}) == 3
