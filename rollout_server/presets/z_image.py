@@ -3,8 +3,8 @@
 Every component is the real diffusers/transformers class with Z-Image's structure (a single-stream DiT
 whose image and caption tokens go through refiner blocks of their own before the joint layers, 3-D
 RoPE, 2x2 patches over unpacked 16-channel latents; FLUX.1's 8x VAE; a Qwen3 text encoder behind
-Qwen3's chat template, with a byte-level BPE Qwen2 tokenizer; Z-Image-Turbo's statically shifted
-flow-matching scheduler); only the widths, depths and vocabulary are shrunk. Weights are random but
+Qwen3's chat template, with a byte-level BPE Qwen2 tokenizer; a statically shifted flow-matching
+scheduler, as Z-Image-Turbo's); only the widths, depths and vocabulary are shrunk. Weights are random but
 seeded, so a preset always produces the same files and images.
 """
 
@@ -21,7 +21,8 @@ from .tokenizers import QWEN3_CHAT_TEMPLATE, QWEN3_THINKING_TOKENS, write_qwen2_
 
 @dataclass(frozen=True)
 class ZImagePresetConfig:
-    """The knobs that differ between presets; everything else is copied from Z-Image-Turbo.
+    """The knobs that differ between presets; everything else is ZImageTransformer2DModel's defaults
+    (Z-Image's patch sizes, norms, RoPE theta and timestep scale).
 
     Every transformer stack keeps at least two blocks, as Z-Image's do: the context-parallel plan
     splits a stack at its first block and gathers at its last.
@@ -60,8 +61,8 @@ Z_IMAGE_PRESET_CONFIGS = {
     ),
 }
 
-# Z-Image-Turbo's scheduler: a static shift of 3 (the pipeline passes its resolution shift mu, which a
-# statically shifted scheduler does not read).
+# A static shift of 3, as Z-Image-Turbo's scheduler (the pipeline passes its resolution shift mu, which
+# a statically shifted scheduler does not read).
 Z_IMAGE_SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "use_dynamic_shifting": False, "shift": 3.0}
 # FLUX.1's VAE latent normalisation, which Z-Image uses.
 VAE_SCALING_FACTOR, VAE_SHIFT_FACTOR = 0.3611, 0.1159
