@@ -139,7 +139,7 @@ def estimate(
     events."""
     shape = MediaShape.of(request)
     samples = widest(request)  # a tree rollout holds its leaves' latents at the end
-    branches = 2 if getattr(request, adapter.cfg_scale_field) > 1.0 else 1
+    branches = 2 if adapter.runs_cfg(request) else 1
     model_bytes = adapter.dtype.itemsize
     sizes = sample_sizes(adapter, request)
     latent = sizes.latent_elements * samples  # elements of the rollout's latents

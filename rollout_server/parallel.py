@@ -116,10 +116,11 @@ def check_splittable(transformer: torch.nn.Module, dims: ParallelDims) -> None:
         raise ParallelismUnsupported(
             f"{name} has no context-parallel plan in diffusers: --sp {dims.sp} is not supported"
         )
-    heads = transformer.config.num_attention_heads
-    if heads % dims.ulysses:
+    # Read off the attention modules: the config's name for it differs between models.
+    heads = {m.heads for m in transformer.modules() if hasattr(m, "processor") and hasattr(m, "heads")}
+    if undivided := sorted(count for count in heads if count % dims.ulysses):
         raise ParallelismUnsupported(
-            f"{name} has {heads} attention heads: not divisible by the Ulysses degree {dims.ulysses}"
+            f"{name} has {undivided[0]} attention heads: not divisible by the Ulysses degree {dims.ulysses}"
         )
 
 

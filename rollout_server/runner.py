@@ -198,7 +198,7 @@ class Runner:
         group = request.samples_per_prompt
         prompt_indices = [k // group for k in range(len(request.prompts) * group)]
         cfg_scale = getattr(request, adapter.cfg_scale_field)
-        cfg = cfg_scale > 1.0
+        cfg = adapter.runs_cfg(request)
         shape = MediaShape.of(request)
         negative_prompt = request.negative_prompt if cfg else None
         encoded = self.prompt_cache.encode(
@@ -334,6 +334,8 @@ class Runner:
             adapter.dtype,
             adapter.timestep_divisor,
             adapter.conditioning,
+            adapter.call_form,
+            adapter.batched_env_keys,
         )
 
     @torch.inference_mode()

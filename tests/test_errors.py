@@ -195,10 +195,15 @@ def test_noise_level_bound_is_per_sampler(client, sampler, noise_level):
 
 @pytest.mark.parametrize(
     "family, field, value",
-    [("sd3", "true_cfg_scale", 3.0), ("wan", "true_cfg_scale", 3.0), ("qwen-image", "guidance_scale", 3.5)],
+    [
+        ("sd3", "true_cfg_scale", 3.0),
+        ("wan", "true_cfg_scale", 3.0),
+        ("qwen-image", "guidance_scale", 3.5),
+        ("z-image", "true_cfg_scale", 3.0),
+    ],
 )
 def test_a_scale_the_model_does_not_read_is_refused(family, field, value, family_client):
-    """SD3 and Wan take their CFG scale from guidance_scale, Qwen-Image (no embedded guidance) from
+    """SD3, Wan and Z-Image take their CFG scale from guidance_scale, Qwen-Image (no embedded guidance) from
     true_cfg_scale: the other scale would be silently ignored, so it is INVALID_ARGUMENT naming it.
     The default, which a started event echoes, is still accepted, so a resolved request can be resent."""
     request = family_request(family, "ODE", cfg=False, num_steps=2, **{field: value})

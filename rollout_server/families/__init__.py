@@ -12,6 +12,7 @@ from rollout_server.families.qwen_image import QwenImageAdapter, QwenImageEditAd
 from rollout_server.families.sd3 import SD3Adapter
 from rollout_server.families.wan import WanAdapter
 from rollout_server.families.wan_i2v import WanImageToVideoAdapter
+from rollout_server.families.z_image import ZImageAdapter
 
 if TYPE_CHECKING:
     from rollout_server.families.base import FamilyAdapter
@@ -26,6 +27,7 @@ ADAPTERS: dict[str, type["FamilyAdapter"]] = {
         QwenImageEditAdapter,
         WanAdapter,
         WanImageToVideoAdapter,
+        ZImageAdapter,
     )
 }
 

@@ -19,7 +19,7 @@ from diffusers import DiffusionPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from PIL import Image
 
-from rollout_core.transformer_call import NO_CONDITIONING, LatentConditioning
+from rollout_core.transformer_call import BATCHED_CALL, NO_CONDITIONING, CallForm, LatentConditioning
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,18 @@ class FamilyAdapter(ABC):
 
     family: ClassVar[str]
     pipeline_type: ClassVar[type[DiffusionPipeline]]
-    # The transformer is fed timestep / timestep_divisor; timestep_rule says so in words.
+    # The transformer is fed timestep / timestep_divisor, with what call_form adds (an offset, the
+    # dtype); timestep_rule says so in words.
     timestep_divisor: ClassVar[float]
     timestep_rule: ClassVar[str]
+    # How the latents and the timestep are handed to the transformer and its prediction read back:
+    # as tensors under hidden_states and timestep, unless the family's transformer takes otherwise.
+    call_form: ClassVar[CallForm] = BATCHED_CALL
     # CFG: the request field holding the CFG scale (a second, negative-prompt branch runs when it is
-    # > 1) and the rule of rollout_core.transformer_call that combines the branches.
+    # above cfg_off_scale) and the rule of rollout_core.transformer_call that combines the branches.
     cfg_scale_field: ClassVar[str] = "true_cfg_scale"
     cfg_rule: ClassVar[str] = "true_cfg"
+    cfg_off_scale: ClassVar[float] = 1.0
     # Frames per sample: image families take 1 (the default of every request).
     max_frames: ClassVar[int] = 1
     # The env entries concatenated along dim 0 to batch samples (the others are shared).
@@ -119,6 +124,11 @@ class FamilyAdapter(ABC):
         if getattr(self.transformer.config, "guidance_embeds", False):
             fields.add("guidance_scale")
         return tuple(sorted(fields))
+
+    def runs_cfg(self, request) -> bool:
+        """Whether a resolved request runs the negative branch: its CFG scale is above the family's
+        ``cfg_off_scale`` (at it, the guidance rule gives the positive branch alone)."""
+        return getattr(request, self.cfg_scale_field) > self.cfg_off_scale
 
     @property
     def transformer(self) -> torch.nn.Module:

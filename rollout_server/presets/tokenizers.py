@@ -188,13 +188,32 @@ QWEN2_SPECIAL_TOKENS = (
 )
 
 
-def write_qwen2_tokenizer(folder: Path, extra_text: str) -> None:
-    """Writes a byte-level BPE Qwen2 tokenizer (vocab.json, merges.txt, tokenizer.json) like Qwen2.5-VL's.
+# Qwen3's chat template, cut to what a text encoder's prompt uses: the messages, and the generation
+# prompt, with its empty thinking block when thinking is disabled.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+QWEN3_THINKING_TOKENS = ("<think>", "</think>")
+
+
+def write_qwen2_tokenizer(
+    folder: Path, extra_text: str, chat_template: str | None = None, extra_tokens: tuple[str, ...] = ()
+) -> None:
+    """Writes a byte-level BPE Qwen2 tokenizer (vocab.json, merges.txt, tokenizer.json) like Qwen2.5-VL's,
+    or like Qwen3's with its `chat_template` and `extra_tokens` (its thinking markers).
 
     Trained on the corpus plus `extra_text` (e.g. a pipeline's prompt template) until every training word is a
     single token, as the words of such templates are in Qwen2's real vocabulary: pipelines that drop a fixed
     number of template tokens then drop exactly the template. The vocabulary follows Qwen2's layout: the 256
-    byte symbols, one token per merge, then the special tokens (chat and vision markers).
+    byte symbols, one token per merge, then the special tokens (chat and vision markers) and `extra_tokens`.
     """
     backend = Qwen2Tokenizer().backend_tokenizer
     counts: Counter[tuple[str, ...]] = Counter()
@@ -204,7 +223,7 @@ def write_qwen2_tokenizer(folder: Path, extra_text: str) -> None:
     byte_symbols = sorted(ByteLevel.alphabet())
     max_merges = sum(len(word) - 1 for word in counts)  # enough to merge every word into one token
     merges = _train_bpe_merges(counts, max_merges)
-    tokens = byte_symbols + ["".join(m) for m in merges] + list(QWEN2_SPECIAL_TOKENS)
+    tokens = byte_symbols + ["".join(m) for m in merges] + list(QWEN2_SPECIAL_TOKENS) + list(extra_tokens)
     vocab = {token: i for i, token in enumerate(tokens)}
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -217,7 +236,9 @@ def write_qwen2_tokenizer(folder: Path, extra_text: str) -> None:
         unk_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=list(QWEN2_SPECIAL_TOKENS),
+        additional_special_tokens=list(QWEN2_SPECIAL_TOKENS + extra_tokens),
         model_max_length=131072,
     )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)

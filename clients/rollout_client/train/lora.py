@@ -31,6 +31,16 @@ QWEN_IMAGE_TARGETS = (
 )
 # Wan's self- and cross-attention projections and its feed-forward.
 WAN_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+# Z-Image's: the attention and the gated feed-forward of every block (refiners included).
+Z_IMAGE_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
+)
 # --lora-targets' default, by the server's family.
 LORA_TARGETS = {
     "flux": FLUX_TARGETS,
@@ -40,4 +50,5 @@ LORA_TARGETS = {
     "qwen-image-edit": QWEN_IMAGE_TARGETS,
     "wan": WAN_TARGETS,
     "wan-i2v": WAN_TARGETS,
+    "z-image": Z_IMAGE_TARGETS,
 }
