@@ -49,6 +49,8 @@ from diffusers import (
     WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
 from helpers import FAMILIES
 from peft import LoraConfig
@@ -64,6 +66,8 @@ from transformers import (
     Qwen2Tokenizer,
     Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
+    Qwen3Config,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -84,6 +88,7 @@ from rollout_server.presets.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, _prom
 from rollout_server.presets.sd3 import SD3_SCHEDULER_CONFIG
 from rollout_server.presets.tokenizers import write_qwen2_tokenizer, write_t5_tokenizer
 from rollout_server.presets.wan import WAN22_BOUNDARY_RATIO, WAN_SCHEDULER_CONFIG
+from rollout_server.presets.z_image import Z_IMAGE_SCHEDULER_CONFIG
 from rollout_server.scheduler import STREAM_BUFFER
 from rollout_server.validation import ServingContext, resolve
 from rollout_server.weights.spec import TransformerSpec, layout_bytes, lora_layout
@@ -339,6 +344,21 @@ Z_IMAGE_TURBO = {
     "rope_theta": 256.0,
     "t_scale": 1000.0,
 }
+# Tongyi-MAI/Z-Image-Turbo text_encoder/config.json: Qwen3-4B's.
+QWEN3_4B = {
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "max_position_embeddings": 40960,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
+}
 
 
 def on_meta(model_class, *args, **kwargs) -> torch.nn.Module:
@@ -427,6 +447,18 @@ def wan_i2v_pipeline(folder: Path) -> WanImageToVideoPipeline:
         image_processor=None,
         image_encoder=on_meta(CLIPVisionModelWithProjection, CLIPVisionConfig(**CLIP_VIT_H)),
         transformer=on_meta(WanTransformer3DModel, **WAN_I2V_14B),
+    )
+
+
+def z_image_pipeline(folder: Path) -> ZImagePipeline:
+    """Z-Image decodes with FLUX.1's VAE; the adapter reads no tokenizer (its text length is the
+    pipeline's 512)."""
+    return ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**Z_IMAGE_SCHEDULER_CONFIG),
+        vae=on_meta(AutoencoderKL, **FLUX_1_VAE),
+        text_encoder=on_meta(Qwen3Model, Qwen3Config(**QWEN3_4B)),
+        tokenizer=None,
+        transformer=on_meta(ZImageTransformer2DModel, **Z_IMAGE_TURBO),
     )
 
 
@@ -555,6 +587,19 @@ CHECKPOINTS = (
         forward=(WAN_TOKENS, 3 * 5120),
         text_elements=512 * 4096 + (16 * 16 + 1) * 1280,  # and CLIP's 224 / 14 squared patches + class
         forward_rows=WAN_FORWARD_ROWS,
+    ),
+    Checkpoint(
+        "Tongyi-MAI/Z-Image-Turbo",
+        "z-image",
+        z_image_pipeline,
+        latent_shape=(16, 128, 128),  # unpacked, 8x VAE
+        generated_tokens=64 * 64,  # 2 x 2 patches, already a multiple of 32
+        # The unified sequence: the image's tokens and the 512 caption tokens, each padded to a
+        # multiple of 32; the gated feed-forward's two projections, int(3840 / 3 * 8) each.
+        forward=(64 * 64 + 512, 2 * 10240),
+        text_elements=512 * 2560,
+        forward_rows=8,  # CFG: 16 rows, max_batch_size 8
+        ulysses_refused=frozenset({4, 8}),  # 30 heads
     ),
 )
 
@@ -690,7 +735,9 @@ def test_the_adapter_sizes_the_default_request_as_the_published_values_say(adapt
     # conditioning's channels, for a family that concatenates them), and makes that many tokens.
     for expert in adapter.experts.values():
         layer_name = next(
-            n for n in ("x_embedder", "img_in", "pos_embed", "patch_embedding") if hasattr(expert, n)
+            n
+            for n in ("x_embedder", "img_in", "pos_embed", "patch_embedding", "all_x_embedder")
+            if hasattr(expert, n)
         )
         latent = list(checkpoint.latent_shape)
         channels = -1 if len(latent) == 2 else 0
@@ -698,7 +745,12 @@ def test_the_adapter_sizes_the_default_request_as_the_published_values_say(adapt
             assert latent[channels] == expert.config.in_channels
         latent[channels] = expert.config.in_channels
         with torch.no_grad():
-            embedded = getattr(expert, layer_name)(torch.empty(1, *latent, device=META, dtype=DTYPE))
+            sample = torch.empty(1, *latent, device=META, dtype=DTYPE)
+            if layer_name == "all_x_embedder":  # Z-Image patchifies each sample [C, 1, H, W] itself
+                patches, _, _ = expert._patchify_image(sample[0].unsqueeze(1), 2, 1)
+                embedded = expert.all_x_embedder["2-1"](patches).unsqueeze(0)
+            else:
+                embedded = getattr(expert, layer_name)(sample)
         tokens = embedded.shape[1] if embedded.dim() == 3 else math.prod(embedded.shape[2:])
         assert tokens == checkpoint.generated_tokens
 
