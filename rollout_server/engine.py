@@ -202,8 +202,7 @@ class Engine:
             self.adapter = load_adapter()
         # Sized once the model is loaded: the default budget is a share of what the device has left.
         self.memory_budget = memory.MemoryBudget(
-            limits.memory_budget or memory.default_budget(self.adapter.device, self.parallel.degree),
-            limits.max_batch_size,
+            limits.memory_budget or memory.default_budget(self.adapter.device, self.parallel.degree), limits
         )
         self.scheduler = Scheduler(
             limits.max_queued_requests,
@@ -230,7 +229,8 @@ class Engine:
         """The memory a resolved request's rollout takes (see ``memory.estimate``); InvalidRequest,
         naming the fields that make it large, when it cannot fit the memory budget even alone."""
         backlog = STREAM_BUFFER * self.max_message_bytes
-        estimate = memory.estimate(self.adapter, self._decode_profile, resolved, backlog)
+        split = self.parallel.dims.seq_len_divisor
+        estimate = memory.estimate(self.adapter, self._decode_profile, resolved, backlog, split)
         video = self.adapter.max_frames > 1
         if too_large := memory.refusal(estimate, self.memory_budget, resolved, video):
             raise InvalidRequest(too_large)

@@ -89,6 +89,11 @@ class Limits:
     # queue. 1 GiB: five requests of 16 images at 2048 x 2048, or 1365 single images at 512 x 512.
     max_queued_image_bytes: int = 1024**3
 
+    def rows_per_forward(self, row_elements: int) -> int:
+        """The most rows of one latent shape that one forward takes: ``max_batch_size``, fewer where rows
+        of ``row_elements`` latent elements each would pass ``max_latent_elements`` (one at least)."""
+        return min(self.max_batch_size, max(1, self.max_latent_elements // row_elements))
+
     def max_request_bytes(self, takes_images: bool) -> int:
         """The largest request the server receives, its gRPC receive limit (gRPC refuses a larger one
         with RESOURCE_EXHAUSTED before it is read): room for the prompts these limits admit (as a

@@ -4,10 +4,12 @@ A rollout holds, from the round it joins to its end: its latents and the sampler
 (the state, each CFG branch's velocity, the guided velocity, the step's mean, noise and next latent),
 the messages of its stream (an event's tensors, their safetensors buffer and the messages cut from
 it, and the outbox's backlog) and its prompts' env. On top of that, one piece of work runs at a time
-on the worker: a transformer forward (at most ``max_batch_size`` rows of one shape) or one decode
-piece (one image, or one chunk of a video's frames). The per-family sizes come from the adapter
-(``forward_activation``, ``text_elements``, ``measure_decode``); the factors below, live tensors per
-widest activation, were measured on the tiny presets (docs/architecture.md has the table).
+on the worker: a transformer forward (at most ``max_batch_size`` rows of one shape, and no more latent
+elements than ``max_latent_elements`` allows, as the runner cuts them; under sequence parallelism each
+rank runs its share of the forward's tokens) or one decode piece (one image, or one chunk of a video's
+frames). The per-family sizes come from the adapter (``forward_activation``, ``text_elements``,
+``measure_decode``); the factors below, live tensors per widest activation, were measured on the tiny
+presets (docs/architecture.md has the table).
 
 The estimate is an upper bound on the memory above the loaded model. Rollouts run together only
 while the sum of what they hold plus the largest piece of work among them fits the budget; a
@@ -17,6 +19,7 @@ rollout that cannot fit alone is refused at admission.
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -25,6 +28,9 @@ from rollout.v1 import rollout_pb2
 from rollout_core import dtypes
 from rollout_core.tree import widest
 from rollout_server.families.base import DecodeProfile, FamilyAdapter, MediaShape
+
+if TYPE_CHECKING:
+    from rollout_server.limits import Limits
 
 # Live tensors at a forward's peak, per element of its widest activation (tokens x width), and at a
 # decode piece's peak, per element of the decoder's widest activation; measured on this repository's
@@ -73,24 +79,31 @@ class RolloutMemory:
     row_bytes: int = 0  # one transformer row's share of a forward's working set
     rows: int = 0  # its transformer rows: samples x CFG branches
     decode_bytes: int = 0  # one decode piece's working set (0 without images)
+    row_elements: int = 1  # one row's latent elements, which bound the rows of a forward
 
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """The memory the running rollouts may take above the loaded model."""
+    """The memory the running rollouts may take above the loaded model, under the server's ``limits``
+    (which bound the rows of a forward)."""
 
     limit: int
-    max_batch_size: int
+    limits: "Limits"
+
+    def forward_rows(self, memory: RolloutMemory, rows: int) -> int:
+        """The most rows of ``memory``'s shape in one forward when ``rows`` rows run."""
+        return min(rows, self.limits.rows_per_forward(memory.row_elements))
 
     def peak(self, rollouts: Iterable[RolloutMemory]) -> int:
         """An upper bound on the peak of ``rollouts`` running together: what each holds, plus the
-        largest single piece of work, a forward (at most ``max_batch_size`` of their rows, each no
-        larger than the largest row among them) or a decode piece, plus the runtime's overhead."""
+        largest single piece of work, a forward or a decode piece, plus the runtime's overhead. A
+        forward's rows share one latent shape, so they are of one rollout's row size, and as many as
+        ``forward_rows`` of all the rows running."""
         rollouts = list(rollouts)
         if not rollouts:
             return 0
-        rows = min(self.max_batch_size, sum(r.rows for r in rollouts))
-        forward = rows * max(r.row_bytes for r in rollouts)
+        rows = sum(r.rows for r in rollouts)
+        forward = max(self.forward_rows(r, rows) * r.row_bytes for r in rollouts)
         largest_piece = max(forward, max(r.decode_bytes for r in rollouts))
         return RUNTIME_OVERHEAD + sum(r.held for r in rollouts) + largest_piece
 
@@ -118,18 +131,22 @@ def estimate(
     decode: DecodeProfile,
     request: rollout_pb2.RolloutRequest,
     backlog_bytes: int,
+    sequence_split: int = 1,
 ) -> RolloutMemory:
-    """The memory of a resolved request on ``adapter``'s model, whose decoder ``decode`` profiles;
-    ``backlog_bytes`` bounds the messages its outbox holds from earlier events."""
+    """The memory of a resolved request on ``adapter``'s model, whose decoder ``decode`` profiles, on
+    rank 0 of ``sequence_split`` ranks that split a forward's tokens (``--sp``; the latents, env and
+    stream stay whole on it); ``backlog_bytes`` bounds the messages its outbox holds from earlier
+    events."""
     shape = MediaShape.of(request)
     samples = widest(request)  # a tree rollout holds its leaves' latents at the end
-    branches = 2 if getattr(request, adapter.cfg_scale_field) > 1.0 else 1
+    branches = 2 if adapter.runs_cfg(request) else 1
     model_bytes = adapter.dtype.itemsize
     sizes = sample_sizes(adapter, request)
     latent = sizes.latent_elements * samples  # elements of the rollout's latents
     texts = len(set(request.prompts)) + (branches == 2)
     env = texts * sizes.text_bytes
     tokens, width = adapter.forward_activation(shape)
+    tokens = -(-tokens // sequence_split)  # this rank's share; the generated ones split evenly
     row_bytes = (tokens * width * FORWARD_LIVE_FACTOR + adapter.text_elements()) * model_bytes
     decode_bytes = decode_state = 0
     frame_pixels = shape.height * shape.width
@@ -153,7 +170,7 @@ def estimate(
     held = (
         latent * 4 * (SAMPLER_TENSORS + branches) + EVENT_COPIES * event + backlog_bytes + env + decode_state
     )
-    return RolloutMemory(held, row_bytes, samples * branches, decode_bytes)
+    return RolloutMemory(held, row_bytes, samples * branches, decode_bytes, sizes.latent_elements)
 
 
 def refusal(
@@ -170,7 +187,7 @@ def refusal(
     )
     samples = widest(request)
     holds = "its 1 sample holds" if samples == 1 else f"its {samples} samples hold"
-    rows = min(budget.max_batch_size, memory.rows)
+    rows = budget.forward_rows(memory, memory.rows)
     size = f"{request.height} x {request.width} pixels" + (f" x {request.num_frames} frames" if video else "")
     sized = (
         f"at {size} a forward of up to {rows} rows needs {format_bytes(rows * memory.row_bytes)} and a "

@@ -108,6 +108,22 @@ def split_inputs(transformer: torch.nn.Module) -> dict[str, int]:
     }
 
 
+def check_splittable(transformer: torch.nn.Module, dims: ParallelDims) -> None:
+    """ParallelismUnsupported unless diffusers can split ``transformer`` as ``dims`` say: it needs a
+    context-parallel plan, and Ulysses splits its attention heads, so they must divide by its degree."""
+    name = type(transformer).__name__
+    if getattr(transformer, "_cp_plan", None) is None:
+        raise ParallelismUnsupported(
+            f"{name} has no context-parallel plan in diffusers: --sp {dims.sp} is not supported"
+        )
+    # Read off the attention modules: the config's name for it differs between models.
+    heads = {m.heads for m in transformer.modules() if hasattr(m, "processor") and hasattr(m, "heads")}
+    if undivided := sorted(count for count in heads if count % dims.ulysses):
+        raise ParallelismUnsupported(
+            f"{name} has {undivided[0]} attention heads: not divisible by the Ulysses degree {dims.ulysses}"
+        )
+
+
 @dataclass
 class SequenceParallel:
     """This process's place among the sequence-parallel ranks (one rank without --sp)."""
@@ -149,16 +165,7 @@ class SequenceParallel:
         """Apply diffusers' context parallelism over the mesh; ParallelismUnsupported if it cannot."""
         if not self.enabled:
             return
-        name = type(transformer).__name__
-        if getattr(transformer, "_cp_plan", None) is None:
-            raise ParallelismUnsupported(
-                f"{name} has no context-parallel plan in diffusers: --sp {self.degree} is not supported"
-            )
-        heads = transformer.config.num_attention_heads
-        if heads % self.dims.ulysses:
-            raise ParallelismUnsupported(
-                f"{name} has {heads} attention heads: not divisible by the Ulysses degree {self.dims.ulysses}"
-            )
+        check_splittable(transformer, self.dims)
         config = ContextParallelConfig(
             ulysses_degree=self.dims.ulysses,
             ring_degree=self.dims.ring,

@@ -9,7 +9,7 @@ apart), the same latent shape and the same env signature (the shapes of the batc
 equal shared entries such as Flux's ``txt_ids``; the model dtype is the server's one). They may sit
 at different steps, with different schedules, samplers, noise levels, guidance and CFG scales: each
 row is fed its own timestep. A compatible group is cut into the fewest forwards of at most
-``max_batch_size`` rows and at most ``max_forward_elements`` latent elements (the largest admitted
+``max_batch_size`` rows and at most ``max_latent_elements`` latent elements (the largest admitted
 row, so no forward takes longer than one row at the largest admitted shape), of even sizes. Each
 rollout's branches are then combined by its own guidance rule in float32, and the step math runs per
 rollout (``sampler.advance``): a row's numbers depend on its neighbours in a forward only through
@@ -178,9 +178,9 @@ class Runner:
     ):
         self.adapter = adapter
         self.parallel = parallel
-        self.max_batch_size = limits.max_batch_size
-        # A forward takes at most the elements of one row at the largest admitted shape.
-        self.max_forward_elements = limits.max_latent_elements
+        # A forward takes at most max_batch_size rows, and the elements of one row at the largest
+        # admitted shape.
+        self.limits = limits
         self.metrics = metrics
         # Used by the worker only, and on every rank alike: each sees the same requests in order.
         self.prompt_cache = PromptCache(adapter, prompt_cache_entries)
@@ -198,7 +198,7 @@ class Runner:
         group = request.samples_per_prompt
         prompt_indices = [k // group for k in range(len(request.prompts) * group)]
         cfg_scale = getattr(request, adapter.cfg_scale_field)
-        cfg = cfg_scale > 1.0
+        cfg = adapter.runs_cfg(request)
         shape = MediaShape.of(request)
         negative_prompt = request.negative_prompt if cfg else None
         encoded = self.prompt_cache.encode(
@@ -283,7 +283,7 @@ class Runner:
             # The fewest forwards of at most max_batch_size rows, of even sizes (9 rows at 8: 5 + 4),
             # large rows fewer at a time.
             row_elements = math.prod(latent_shape)
-            rows_per_forward = min(self.max_batch_size, max(1, self.max_forward_elements // row_elements))
+            rows_per_forward = self.limits.rows_per_forward(row_elements)
             forwards = -(-len(members) // rows_per_forward)
             size = -(-len(members) // forwards)
             for start in range(0, len(members), size):
@@ -334,6 +334,8 @@ class Runner:
             adapter.dtype,
             adapter.timestep_divisor,
             adapter.conditioning,
+            adapter.call_form,
+            adapter.batched_env_keys,
         )
 
     @torch.inference_mode()

@@ -135,6 +135,7 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
         versions=versions(),
         cfg_scale_field=adapter.cfg_scale_field,
         cfg_rule=adapter.cfg_rule,
+        cfg_off_scale=adapter.cfg_off_scale,
         timestep_rule=adapter.timestep_rule,
         features=features(adapter, options.weights_root),
     )
@@ -262,7 +263,7 @@ class RolloutServer:
         waiting.cancel()
         if fatal.done():
             log.error("fatal: %s", fatal.result())
-        log.info("shutting down (grace %.0f s)", self.grace_seconds)
+        log.info("shutting down (grace %g s)", self.grace_seconds)
         await self.stop()
         return 1 if fatal.done() else 0
 

@@ -80,6 +80,7 @@ def started_event(
             branches=list(rollout.conditioning.envs),
             batched_env_keys=rollout.conditioning.batched_keys,
             conditioning=adapter.conditioning.to_proto(),
+            **adapter.call_form.proto_fields(),
         ),
         model=model_name,
         family=adapter.family,

@@ -59,6 +59,7 @@ class ServingContext:
     side_multiple: int
     limits: Limits
     cfg_scale_field: str = "true_cfg_scale"
+    cfg_off_scale: float = 1.0  # the CFG scale at and below which no negative branch runs
     scale_fields: tuple[str, ...] = SCALE_FIELDS  # the scales the model reads
     max_frames: int = 1  # the family's; image families take 1
     frame_step: int = 0  # video families: num_frames - 1 is a multiple of it
@@ -90,6 +91,7 @@ class ServingContext:
             side_multiple=adapter.side_multiple,
             limits=limits,
             cfg_scale_field=adapter.cfg_scale_field,
+            cfg_off_scale=adapter.cfg_off_scale,
             scale_fields=adapter.scale_fields,
             max_frames=adapter.max_frames,
             frame_step=adapter.frame_step,
@@ -212,9 +214,11 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         ignored = request.HasField(field) and getattr(request, field) != getattr(defaults, field)
         if field not in context.scale_fields and ignored:
             bad.append((field, f"this model does not use it; {reads}"))
-    if request.negative_prompt and getattr(resolved, context.cfg_scale_field) <= 1.0:
+    if request.negative_prompt and getattr(resolved, context.cfg_scale_field) <= context.cfg_off_scale:
         needs = (
-            f"is only used with {context.cfg_scale_field} > 1" if has_cfg else "this model runs without CFG"
+            f"is only used with {context.cfg_scale_field} > {context.cfg_off_scale:g}"
+            if has_cfg
+            else "this model runs without CFG"
         )
         bad.append(("negative_prompt", needs))
     if len(request.negative_prompt) > limits.max_prompt_chars:

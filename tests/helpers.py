@@ -175,12 +175,14 @@ class Family:
     cfg_rule: tuple[str, float]  # the transformer call's guidance rule and scale with ``cfg_on``
     env_keys: frozenset[str]  # the transformer's kwargs besides hidden_states and timestep
     latent_shape: tuple[int, ...]  # one sample's latents at 64 x 64 pixels
+    cfg_off_rule: tuple[str, float] = ("none", 1.0)  # the guidance rule and scale with ``cfg_off``
     # What test_replay.py's replay-parity test covers: each sampler with CFG off and on, at each latent
     # dtype (None: the request leaves it unset).
     replay_samplers: tuple[str, ...] = ("FLOW_SDE", "CPS")
     replay_latent_dtypes: tuple[str | None, ...] = (None,)
     # The CFG settings it covers: off and on, or off alone for a family without CFG (cfg_on unused).
     replay_cfg: tuple[bool, ...] = (False, True)
+    text_key: str = "encoder_hidden_states"  # the env entry of the text states [1, tokens, width]
     text_width: str = "joint_attention_dim"  # the transformer config entry of the text states' width
     # The pipeline's denoising transformers; a trainer replays with all of them by name when several.
     experts: tuple[str, ...] = ("transformer",)
@@ -379,6 +381,27 @@ FAMILIES = {
         env_keys=WAN.env_keys | {"encoder_hidden_states_image", "condition"},
         replay_samplers=("FLOW_SDE", "CPS"),
         conditioning=("CONDITIONING_CONCAT_CHANNELS", "condition"),
+    ),
+    # Z-Image: per-sample latents with a frame axis under x, (1000 - t) / 1000 in float32 under t, the
+    # negated prediction, prompts of their own lengths, and CFG around the positive branch, on with
+    # guidance_scale > 0.
+    "z-image": Family(
+        preset="tiny-z-image",
+        transformer="ZImageTransformer2DModel",
+        pipeline="ZImagePipeline",
+        prompts=(SHORT_PROMPT, LONG_PROMPT),
+        base_seed=91,
+        cfg_on={"guidance_scale": 4.0, "negative_prompt": "blurry"},
+        cfg_off={"guidance_scale": 0.0},
+        timestep_divisor=1000.0,
+        cfg_rule=("cfg_from_positive", 4.0),
+        cfg_off_rule=("none", 0.0),
+        env_keys=frozenset({"cap_feats", "return_dict"}),
+        latent_shape=(16, 8, 8),
+        replay_samplers=("FLOW_SDE", "DANCE", "CPS"),
+        replay_latent_dtypes=("float32", "bfloat16"),
+        text_key="cap_feats",
+        text_width="cap_feat_dim",
     ),
 }
 

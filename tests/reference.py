@@ -6,6 +6,8 @@ import math
 import numpy as np
 import torch
 
+from rollout.v1 import rollout_pb2
+
 
 def mean_and_sd(kind: str, x: np.ndarray, v: np.ndarray, sigmas: np.ndarray, i: int, a: float):
     s, s1 = float(sigmas[i]), float(sigmas[i + 1])
@@ -37,6 +39,8 @@ def guidance(rule: str, scale: float, v: dict[str, np.ndarray]) -> np.ndarray:
     """The branch combination rules, float64."""
     if rule == "none":
         return v["positive"]
+    if rule == "cfg_from_positive":
+        return v["positive"] + scale * (v["positive"] - v["negative"])
     combined = v["negative"] + scale * (v["positive"] - v["negative"])
     if rule == "true_cfg":
         return combined
@@ -47,15 +51,25 @@ def guidance(rule: str, scale: float, v: dict[str, np.ndarray]) -> np.ndarray:
     return combined * norm
 
 
-def bare_velocity(model, x, timestep, env, conditioning) -> np.ndarray:
-    """One branch's float64 velocity from a bare forward: the conditioning latents (SEQUENCE, CHANNELS)
-    appended to x on dim 1, and the prediction cut back to x's part."""
+def bare_velocity(model, x, timestep, env, call) -> np.ndarray:
+    """One branch's float64 velocity from a bare forward, as rollout.proto's TransformerCall states the
+    rule: the conditioning latents (SEQUENCE, CHANNELS) appended to x on dim 1 and the prediction cut
+    back to x's part; per-sample inputs (Z-Image) as lists, each sample with a frame axis at dim 1 and
+    the batched env tensors row by row; the prediction negated where the call says so."""
     env = dict(env)
-    hidden_states = x
-    if conditioning.env_key:
-        hidden_states = torch.cat([x, env.pop(conditioning.env_key)], dim=1)
-    prediction = model(hidden_states=hidden_states, timestep=timestep, **env)[0]
-    return prediction[:, : x.shape[1]].double().numpy()
+    latents = x
+    if call.conditioning.env_key:
+        latents = torch.cat([x, env.pop(call.conditioning.env_key)], dim=1)
+    per_sample = call.form.inputs == rollout_pb2.TRANSFORMER_INPUTS_PER_SAMPLE_FRAMES
+    if per_sample:
+        latents = [sample[:, None] for sample in latents]
+        env = {key: list(value) if key in call.batched_env_keys else value for key, value in env.items()}
+    inputs = {call.form.latents_argument: latents, call.form.timestep_argument: timestep}
+    prediction = model(**inputs, **env)[0]
+    if per_sample:
+        prediction = torch.stack([sample[:, 0] for sample in prediction])
+    v = prediction[:, : x.shape[1]].double().numpy()
+    return -v if call.form.negated_prediction else v
 
 
 def bare_log_probs(transformer, trajectory) -> dict[int, float]:
@@ -65,13 +79,13 @@ def bare_log_probs(transformer, trajectory) -> dict[int, float]:
     replayed = {}
     for i in torch.nonzero(trajectory.stochastic).flatten().tolist():
         x = trajectory.latents[i].unsqueeze(0)
-        timestep = torch.full((1,), trajectory.timesteps[i].item()) / call.timestep_divisor
+        t, offset = torch.full((1,), trajectory.timesteps[i].item()), call.form.timestep_offset
+        timestep = ((offset - t) if call.form.timestep_reversed else (t - offset)) / call.timestep_divisor
         # Wan 2.2: the expert the started event names for this step.
         model = transformer[trajectory.step_transformers[i]] if isinstance(transformer, dict) else transformer
         with torch.no_grad():
             v = {
-                branch: bare_velocity(model, x, timestep, env, call.conditioning)
-                for branch, env in trajectory.env.items()
+                branch: bare_velocity(model, x, timestep, env, call) for branch, env in trajectory.env.items()
             }
         velocity = guidance(call.guidance_rule, call.guidance_rule_scale, v)
         sigmas = trajectory.sigmas.double().numpy()

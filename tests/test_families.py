@@ -11,6 +11,7 @@ from rollout_server.families.flux2 import Flux2Adapter, Flux2KleinAdapter
 from rollout_server.families.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from rollout_server.families.sd3 import SD3Adapter
 from rollout_server.families.wan_i2v import WanImageToVideoAdapter
+from rollout_server.families.z_image import ZImageAdapter
 
 
 @pytest.mark.parametrize(
@@ -24,6 +25,7 @@ from rollout_server.families.wan_i2v import WanImageToVideoAdapter
         ("flux2", Flux2Adapter),
         ("qwen-image-edit", QwenImageEditAdapter),
         ("wan-i2v", WanImageToVideoAdapter),
+        ("z-image", ZImageAdapter),
     ],
 )
 def test_preset_folder_is_detected(family_folder, family, adapter):

@@ -34,7 +34,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
-from rollout_client.train.config import FLUX2_TARGETS
+from rollout_client.train.lora import FLUX2_TARGETS
 from rollout_server import families
 from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import MediaShape
@@ -302,7 +302,7 @@ def test_a_lora_on_flux2_modules_changes_the_rollouts_as_the_trainer_replays_the
     request = family_request(family, "FLOW_SDE", cfg=family_cfg(family))
     base = family_client.rollout(request)
     version = next_version(client)
-    adapted, config = with_lora(family_transformer, trained=True, targets=FLUX2_TARGETS)
+    adapted, config = with_lora(family_transformer, trained=True, targets=list(FLUX2_TARGETS))
     with pytest.raises(grpc.RpcError) as refused:
         client.update_weights(get_peft_model_state_dict(adapted), version, lora_config=config)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

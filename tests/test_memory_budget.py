@@ -43,13 +43,18 @@ def reset_peak(pid: int) -> None:
 
 def test_a_running_set_peaks_at_what_it_holds_plus_its_largest_piece():
     """Two rollouts of 3 and 6 rows at 10 and 20 bytes a row: a forward takes at most 4 of their rows
-    (max_batch_size), each at most the larger row: 80 bytes, above the larger decode piece (50)."""
-    budget = MemoryBudget(limit=RUNTIME_OVERHEAD + 300, max_batch_size=4)
+    (max_batch_size), each at most the larger row: 80 bytes, above the larger decode piece (50). Rows
+    of a third of the latent bound go 3 to a forward, as the runner cuts them."""
+    budget = MemoryBudget(RUNTIME_OVERHEAD + 300, Limits(max_batch_size=4))
     small = RolloutMemory(held=100, row_bytes=10, rows=3, decode_bytes=50)
     large = RolloutMemory(held=120, row_bytes=20, rows=6, decode_bytes=30)
     assert budget.peak([small]) == RUNTIME_OVERHEAD + 100 + 50  # its decode is above its forward
     assert budget.peak([small, large]) == RUNTIME_OVERHEAD + 100 + 120 + 4 * 20
     assert budget.fits([small, large]) and not budget.fits([small, large, small])
+    wide = RolloutMemory(held=10, row_bytes=20, rows=6, row_elements=Limits().max_latent_elements // 3)
+    assert Limits(max_batch_size=4).rows_per_forward(wide.row_elements) == 3
+    assert budget.peak([wide]) == RUNTIME_OVERHEAD + 10 + 3 * 20
+    assert budget.peak([wide, small]) == RUNTIME_OVERHEAD + 10 + 100 + max(3 * 20, 4 * 10, 50)
 
 
 @pytest.mark.parametrize("text", ["-1", "12 XB", "", "1e9", "GiB", "0x10"])
@@ -99,7 +104,7 @@ def estimated_peak(folder, request: rollout_pb2.RolloutRequest) -> int:
     estimate = memory.estimate(
         adapter, adapter.measure_decode(), resolve(request, serving), STREAM_BUFFER * limits.max_message_bytes
     )
-    return MemoryBudget(parse_bytes(BUDGET), limits.max_batch_size).peak([estimate])
+    return MemoryBudget(parse_bytes(BUDGET), limits).peak([estimate])
 
 
 def test_a_request_that_fits_decodes_its_images_one_sample_at_a_time(budgeted, tiny_flux_folder):

@@ -60,15 +60,23 @@ def wait_until(condition, seconds: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def rollout_in_the_background(pool, request) -> tuple[threading.Thread, dict, int]:
+def timed_rollout(client, request) -> tuple[list, float]:
+    """``client.rollout(request)`` and the seconds it took."""
+    started = time.perf_counter()
+    trajectories = client.rollout(request)
+    return trajectories, time.perf_counter() - started
+
+
+def rollout_in_the_background(pool, request, solo_seconds: float) -> tuple[threading.Thread, dict, int]:
     """Start ``pool.rollout(request)`` in a thread; return it, the dict its trajectories will be stored
-    in, and the index of the replica running it, once the rollout is under way there."""
+    in, and the index of the replica running it, once the rollout is a quarter of ``solo_seconds`` (its
+    time alone on a server like the replicas) under way there: mid-rollout on a CPU of any speed."""
     result = {}
     worker = threading.Thread(target=lambda: result.update(trajectories=pool.rollout(request)))
     worker.start()
     wait_until(lambda: any(replica.outstanding for replica in pool.replicas))
     victim = next(k for k, replica in enumerate(pool.replicas) if replica.outstanding)
-    time.sleep(0.5)  # into the rollout (about 2 s on one core)
+    time.sleep(solo_seconds / 4)
     return worker, result, victim
 
 
@@ -180,11 +188,11 @@ def test_a_replica_killed_mid_rollout_is_replaced_with_identical_noise(replicas,
         width=256,
         branches=branches,
     )
-    alone = client.rollout(slow)
+    alone, solo_seconds = timed_rollout(client, slow)
     assert len(alone) == 8 and alone[0].tree is not None
     pool = RolloutPool([server.address for server in replicas], timeout=60, health_interval=0.2)
     try:
-        worker, result, victim = rollout_in_the_background(pool, slow)
+        worker, result, victim = rollout_in_the_background(pool, slow, solo_seconds)
         replicas[victim].stop(signal.SIGKILL)
         worker.join(timeout=60)
         assert_same_trajectories(result["trajectories"], alone)
@@ -205,13 +213,13 @@ def test_a_replica_stopped_mid_rollout_is_replaced_with_bitwise_the_same_numbers
     it hung, re-runs its group on the other replica (alone there, as the solo run was: bitwise the
     same), and routes to it again after SIGCONT once a probe rollout has completed on it."""
     slow = make_request(FIELDS, prompts=["a red fox"], num_steps=40, height=256, width=256)
-    alone = client.rollout(slow)
+    alone, solo_seconds = timed_rollout(client, slow)
     pool = RolloutPool(
         [server.address for server in replicas], health_interval=0.2, stall_seconds=STALL_SECONDS
     )
     victim = None
     try:
-        worker, result, victim = rollout_in_the_background(pool, slow)
+        worker, result, victim = rollout_in_the_background(pool, slow, solo_seconds)
         replicas[victim].process.send_signal(signal.SIGSTOP)
         worker.join(timeout=30)  # stall_seconds, then the re-run: a few seconds
         assert "trajectories" in result, "the pool still waits on the stopped replica"

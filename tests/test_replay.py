@@ -2,7 +2,7 @@
 
 For every stochastic step a trainer recomputes the log-prob from the streamed x_i, timestep and env
 and scores the streamed x_{i+1}; it must match the streamed log-prob within 1e-5. Checked for every
-family (flux, sd3, qwen-image), sampler and CFG setting twice: with the client library's
+family (flux, sd3, qwen-image, wan, z-image, ...), sampler and CFG setting twice: with the client library's
 ``replay_log_probs`` and with a bare diffusers call plus the independent float64 reference formula
 of ``reference.py``.
 """
@@ -39,7 +39,8 @@ def replay_case(family: str, sampler: str, cfg: bool, dtype: str | None):
 
 
 # Every family, each of its samplers with CFG off and on, at each of its latent dtypes (see FAMILIES:
-# flux also covers DANCE and bfloat16 latents; qwen-image's two prompts differ in length).
+# flux and z-image also cover DANCE and bfloat16 latents; qwen-image's and z-image's two prompts
+# differ in length).
 REPLAY_CASES = [
     replay_case(family, sampler, cfg, dtype)
     for family, spec in FAMILIES.items()
@@ -61,14 +62,14 @@ def test_streamed_log_probs_replay(
     for trajectory in trajectories:
         call = trajectory.transformer_call
         assert call.timestep_divisor == spec.timestep_divisor
-        rule = spec.cfg_rule if cfg else ("none", 1.0)
+        rule = spec.cfg_rule if cfg else spec.cfg_off_rule
         assert (call.guidance_rule, call.guidance_rule_scale) == rule
         concat, env_key = spec.conditioning
         assert call.conditioning == LatentConditioning(rollout_pb2.ConditioningConcat.Value(concat), env_key)
         assert set(trajectory.env) == ({"positive", "negative"} if cfg else {"positive"})
         for env in trajectory.env.values():
             assert set(env) == spec.env_keys
-            assert env["encoder_hidden_states"].shape[::2] == (1, config[spec.text_width])
+            assert env[spec.text_key].shape[::2] == (1, config[spec.text_width])
             if "pooled_projections" in env:
                 assert env["pooled_projections"].shape == (1, config.pooled_projection_dim)
         assert trajectory.latents.shape == (5, *spec.latent_shape)

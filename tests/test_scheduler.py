@@ -9,6 +9,7 @@ from rollout.v1 import rollout_pb2
 from rollout_core.tree import Tree
 from rollout_server.errors import ForeignRollout, Overloaded, PruneTooLate
 from rollout_server.images import ConditionImage
+from rollout_server.limits import Limits
 from rollout_server.memory import RUNTIME_OVERHEAD, MemoryBudget, RolloutMemory
 from rollout_server.scheduler import Outbox, RolloutJob, Scheduler
 
@@ -70,7 +71,7 @@ def test_rollouts_join_while_their_memory_fits_the_budget(loop):
     """Budget 100 bytes above the runtime's overhead: a (holding 60) runs; b (50) does not fit beside
     it and waits, and c (10) behind it waits too, though it would fit. Once a ends, b and c join
     together (60)."""
-    budget = MemoryBudget(RUNTIME_OVERHEAD + 100, max_batch_size=8)
+    budget = MemoryBudget(RUNTIME_OVERHEAD + 100, Limits())
     scheduler = Scheduler(max_queued=8, max_running_samples=64, memory=budget)
     a, b, c = (job(loop, 1, held=held) for held in (60, 50, 10))
     for each in (a, b, c):

@@ -122,7 +122,8 @@ def replayed_log_prob(transformer, answer: dict, i: int, sampler: str, constants
     call = TransformerCall.from_json(json.dumps(env["transformer_call"]))
     at = trajectory["step_indices"].index
     x = trajectory["latents"][at(i)].unsqueeze(0)
-    timestep = torch.full((1,), trajectory["timesteps"][at(i)].item()) / call.timestep_divisor
+    t, offset = torch.full((1,), trajectory["timesteps"][at(i)].item()), call.form.timestep_offset
+    timestep = ((offset - t) if call.form.timestep_reversed else (t - offset)) / call.timestep_divisor
     branches = {"positive": env["pos_cond_kwargs"]}
     if env["neg_cond_kwargs"] is not None:
         branches["negative"] = env["neg_cond_kwargs"]
@@ -133,7 +134,7 @@ def replayed_log_prob(transformer, answer: dict, i: int, sampler: str, constants
                 x,
                 timestep,
                 {**kwargs, **(env["image_kwargs"] or {})},
-                call.conditioning,
+                call,
             )
             for name, kwargs in branches.items()
         }

@@ -44,6 +44,7 @@ from safetensors.torch import load_file
 
 from rollout_client import RolloutClient
 from rollout_client.train.algorithms import ALGORITHMS
+from rollout_client.train.lora import LORA_TARGETS
 from rollout_client.train.metrics import COLUMNS
 from rollout_core import checksum
 
@@ -480,6 +481,14 @@ def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, messag
         trainer.parse_args(flags)
     assert refused.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_lora_goes_on_the_servers_family_unless_the_flag_names_its_targets(trainer):
+    """Each family's defaults are checked against its published transformers in test_real_sizes.py."""
+    assert trainer.parse_args([]).optim.targets("sd3") == list(LORA_TARGETS["sd3"])
+    assert trainer.parse_args(["--lora-targets", "to_q,to_v"]).optim.targets("wan") == ["to_q", "to_v"]
+    with pytest.raises(ValueError, match="no default LoRA targets for the server's family 'mochi'"):
+        trainer.parse_args([]).optim.targets("mochi")
 
 
 def test_resume_needs_a_checkpoint(trainer, capsys, tmp_path):

@@ -17,11 +17,15 @@ from PIL import Image
 
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import (
+    BATCHED_CALL,
     NO_CONDITIONING,
+    CallForm,
     LatentConditioning,
     TransformerCall,
+    apply_guidance,
     call_transformer,
 )
+from rollout_server.families.z_image import ZImageAdapter
 
 SEQUENCE = LatentConditioning(rollout_pb2.CONDITIONING_CONCAT_SEQUENCE, "image_latents")
 CHANNELS = LatentConditioning(rollout_pb2.CONDITIONING_CONCAT_CHANNELS, "condition")
@@ -56,10 +60,48 @@ def test_transformer_calls_of_other_versions_load():
         branches=("positive", "negative"),
         batched_env_keys=("encoder_hidden_states",),
     )
-    assert call.conditioning == NO_CONDITIONING
+    assert call.conditioning == NO_CONDITIONING and call.form == BATCHED_CALL
     assert TransformerCall.from_proto(rollout_pb2.TransformerCall()).conditioning == NO_CONDITIONING
+    # Before the form's fields: tensors under hidden_states and timestep, t / divisor cast, as it is.
+    assert TransformerCall.from_proto(rollout_pb2.TransformerCall()).form == CallForm(
+        rollout_pb2.TRANSFORMER_INPUTS_BATCHED, "hidden_states", "timestep", 0.0, False, False, False
+    )
     later = call.to_json()[:-1] + ', "tree_branching": {"factor": 2}}'
     assert TransformerCall.from_json(later) == call
+
+
+def test_the_z_image_form_travels_and_an_unknown_form_is_refused(tiny_transformer):
+    """Z-Image's form survives the proto and a saved file's JSON; a form of inputs this client does
+    not know is refused before any forward, as an unknown conditioning rule is."""
+    call = TransformerCall(
+        transformer_class="ZImageTransformer2DModel",
+        model_dtype="bfloat16",
+        timestep_divisor=1000.0,
+        timestep_rule=ZImageAdapter.timestep_rule,
+        guidance_rule="cfg_from_positive",
+        guidance_rule_scale=4.0,
+        branches=("positive", "negative"),
+        batched_env_keys=("cap_feats",),
+        form=ZImageAdapter.call_form,
+    )
+    assert TransformerCall.from_proto(call.to_proto()) == call
+    assert TransformerCall.from_json(call.to_json()) == call
+    later = CallForm(inputs=len(rollout_pb2.TransformerInputs.values()))
+    with pytest.raises(ValueError, match="unknown transformer inputs"):
+        call_transformer(
+            tiny_transformer, torch.zeros(1, 16, 16), 500.0, {}, torch.float32, 1000.0, form=later
+        )
+
+
+def test_cfg_from_positive_is_the_pipelines_combination_negated():
+    """Z-Image's pipeline combines the raw predictions p + s (p - q) and negates the sum; the rule on
+    the negated branches gives the same numbers (negation is exact, rounding symmetric in sign)."""
+    generator = torch.Generator().manual_seed(0)
+    p, q = torch.randn(2, 4096, generator=generator)
+    for scale in (0.5, 4.0, 7.3):
+        pipeline = -(p + scale * (p - q))
+        ours = apply_guidance("cfg_from_positive", scale, {"positive": -p, "negative": -q})
+        assert torch.equal(ours, pipeline), scale
 
 
 def test_an_unknown_conditioning_rule_is_refused(tiny_transformer):

@@ -147,7 +147,15 @@ def step_transitions(
         env = stack_envs([t.env[branch] for t in trajectories], call.batched_env_keys)
         env = {key: _on(value, device) for key, value in env.items()}
         velocities[branch] = call_transformer(
-            model, x, timesteps, env, model_dtype, call.timestep_divisor, call.conditioning
+            model,
+            x,
+            timesteps,
+            env,
+            model_dtype,
+            call.timestep_divisor,
+            call.conditioning,
+            call.form,
+            call.batched_env_keys,
         )
     v = apply_guidance(call.guidance_rule, call.guidance_rule_scale, velocities)
     means, stds, log_probs = [], [], []

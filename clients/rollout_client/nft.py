@@ -101,6 +101,8 @@ def velocities(
         dtypes.BY_NAME[call.model_dtype],
         call.timestep_divisor,
         call.conditioning,
+        call.form,
+        call.batched_env_keys,
     )
 
 

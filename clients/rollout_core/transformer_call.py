@@ -1,22 +1,34 @@
 """How a velocity is computed from the transformer and the frozen env: the one rule that the server
 runs and that a trainer replays.
 
-For each env branch (``positive``, and ``negative`` with true CFG)::
+For each env branch (``positive``, and ``negative`` with CFG), with ``f`` the call's ``CallForm`` and
+``c`` its ``LatentConditioning``::
 
-    hidden_states = x.to(model_dtype)                                  (conditioning NONE)
-                  = cat([x, env[c.env_key]], dim=1).to(model_dtype)    (SEQUENCE, CHANNELS)
-    prediction = transformer(hidden_states=hidden_states,
-                             timestep=(timesteps[B] / timestep_divisor).to(model_dtype),
+    fed_timestep = (timesteps[B] - f.timestep_offset) / timestep_divisor
+                 = (f.timestep_offset - timesteps[B]) / timestep_divisor    (f.timestep_reversed)
+                   cast to model_dtype (kept float32 with f.timestep_float32)
+    latents = x.to(model_dtype)                                       (conditioning NONE)
+            = cat([x, env[c.env_key]], dim=1).to(model_dtype)         (SEQUENCE, CHANNELS)
+    prediction = transformer(**{f.latents_argument: latents, f.timestep_argument: fed_timestep},
                              **env[branch] without env[c.env_key])[0]
-    v_branch = prediction[:, :x.shape[1]].float()
+    v_branch = prediction[:, :x.shape[1]].float(), negated with f.negated_prediction
 
 where ``timesteps`` holds each row's timestep as float32 (a trainer replaying one step passes that
 step's timestep for every row; a server batching rollouts at different steps passes one per row: the
-numbers each row is fed are the same either way), and ``c`` is the call's ``LatentConditioning``.
-Dim 1 is the token axis of [B, N, D] tokens (SEQUENCE: FLUX.1 Kontext and Qwen-Image-Edit append the
-image's tokens, predict them too, and keep the first N) and the channel axis of [B, C, F, H, W]
-latents (CHANNELS: Wan 2.1 image-to-video, whose transformer predicts the C generated channels only,
-so the slice keeps all of them).
+numbers each row is fed are the same either way). Dim 1 is the token axis of [B, N, D] tokens
+(SEQUENCE: FLUX.1 Kontext and Qwen-Image-Edit append the image's tokens, predict them too, and keep
+the first N) and the channel axis of [B, C, F, H, W] latents (CHANNELS: Wan 2.1 image-to-video, whose
+transformer predicts the C generated channels only, so the slice keeps all of them).
+
+The form ``f.inputs`` says how the batch is handed over: BATCHED (every family but Z-Image) passes the
+tensors as they are; PER_SAMPLE_FRAMES (Z-Image) passes a list of the B samples' latents, each with a
+frame axis inserted at dim 1 ([C, H, W] becomes [C, 1, H, W]), every batched env tensor as the list
+of its B rows, and reads the prediction back as a list of B [C, 1, H, W] tensors, stacked and the
+frame axis dropped. The defaults (offset 0, the timestep cast, no negation, ``hidden_states`` and
+``timestep``) are the rule of the servers before these fields, exactly: ``t - 0`` is ``t``. Z-Image's
+pipeline feeds ``(1000 - t) / 1000``: offset 1000, reversed, divisor 1000, the same float32
+operations. (``(t - 1000) / -1000`` would be the same number but for the sign of zero at t = 1000:
+``t - t`` is +0 in either order.)
 
 then the guidance rule combines the branches in float32:
 
@@ -24,8 +36,13 @@ then the guidance rule combines the branches in float32:
 * ``true_cfg``: v = v_negative + scale * (v_positive - v_negative)   (also SD3's classic CFG)
 * ``true_cfg_norm_rescale`` (Qwen-Image): c = v_negative + scale * (v_positive - v_negative), then
   v = c * ||v_positive|| / ||c||, norms over the last dimension
+* ``cfg_from_positive`` (Z-Image): v = v_positive + scale * (v_positive - v_negative). Its pipeline
+  combines the raw predictions p and q this way and negates the sum; negating each branch first
+  gives the same numbers, since negation is exact and rounding to nearest is symmetric in sign:
+  -(p + s (p - q)) == (-p) + s ((-p) - (-q)), all but the sign of an exact zero.
 """
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +52,9 @@ from google.protobuf import json_format
 
 from rollout.v1 import rollout_pb2
 
-GUIDANCE_RULES = ("none", "true_cfg", "true_cfg_norm_rescale")
+GUIDANCE_RULES = ("none", "true_cfg", "true_cfg_norm_rescale", "cfg_from_positive")
 _CONCATENATED = (rollout_pb2.CONDITIONING_CONCAT_SEQUENCE, rollout_pb2.CONDITIONING_CONCAT_CHANNELS)
+_INPUT_FORMS = (rollout_pb2.TRANSFORMER_INPUTS_BATCHED, rollout_pb2.TRANSFORMER_INPUTS_PER_SAMPLE_FRAMES)
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,41 @@ NO_CONDITIONING = LatentConditioning()
 
 
 @dataclass(frozen=True)
+class CallForm:
+    """How the latents and the timestep are handed to the transformer and its prediction read back
+    (rollout.v1 TransformerCall fields 10 to 16). The defaults are the call of every family before
+    Z-Image, and what a record from before the fields means."""
+
+    inputs: int = rollout_pb2.TRANSFORMER_INPUTS_BATCHED  # a rollout.v1 TransformerInputs
+    latents_argument: str = "hidden_states"
+    timestep_argument: str = "timestep"
+    timestep_offset: float = 0.0  # fed: (timestep - offset) / divisor
+    timestep_reversed: bool = False  # fed: (offset - timestep) / divisor
+    timestep_float32: bool = False  # the fed timestep is not cast to the model dtype
+    negated_prediction: bool = False  # the velocity is minus the prediction
+
+    @classmethod
+    def from_proto(cls, message: rollout_pb2.TransformerCall) -> "CallForm":
+        default = cls()
+        return cls(
+            inputs=message.inputs or default.inputs,
+            latents_argument=message.latents_argument or default.latents_argument,
+            timestep_argument=message.timestep_argument or default.timestep_argument,
+            timestep_offset=message.timestep_offset,
+            timestep_reversed=message.timestep_reversed,
+            timestep_float32=message.timestep_float32,
+            negated_prediction=message.negated_prediction,
+        )
+
+    def proto_fields(self) -> dict[str, Any]:
+        """Its TransformerCall fields."""
+        return dataclasses.asdict(self)
+
+
+BATCHED_CALL = CallForm()
+
+
+@dataclass(frozen=True)
 class TransformerCall:
     """How the server called the transformer and combined the branches (rollout.v1 TransformerCall):
     what a trainer needs to replay a step. Saved as the message's JSON mapping, so a file holds what
@@ -68,13 +121,14 @@ class TransformerCall:
 
     transformer_class: str  # diffusers class name, e.g. "FluxTransformer2DModel"
     model_dtype: str  # "float32", "bfloat16" or "float16"
-    timestep_divisor: float  # the transformer is fed timesteps[i] / timestep_divisor
+    timestep_divisor: float  # fed: (timesteps[i] - form.timestep_offset) / timestep_divisor
     timestep_rule: str  # the same, in words
     guidance_rule: str  # one of GUIDANCE_RULES
     guidance_rule_scale: float
     branches: tuple[str, ...]  # "positive", and "negative" with CFG
     batched_env_keys: tuple[str, ...]  # env entries with a leading batch dimension of 1 (see stack_envs)
     conditioning: LatentConditioning = NO_CONDITIONING
+    form: CallForm = BATCHED_CALL
 
     @classmethod
     def from_proto(cls, message: rollout_pb2.TransformerCall) -> "TransformerCall":
@@ -88,6 +142,7 @@ class TransformerCall:
             branches=tuple(message.branches),
             batched_env_keys=tuple(message.batched_env_keys),
             conditioning=LatentConditioning.from_proto(message.conditioning),
+            form=CallForm.from_proto(message),
         )
 
     def to_proto(self) -> rollout_pb2.TransformerCall:
@@ -101,6 +156,7 @@ class TransformerCall:
             branches=self.branches,
             batched_env_keys=self.batched_env_keys,
             conditioning=self.conditioning.to_proto(),
+            **self.form.proto_fields(),
         )
 
     @classmethod
@@ -126,22 +182,45 @@ def call_transformer(
     model_dtype: torch.dtype,
     timestep_divisor: float,
     conditioning: LatentConditioning = NO_CONDITIONING,
+    form: CallForm = BATCHED_CALL,
+    batched_env_keys: Iterable[str] = (),
 ) -> torch.Tensor:
     """One branch's velocity, float32, for the batch ``x`` [B, ...]; ``timestep`` is one value for
     every row, or float32 [B], one per row; ``env[conditioning.env_key]`` holds the conditioning
-    latents of the rows when ``conditioning`` concatenates them (see the module docstring)."""
+    latents of the rows when ``conditioning`` concatenates them; ``batched_env_keys`` name the env
+    entries with a row per sample, which the PER_SAMPLE_FRAMES form passes as lists (see the module
+    docstring)."""
+    if form.inputs not in _INPUT_FORMS:
+        raise ValueError(f"unknown transformer inputs {form.inputs}: a rule newer than this client")
+    per_sample = form.inputs == rollout_pb2.TRANSFORMER_INPUTS_PER_SAMPLE_FRAMES
+    if per_sample and conditioning.concat in _CONCATENATED:
+        raise ValueError("per-sample inputs take no conditioning latents")
     fed_timestep = torch.as_tensor(timestep, dtype=torch.float32, device=x.device).expand(x.shape[0])
-    fed_timestep = (fed_timestep / timestep_divisor).to(model_dtype)
-    hidden_states = x.to(model_dtype)
+    if form.timestep_reversed:
+        fed_timestep = (form.timestep_offset - fed_timestep) / timestep_divisor
+    else:
+        fed_timestep = (fed_timestep - form.timestep_offset) / timestep_divisor
+    if not form.timestep_float32:
+        fed_timestep = fed_timestep.to(model_dtype)
+    latents = x.to(model_dtype)
     if conditioning.concat in _CONCATENATED:
         env = dict(env)
-        latents = env.pop(conditioning.env_key).to(model_dtype)
-        hidden_states = torch.cat([hidden_states, latents], dim=1)
+        latents = torch.cat([latents, env.pop(conditioning.env_key).to(model_dtype)], dim=1)
     elif conditioning.concat != rollout_pb2.CONDITIONING_CONCAT_NONE:
         raise ValueError(f"unknown conditioning concat {conditioning.concat}: a rule newer than this client")
-    output = transformer(hidden_states=hidden_states, timestep=fed_timestep, **env)
+    if per_sample:
+        batched = set(batched_env_keys)
+        latents = list(latents.unsqueeze(2).unbind(0))
+        env = {
+            key: list(value.unbind(0)) if key in batched and isinstance(value, torch.Tensor) else value
+            for key, value in env.items()
+        }
+    output = transformer(**{form.latents_argument: latents, form.timestep_argument: fed_timestep}, **env)
     prediction = output[0] if isinstance(output, tuple) else output.sample
-    return prediction[:, : x.shape[1]].float()
+    if per_sample:
+        prediction = torch.stack(prediction).squeeze(2)
+    velocity = prediction[:, : x.shape[1]].float()
+    return -velocity if form.negated_prediction else velocity
 
 
 def apply_guidance(rule: str, scale: float, velocities: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -151,6 +230,8 @@ def apply_guidance(rule: str, scale: float, velocities: Mapping[str, torch.Tenso
     if rule == "none":
         return velocities["positive"]
     positive, negative = velocities["positive"], velocities["negative"]
+    if rule == "cfg_from_positive":
+        return positive + scale * (positive - negative)
     combined = negative + scale * (positive - negative)
     if rule == "true_cfg":
         return combined

@@ -13,6 +13,7 @@ from rollout_server.families.qwen_image import QwenImageAdapter, QwenImageEditAd
 from rollout_server.families.sd3 import SD3Adapter
 from rollout_server.families.wan import WanAdapter
 from rollout_server.families.wan_i2v import WanImageToVideoAdapter
+from rollout_server.families.z_image import ZImageAdapter
 
 if TYPE_CHECKING:
     from rollout_server.families.base import FamilyAdapter
@@ -29,6 +30,7 @@ ADAPTERS: dict[str, type["FamilyAdapter"]] = {
         QwenImageEditAdapter,
         WanAdapter,
         WanImageToVideoAdapter,
+        ZImageAdapter,
     )
 }
 
@@ -46,4 +48,4 @@ def detect(folder: Path) -> type["FamilyAdapter"]:
 
 
 def load(folder: Path, device: torch.device, dtype: torch.dtype) -> "FamilyAdapter":
-    return detect(folder)(folder, device, dtype)
+    return detect(folder).from_folder(folder, device, dtype)

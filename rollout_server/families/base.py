@@ -19,7 +19,7 @@ from diffusers import DiffusionPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from PIL import Image
 
-from rollout_core.transformer_call import NO_CONDITIONING, LatentConditioning
+from rollout_core.transformer_call import BATCHED_CALL, NO_CONDITIONING, CallForm, LatentConditioning
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,18 @@ class FamilyAdapter(ABC):
 
     family: ClassVar[str]
     pipeline_type: ClassVar[type[DiffusionPipeline]]
-    # The transformer is fed timestep / timestep_divisor; timestep_rule says so in words.
+    # The transformer is fed timestep / timestep_divisor, with what call_form adds (an offset, the
+    # dtype); timestep_rule says so in words.
     timestep_divisor: ClassVar[float]
     timestep_rule: ClassVar[str]
+    # How the latents and the timestep are handed to the transformer and its prediction read back:
+    # as tensors under hidden_states and timestep, unless the family's transformer takes otherwise.
+    call_form: ClassVar[CallForm] = BATCHED_CALL
     # CFG: the request field holding the CFG scale (a second, negative-prompt branch runs when it is
-    # > 1) and the rule of rollout_core.transformer_call that combines the branches.
+    # above cfg_off_scale) and the rule of rollout_core.transformer_call that combines the branches.
     cfg_scale_field: ClassVar[str] = "true_cfg_scale"
     cfg_rule: ClassVar[str] = "true_cfg"
+    cfg_off_scale: ClassVar[float] = 1.0
     # Frames per sample: image families take 1 (the default of every request).
     max_frames: ClassVar[int] = 1
     # The env entries concatenated along dim 0 to batch samples (the others are shared).
@@ -93,12 +98,23 @@ class FamilyAdapter(ABC):
     # ``generated_tokens`` gives: the sequence-parallel split checks them when a request arrives.
     generated_inputs: ClassVar[tuple[str, ...]] = ("hidden_states",)
 
-    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype):
-        self.folder = folder
-        self.device = device
-        self.dtype = dtype
-        self.pipe = self.pipeline_type.from_pretrained(folder, dtype=dtype).to(device)
+    def __init__(
+        self, pipe: DiffusionPipeline, device: torch.device, dtype: torch.dtype, folder: Path | None = None
+    ):
+        """The adapter of ``pipe``, a ``pipeline_type`` whose components are on ``device`` in ``dtype``:
+        loaded from ``folder`` (``from_folder``), or assembled in memory (None)."""
+        self.pipe, self.device, self.dtype, self.folder = pipe, device, dtype, folder
         self.pipe.set_progress_bar_config(disable=True)
+
+    @classmethod
+    def from_folder(cls, folder: Path, device: torch.device, dtype: torch.dtype) -> "FamilyAdapter":
+        """The adapter of a local diffusers folder of this family, loaded with ``from_pretrained``."""
+        return cls(cls.pipeline_type.from_pretrained(folder, dtype=dtype).to(device), device, dtype, folder)
+
+    @property
+    def source(self) -> str:
+        """Where the pipeline comes from, for messages: its folder, or its class when built in memory."""
+        return str(self.folder) if self.folder is not None else type(self.pipe).__name__
 
     @property
     def scale_fields(self) -> tuple[str, ...]:
@@ -108,6 +124,11 @@ class FamilyAdapter(ABC):
         if getattr(self.transformer.config, "guidance_embeds", False):
             fields.add("guidance_scale")
         return tuple(sorted(fields))
+
+    def runs_cfg(self, request) -> bool:
+        """Whether a resolved request runs the negative branch: its CFG scale is above the family's
+        ``cfg_off_scale`` (at it, the guidance rule gives the positive branch alone)."""
+        return getattr(request, self.cfg_scale_field) > self.cfg_off_scale
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -214,12 +235,12 @@ class FamilyAdapter(ABC):
         profile = DecodeProfile(0.0, 0.0, 0)
         try:
             latents = torch.zeros(1, *self.latent_shape(shape), device=self.device)
-            for frames in self.decode_frames(latents, shape):
-                pixels = len(frames) * side * side
+            for piece in self.decode_pixels(latents, shape):
+                pixels = piece.numel() // 3  # RGB
                 profile = DecodeProfile(
                     max(profile.width, widest / pixels),
                     max(profile.workspace, workspace / pixels),
-                    max(profile.frames_per_piece, len(frames)),
+                    max(profile.frames_per_piece, pixels // (side * side)),
                 )
                 widest = workspace = 0
         finally:
@@ -228,10 +249,20 @@ class FamilyAdapter(ABC):
         return profile
 
     @abstractmethod
+    def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
+        """Decode one sample's final latents [1, ...] into its RGB pixels in [-1, 1], in order, a piece
+        at a time: an image family yields its one image [1, 3, H, W] once; a video family yields
+        consecutive chunks of frames [1, 3, frames, H, W], as small as its VAE decodes them. The
+        caller may stop between pieces."""
+
+    def frames_of(self, piece: torch.Tensor) -> list[Image.Image]:
+        """A decoded piece's frames as images, the pipeline's own postprocessing."""
+        return self.pipe.image_processor.postprocess(piece, output_type="pil")
+
     def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
-        """Decode one sample's final latents [1, ...] into its frames, in order, a piece at a time:
-        an image family yields its one image once; a video family yields consecutive chunks of
-        frames, as small as its VAE decodes them. The caller may stop between pieces."""
+        """``decode_pixels``, each piece as its frames' images."""
+        for piece in self.decode_pixels(latents, shape):
+            yield self.frames_of(piece)
 
 
 class PackedLatentAdapter(FamilyAdapter):

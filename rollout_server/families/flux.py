@@ -82,14 +82,13 @@ class FluxAdapter(PackedLatentAdapter):
         }
 
     @torch.no_grad()
-    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
+    def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
         vae = self.pipe.vae
         spatial = self.pipe._unpack_latents(
             latents.to(vae.dtype), shape.height, shape.width, self.pipe.vae_scale_factor
         )
         spatial = spatial / vae.config.scaling_factor + vae.config.shift_factor
-        images = vae.decode(spatial, return_dict=False)[0]
-        yield self.pipe.image_processor.postprocess(images, output_type="pil")
+        yield vae.decode(spatial, return_dict=False)[0]
 
 
 class FluxKontextAdapter(FluxAdapter):

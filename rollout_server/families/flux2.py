@@ -33,7 +33,6 @@ import numpy as np
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
-from PIL import Image
 
 from rollout_server.families.base import FamilyDefaults, MediaShape, PackedLatentAdapter, set_up_schedule
 
@@ -116,7 +115,7 @@ class Flux2FamilyAdapter(PackedLatentAdapter):
         }
 
     @torch.no_grad()
-    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
+    def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
         # As the pipelines' __call__ after their loop: tokens back onto the grid by their ids, the
         # batch-norm statistics undone, the 2x2 patches unfolded, then the VAE.
         pipe, vae = self.pipe, self.pipe.vae
@@ -126,8 +125,7 @@ class Flux2FamilyAdapter(PackedLatentAdapter):
         std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
             patches.device, patches.dtype
         )
-        images = vae.decode(pipe._unpatchify_latents(patches * std + mean), return_dict=False)[0]
-        yield pipe.image_processor.postprocess(images, output_type="pil")
+        yield vae.decode(pipe._unpatchify_latents(patches * std + mean), return_dict=False)[0]
 
 
 class Flux2KleinAdapter(Flux2FamilyAdapter):

@@ -78,11 +78,10 @@ class QwenImageAdapter(PackedLatentAdapter):
         }
 
     @torch.no_grad()
-    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
+    def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
         vae = self.pipe.vae
         latents = self.pipe._unpack_latents(latents, shape.height, shape.width, self.pipe.vae_scale_factor)
-        images = vae.decode(denormalized(vae, latents), return_dict=False)[0][:, :, 0]  # its single frame
-        yield self.pipe.image_processor.postprocess(images, output_type="pil")
+        yield vae.decode(denormalized(vae, latents), return_dict=False)[0][:, :, 0]  # its single frame
 
 
 class QwenImageEditAdapter(QwenImageAdapter):

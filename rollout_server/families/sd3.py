@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import torch
 from diffusers import StableDiffusion3Pipeline
-from PIL import Image
 
 from rollout_server.families.base import (
     FamilyAdapter,
@@ -101,8 +100,7 @@ class SD3Adapter(FamilyAdapter):
         }
 
     @torch.no_grad()
-    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
+    def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
         vae = self.pipe.vae
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        images = vae.decode(latents, return_dict=False)[0]
-        yield self.pipe.image_processor.postprocess(images, output_type="pil")
+        yield vae.decode(latents, return_dict=False)[0]

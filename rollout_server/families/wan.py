@@ -46,13 +46,15 @@ class WanAdapter(FamilyAdapter):
     decode_keeps_state = True  # the causal convolutions' cache, between latent frames
     max_frames = 161  # Wan 2.1 generates 81; twice that bounds the work of one request
 
-    def __init__(self, folder, device, dtype):
-        super().__init__(folder, device, dtype)
+    def __init__(self, pipe, device, dtype, folder=None):
+        super().__init__(pipe, device, dtype, folder)
         two_experts = self.pipe.transformer_2 is not None
         if two_experts != (self.pipe.config.boundary_ratio is not None):
-            raise UnsupportedModel(f"{folder}: transformer_2 and boundary_ratio come together or not at all")
+            raise UnsupportedModel(
+                f"{self.source}: transformer_2 and boundary_ratio come together or not at all"
+            )
         if self.pipe.transformer is None:
-            raise UnsupportedModel(f"{folder}: a Wan pipeline without its (high-noise) transformer")
+            raise UnsupportedModel(f"{self.source}: a Wan pipeline without its (high-noise) transformer")
 
     @property
     def experts(self) -> dict[str, torch.nn.Module]:
@@ -132,7 +134,7 @@ class WanAdapter(FamilyAdapter):
         return {"encoder_hidden_states": embeds, "attention_kwargs": None, "return_dict": False}
 
     @torch.no_grad()
-    def decode_frames(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[list[Image.Image]]:
+    def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
         # AutoencoderKLWan.decode's own loop, one latent frame at a time (the first gives one frame,
         # each later one vae_scale_factor_temporal frames), with the causal convolutions' cache kept
         # between pieces: the same numbers, without holding the whole video.
@@ -143,5 +145,7 @@ class WanAdapter(FamilyAdapter):
             frames = vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=i == 0)
             if vae.config.patch_size is not None:
                 frames = unpatchify(frames, patch_size=vae.config.patch_size)
-            video = torch.clamp(frames, min=-1.0, max=1.0)
-            yield self.pipe.video_processor.postprocess_video(video, output_type="pil")[0]
+            yield torch.clamp(frames, min=-1.0, max=1.0)
+
+    def frames_of(self, piece: torch.Tensor) -> list[Image.Image]:
+        return self.pipe.video_processor.postprocess_video(piece, output_type="pil")[0]

@@ -45,16 +45,16 @@ class WanImageToVideoAdapter(WanAdapter):
         "(the pipeline's encode_image), None for experts without image embeddings"
     )
 
-    def __init__(self, folder, device, dtype):
-        super().__init__(folder, device, dtype)
+    def __init__(self, pipe, device, dtype, folder=None):
+        super().__init__(pipe, device, dtype, folder)
         if self.pipe.config.expand_timesteps:
             raise UnsupportedModel(
-                f"{folder}: expand_timesteps (Wan 2.2 TI2V) overwrites the first frame's latents with the "
-                "image after every step, so a step is not a Gaussian transition of the whole latent; its "
-                "log-probs would need a mask, which this server does not compute"
+                f"{self.source}: expand_timesteps (Wan 2.2 TI2V) overwrites the first frame's latents with "
+                "the image after every step, so a step is not a Gaussian transition of the whole latent; "
+                "its log-probs would need a mask, which this server does not compute"
             )
         if self.reads_image_embeddings and self.pipe.image_encoder is None:
-            raise UnsupportedModel(f"{folder}: its transformer reads image embeddings: no image_encoder")
+            raise UnsupportedModel(f"{self.source}: its transformer reads image embeddings: no image_encoder")
 
     @property
     def reads_image_embeddings(self) -> bool:

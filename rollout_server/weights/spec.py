@@ -9,6 +9,7 @@ the model, between two rollouts.
 import copy
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 import numpy
@@ -83,17 +84,33 @@ class TransformerSpec:
             empty = type(transformer).from_config(transformer.config)
         for name, tensor in empty.state_dict(keep_vars=True).items():
             tensor.data = tensor.data.to(live[name].dtype)  # PEFT gives an adapter its base's dtype
-        hooked = [name for name in getattr(transformer, "_cp_plan", None) or {} if name]
         return cls(
             tensors={name: (t.dtype, tuple(t.shape)) for name, t in live.items()},
             empty_model=empty,
-            unwrappable=tuple(hooked) if sequence_parallel else (),
+            unwrappable=context_parallel_modules(transformer) if sequence_parallel else (),
         )
 
     @property
+    def tensor_bytes(self) -> int:
+        """The bytes of the transformer's tensors: a FULL update's payload."""
+        return layout_bytes(self.tensors)
+
+    @property
     def max_update_bytes(self) -> int:
-        tensor_bytes = sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.tensors.values())
-        return tensor_bytes + HEADER_ALLOWANCE_BYTES
+        return self.tensor_bytes + HEADER_ALLOWANCE_BYTES
+
+
+def layout_bytes(layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    """The bytes of the tensors a layout (name: dtype, shape) lists."""
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in layout.values())
+
+
+def context_parallel_modules(transformer: torch.nn.Module) -> tuple[str, ...]:
+    """The submodules the transformer's context-parallel plan hooks, by name; a plan's ``blocks.*``
+    names every block of that list, as diffusers reads it (Qwen-Image's plan has one)."""
+    plan = getattr(transformer, "_cp_plan", None) or {}
+    names = re.compile("|".join(re.escape(name).replace(r"\*", r"\d+") for name in plan if name))
+    return tuple(name for name, _ in transformer.named_modules() if name and names.fullmatch(name))
 
 
 # A trainer sends the same config with every update; laying it out takes tens of milliseconds.

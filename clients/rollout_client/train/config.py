@@ -11,6 +11,7 @@ import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_client.train.algorithms import ALGORITHMS, algorithm_name
+from rollout_client.train.lora import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, LORA_TARGETS
 from rollout_client.train.prompts import PROMPT_SETS, PROMPTS, prompt_pool
 from rollout_client.train.rewards import reward_terms
 from rollout_client.train.rollouts import branch_points
@@ -25,21 +26,6 @@ TREE_ADVANTAGES = ("branch-mean", "branch-log-prob", "backed-up")  # the first i
 
 
 DEFAULT_PRUNE_KEEP = 4
-# FLUX's attention and feed-forward layers, with the latent projections in and out.
-FLUX_TARGETS = ["x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"]
-# FLUX.2's: the double-stream blocks' attention and image feed-forward, the single-stream blocks' fused
-# attention and feed-forward input projection, and the latent projections in and out.
-FLUX2_TARGETS = [
-    "x_embedder",
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "ff.linear_in",
-    "ff.linear_out",
-    "to_qkv_mlp_proj",
-    "proj_out",
-]
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -211,11 +197,15 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         default="127.0.0.1",
         help="with the weight-sync group: this host's address as the server reaches it",
     )
-    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lora-rank", type=int, default=DEFAULT_LORA_RANK)
     parser.add_argument(
-        "--lora-alpha", type=float, default=32.0, help="the LoRA's output scale is alpha / rank"
+        "--lora-alpha", type=float, default=DEFAULT_LORA_ALPHA, help="the LoRA's output scale is alpha / rank"
     )
-    parser.add_argument("--lora-targets", default=",".join(FLUX_TARGETS), help="comma-separated modules")
+    parser.add_argument(
+        "--lora-targets",
+        default="",
+        help="comma-separated modules (default: the server's family's attention and feed-forward layers)",
+    )
     parser.add_argument(
         "--micro-batch", type=int_at_least(1), default=32, help="rows per forward and backward"
     )
@@ -403,7 +393,17 @@ class OptimConfig:
     train: str  # "lora" or "full"
     lora_rank: int
     lora_alpha: float
-    lora_targets: str
+    lora_targets: str  # "": the family's LORA_TARGETS
+
+    def targets(self, family: str) -> list[str]:
+        """The LoRA's target modules on a server of ``family``; ValueError when it has no default."""
+        if self.lora_targets:
+            return self.lora_targets.split(",")
+        if family not in LORA_TARGETS:
+            raise ValueError(
+                f"no default LoRA targets for the server's family {family!r}: pass --lora-targets"
+            )
+        return list(LORA_TARGETS[family])
 
 
 @dataclass

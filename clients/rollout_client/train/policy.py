@@ -22,8 +22,11 @@ if TYPE_CHECKING:
     from rollout_client.weight_sync import WeightSyncGroup
 
 
-def load_policy(model_path: Path, config: "TrainConfig") -> tuple[torch.nn.Module, LoraConfig | None]:
-    """The base transformer, frozen, with a trainable LoRA; or, with --train full, all trainable."""
+def load_policy(
+    model_path: Path, config: "TrainConfig", family: str
+) -> tuple[torch.nn.Module, LoraConfig | None]:
+    """The base transformer, frozen, with a trainable LoRA (on the targets of the server's ``family``
+    unless --lora-targets names them); or, with --train full, all trainable."""
     from diffusers import AutoModel  # the trainer's side; the client library never imports diffusers
 
     transformer = AutoModel.from_pretrained(str(model_path), subfolder="transformer").to(config.device)
@@ -33,7 +36,7 @@ def load_policy(model_path: Path, config: "TrainConfig") -> tuple[torch.nn.Modul
     config = LoraConfig(
         r=config.optim.lora_rank,
         lora_alpha=config.optim.lora_alpha,
-        target_modules=config.optim.lora_targets.split(","),
+        target_modules=config.optim.targets(family),
     )
     transformer.add_adapter(config)
     return transformer, config

@@ -54,11 +54,12 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.config, self.client, self.model_path, self.ranks = config, client, model_path, ranks
         self.reward = Rewards(config.reward)
-        self.transformer, self.lora_config = load_policy(model_path, config)
+        info = client.server_info()
+        self.transformer, self.lora_config = load_policy(model_path, config, info.family)
         self.pusher = Pusher(client, self.transformer, self.lora_config, config)
         self.parameters = [p for p in self.transformer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=config.optim.lr)
-        self.max_samples = client.server_info().limits.max_samples
+        self.max_samples = info.limits.max_samples
         # A cosine from lr down to lr / 10 over the run: the late steps refine instead of overshooting.
         self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
             self.optimizer, config.iterations, eta_min=config.optim.lr / 10

@@ -1,0 +1,851 @@
+"""Every served family at its published checkpoint's size, on the meta device.
+
+Each entry builds a checkpoint's transformer from the values of its published ``config.json`` (written
+here, under the checkpoint they come from), and the components whose sizes the adapter and the server
+read (the VAE, the text and image encoders, the scheduler, a tokenizer's length), all on the meta
+device: no weights, no memory, no arithmetic beyond shapes. The adapter is the server's own, built over
+that pipeline. The checks are what breaks only at scale, against figures worked out by hand from the
+published values:
+
+- the adapter's latent shape, generated tokens and forward size at the family's default request size
+  (1024 x 1024 pixels; 480 x 832 pixels x 81 frames for video), and the tokens the real transformer's
+  input layer makes of that latent;
+- the sequence-parallel split at 2, 4 and 8 ranks: the attention heads Ulysses divides, and the
+  tokens of a default request;
+- the memory estimate: a forward row against tokens x width, the rows the runner puts in one forward,
+  the text's env, and a component's parameters against its published safetensors' bytes;
+- the family's default LoRA targets (the trainer's ``LORA_TARGETS``) against the real module tree,
+  laid out by the server's own check, with and without sequence parallelism.
+
+``python tests/test_real_sizes.py`` prints the table of docs/benchmarks.md ("Real checkpoint sizes");
+``test_the_table_in_the_docs_is_the_one_computed_here`` holds the docs to it.
+"""
+
+import dataclasses
+import functools
+import io
+import math
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    AutoencoderKLWan,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    QwenImageEditPipeline,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    UniPCMultistepScheduler,
+    WanImageToVideoPipeline,
+    WanPipeline,
+    WanTransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
+)
+from helpers import FAMILIES
+from peft import LoraConfig
+from PIL import Image
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPVisionConfig,
+    CLIPVisionModelWithProjection,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+    Qwen2VLImageProcessorPil,
+    Qwen2VLProcessor,
+    Qwen3Config,
+    Qwen3Model,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+    UMT5Config,
+    UMT5EncoderModel,
+)
+
+from rollout.v1 import rollout_pb2
+from rollout_client.train.lora import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, LORA_TARGETS
+from rollout_client.updates import lora_config_json
+from rollout_server import families, memory
+from rollout_server.errors import InvalidRequest, ParallelismUnsupported
+from rollout_server.families.base import FamilyAdapter, MediaShape
+from rollout_server.limits import Limits
+from rollout_server.parallel import ParallelDims, check_splittable
+from rollout_server.presets.flux import FLUX_SCHEDULER_CONFIG
+from rollout_server.presets.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, _prompt_template
+from rollout_server.presets.sd3 import SD3_SCHEDULER_CONFIG
+from rollout_server.presets.tokenizers import write_qwen2_tokenizer, write_t5_tokenizer
+from rollout_server.presets.wan import WAN22_BOUNDARY_RATIO, WAN_SCHEDULER_CONFIG
+from rollout_server.presets.z_image import Z_IMAGE_SCHEDULER_CONFIG
+from rollout_server.scheduler import STREAM_BUFFER
+from rollout_server.validation import ServingContext, resolve
+from rollout_server.weights.spec import TransformerSpec, layout_bytes, lora_layout
+
+# The dtype the checkpoints ship and are served in.
+DTYPE = torch.bfloat16
+META = torch.device("meta")
+SPLITS = (2, 4, 8)
+# A trainer's group: the default --group-size of rollout_client.train, on one prompt.
+GROUP = 8
+# What a stream's outbox may hold from earlier events, as the server counts it.
+BACKLOG = STREAM_BUFFER * Limits().max_message_bytes
+
+# The published configs. Values the diffusers or transformers class defaults to are left out.
+
+# black-forest-labs/FLUX.1-dev transformer/config.json; FLUX.1-Kontext-dev ships the same one.
+FLUX_1_DEV = {
+    "attention_head_dim": 128,
+    "axes_dims_rope": [16, 56, 56],
+    "guidance_embeds": True,
+    "in_channels": 64,
+    "joint_attention_dim": 4096,
+    "num_attention_heads": 24,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "patch_size": 1,
+    "pooled_projection_dim": 768,
+}
+# black-forest-labs/FLUX.1-dev vae/config.json.
+FLUX_1_VAE = {
+    "act_fn": "silu",
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "force_upcast": True,
+    "in_channels": 3,
+    "latent_channels": 16,
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "out_channels": 3,
+    "sample_size": 1024,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "use_post_quant_conv": False,
+    "use_quant_conv": False,
+}
+# black-forest-labs/FLUX.1-dev text_encoder/config.json (openai/clip-vit-large-patch14's text model);
+# also stabilityai/stable-diffusion-3.5-medium text_encoder/config.json.
+CLIP_L = {
+    "hidden_act": "quick_gelu",
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 77,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "projection_dim": 768,
+    "vocab_size": 49408,
+}
+# black-forest-labs/FLUX.1-dev text_encoder_2/config.json (google/t5-v1_1-xxl's encoder); also
+# stabilityai/stable-diffusion-3.5-medium text_encoder_3/config.json.
+T5_XXL = {
+    "d_ff": 10240,
+    "d_kv": 64,
+    "d_model": 4096,
+    "feed_forward_proj": "gated-gelu",
+    "num_heads": 64,
+    "num_layers": 24,
+    "tie_word_embeddings": False,
+    "vocab_size": 32128,
+}
+# black-forest-labs/FLUX.1-dev tokenizer_2/tokenizer_config.json: prompts are padded to this length.
+FLUX_T5_TOKENS = 512
+# stabilityai/stable-diffusion-3.5-medium transformer/config.json.
+SD35_MEDIUM = {
+    "attention_head_dim": 64,
+    "caption_projection_dim": 1536,
+    "dual_attention_layers": list(range(13)),
+    "in_channels": 16,
+    "joint_attention_dim": 4096,
+    "num_attention_heads": 24,
+    "num_layers": 24,
+    "out_channels": 16,
+    "patch_size": 2,
+    "pooled_projection_dim": 2048,
+    "pos_embed_max_size": 384,
+    "qk_norm": "rms_norm",
+    "sample_size": 128,
+}
+# stabilityai/stable-diffusion-3.5-medium vae/config.json: FLUX.1's autoencoder layout, its own scale.
+SD35_VAE = {**FLUX_1_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}
+# stabilityai/stable-diffusion-3.5-medium text_encoder_2/config.json (OpenCLIP ViT-bigG/14's text model).
+CLIP_G = {
+    "hidden_act": "gelu",
+    "hidden_size": 1280,
+    "intermediate_size": 5120,
+    "max_position_embeddings": 77,
+    "num_attention_heads": 20,
+    "num_hidden_layers": 32,
+    "projection_dim": 1280,
+    "vocab_size": 49408,
+}
+# Qwen/Qwen-Image transformer/config.json; Qwen/Qwen-Image-Edit ships the same one.
+QWEN_IMAGE = {
+    "attention_head_dim": 128,
+    "axes_dims_rope": [16, 56, 56],
+    "guidance_embeds": False,
+    "in_channels": 64,
+    "joint_attention_dim": 3584,
+    "num_attention_heads": 24,
+    "num_layers": 60,
+    "out_channels": 16,
+    "patch_size": 2,
+}
+# Qwen/Qwen-Image vae/config.json (its default latents_mean and latents_std are the class's).
+QWEN_IMAGE_VAE = {
+    "attn_scales": [],
+    "base_dim": 96,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "temperal_downsample": [False, True, True],
+    "z_dim": 16,
+}
+# Qwen/Qwen-Image text_encoder/config.json (Qwen2.5-VL-7B-Instruct).
+QWEN_VL = {
+    "text_config": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "max_position_embeddings": 128000,
+        "num_attention_heads": 28,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        "tie_word_embeddings": False,
+        "vocab_size": 152064,
+    },
+    "vision_config": {
+        "depth": 32,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "hidden_act": "silu",
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "out_hidden_size": 3584,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+    },
+    "tie_word_embeddings": False,
+}
+# Qwen2.5-VL-7B-Instruct preprocessor_config.json, the image processor of Qwen/Qwen-Image-Edit.
+QWEN_VL_PROCESSOR = {
+    "merge_size": 2,
+    "max_pixels": 12845056,
+    "min_pixels": 3136,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+}
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json (diffusers' scripts/convert_wan_to_diffusers.py).
+WAN_1_3B = {
+    "attention_head_dim": 128,
+    "cross_attn_norm": True,
+    "eps": 1e-06,
+    "ffn_dim": 8960,
+    "freq_dim": 256,
+    "in_channels": 16,
+    "num_attention_heads": 12,
+    "num_layers": 30,
+    "out_channels": 16,
+    "patch_size": [1, 2, 2],
+    "qk_norm": "rms_norm_across_heads",
+    "text_dim": 4096,
+}
+# Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json; each of Wan-AI/Wan2.2-T2V-A14B-Diffusers's two
+# experts (transformer/ and transformer_2/) has the same one.
+WAN_14B = {**WAN_1_3B, "ffn_dim": 13824, "num_attention_heads": 40, "num_layers": 40}
+# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers transformer/config.json: the noisy latents, the first-frame mask
+# and the first frame's latents in, and cross-attention to CLIP image embeddings.
+WAN_I2V_14B = {**WAN_14B, "added_kv_proj_dim": 5120, "image_dim": 1280, "in_channels": 36}
+# Wan-AI/Wan2.1-*-Diffusers vae/config.json is AutoencoderKLWan's defaults (Wan2.1_VAE.pth, as the
+# conversion script builds it); text_encoder/config.json is google/umt5-xxl's encoder.
+UMT5_XXL = {
+    "d_ff": 10240,
+    "d_kv": 64,
+    "d_model": 4096,
+    "feed_forward_proj": "gated-gelu",
+    "num_heads": 64,
+    "num_layers": 24,
+    "tie_word_embeddings": False,
+    "vocab_size": 256384,
+}
+# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers image_encoder/config.json (laion/CLIP-ViT-H-14-laion2B-s32B-b79K's
+# vision model).
+CLIP_VIT_H = {
+    "hidden_act": "gelu",
+    "hidden_size": 1280,
+    "image_size": 224,
+    "intermediate_size": 5120,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 32,
+    "patch_size": 14,
+    "projection_dim": 1024,
+}
+
+# Waiting for their adapters: each becomes one Checkpoint entry below once its family is served.
+# black-forest-labs/FLUX.2-dev transformer/config.json (diffusers' scripts/convert_flux2_to_diffusers.py).
+FLUX_2_DEV = {
+    "attention_head_dim": 128,
+    "axes_dims_rope": [32, 32, 32, 32],
+    "eps": 1e-6,
+    "in_channels": 128,
+    "joint_attention_dim": 15360,
+    "mlp_ratio": 3.0,
+    "num_attention_heads": 48,
+    "num_layers": 8,
+    "num_single_layers": 48,
+    "patch_size": 1,
+    "rope_theta": 2000,
+    "timestep_guidance_channels": 256,
+}
+# FLUX.2 [klein] 4B and 9B (the same script): no guidance embedding, narrower and shallower.
+FLUX_2_KLEIN_4B = {
+    **FLUX_2_DEV,
+    "guidance_embeds": False,
+    "joint_attention_dim": 7680,
+    "num_attention_heads": 24,
+    "num_layers": 5,
+    "num_single_layers": 20,
+}
+FLUX_2_KLEIN_9B = {
+    **FLUX_2_DEV,
+    "guidance_embeds": False,
+    "joint_attention_dim": 12288,
+    "num_attention_heads": 32,
+    "num_layers": 8,
+    "num_single_layers": 24,
+}
+# Tongyi-MAI/Z-Image-Turbo transformer/config.json.
+Z_IMAGE_TURBO = {
+    "all_f_patch_size": [1],
+    "all_patch_size": [2],
+    "axes_dims": [32, 48, 48],
+    "axes_lens": [1536, 512, 512],
+    "cap_feat_dim": 2560,
+    "dim": 3840,
+    "in_channels": 16,
+    "n_heads": 30,
+    "n_kv_heads": 30,
+    "n_layers": 30,
+    "n_refiner_layers": 2,
+    "norm_eps": 1e-05,
+    "qk_norm": True,
+    "rope_theta": 256.0,
+    "t_scale": 1000.0,
+}
+# Tongyi-MAI/Z-Image-Turbo text_encoder/config.json: Qwen3-4B's.
+QWEN3_4B = {
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "max_position_embeddings": 40960,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
+}
+
+
+def on_meta(model_class, *args, **kwargs) -> torch.nn.Module:
+    """``model_class(*args, **kwargs)`` on the meta device, in the served dtype."""
+    with torch.device(META):
+        return model_class(*args, **kwargs).to(DTYPE)
+
+
+def t5_tokenizer(folder: Path, tokens: int) -> T5TokenizerFast:
+    """A T5 tokenizer that pads to ``tokens``: the adapter reads its length, not its vocabulary (a
+    locally trained one, as no hub is reached)."""
+    write_t5_tokenizer(folder / "tokenizer_2", 256, model_max_length=tokens)
+    return T5TokenizerFast.from_pretrained(folder / "tokenizer_2")
+
+
+def flux_pipeline(folder: Path, pipeline_class: type[FluxPipeline] = FluxPipeline) -> FluxPipeline:
+    return pipeline_class(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
+        vae=on_meta(AutoencoderKL, **FLUX_1_VAE),
+        text_encoder=on_meta(CLIPTextModel, CLIPTextConfig(**CLIP_L)),
+        tokenizer=None,
+        text_encoder_2=on_meta(T5EncoderModel, T5Config(**T5_XXL)),
+        tokenizer_2=t5_tokenizer(folder, FLUX_T5_TOKENS),
+        transformer=on_meta(FluxTransformer2DModel, **FLUX_1_DEV),
+    )
+
+
+def sd3_pipeline(folder: Path) -> StableDiffusion3Pipeline:
+    return StableDiffusion3Pipeline(
+        transformer=on_meta(SD3Transformer2DModel, **SD35_MEDIUM),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER_CONFIG),
+        vae=on_meta(AutoencoderKL, **SD35_VAE),
+        text_encoder=on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_L)),
+        tokenizer=None,
+        text_encoder_2=on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_G)),
+        tokenizer_2=None,
+        text_encoder_3=on_meta(T5EncoderModel, T5Config(**T5_XXL)),
+        tokenizer_3=None,
+    )
+
+
+def qwen_image_components(tokenizer: Qwen2Tokenizer | None = None) -> dict:
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
+        "vae": on_meta(AutoencoderKLQwenImage, **QWEN_IMAGE_VAE),
+        "text_encoder": on_meta(Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(**QWEN_VL)),
+        "tokenizer": tokenizer,
+        "transformer": on_meta(QwenImageTransformer2DModel, **QWEN_IMAGE),
+    }
+
+
+def qwen_image_pipeline(folder: Path) -> QwenImagePipeline:
+    return QwenImagePipeline(**qwen_image_components())
+
+
+def qwen_image_edit_pipeline(folder: Path) -> QwenImageEditPipeline:
+    """The edit adapter counts the template's tokens around the image with the tokenizer (a locally
+    trained one, whose words of the template are single tokens as in Qwen2's vocabulary). The
+    processor needs torchvision (for its video processor)."""
+    write_qwen2_tokenizer(folder / "tokenizer", _prompt_template(QwenImageEditPipeline))
+    tokenizer = Qwen2Tokenizer.from_pretrained(folder / "tokenizer")
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil(**QWEN_VL_PROCESSOR), tokenizer=tokenizer
+    )
+    return QwenImageEditPipeline(**qwen_image_components(tokenizer), processor=processor)
+
+
+def wan_pipeline(folder: Path, config: dict, experts: int = 1) -> WanPipeline:
+    return WanPipeline(
+        tokenizer=None,
+        text_encoder=on_meta(UMT5EncoderModel, UMT5Config(**UMT5_XXL)),
+        vae=on_meta(AutoencoderKLWan),
+        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
+        transformer=on_meta(WanTransformer3DModel, **config),
+        transformer_2=on_meta(WanTransformer3DModel, **config) if experts == 2 else None,
+        boundary_ratio=WAN22_BOUNDARY_RATIO if experts == 2 else None,
+    )
+
+
+def wan_i2v_pipeline(folder: Path) -> WanImageToVideoPipeline:
+    return WanImageToVideoPipeline(
+        tokenizer=None,
+        text_encoder=on_meta(UMT5EncoderModel, UMT5Config(**UMT5_XXL)),
+        vae=on_meta(AutoencoderKLWan),
+        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
+        image_processor=None,
+        image_encoder=on_meta(CLIPVisionModelWithProjection, CLIPVisionConfig(**CLIP_VIT_H)),
+        transformer=on_meta(WanTransformer3DModel, **WAN_I2V_14B),
+    )
+
+
+def z_image_pipeline(folder: Path) -> ZImagePipeline:
+    """Z-Image decodes with FLUX.1's VAE; the adapter reads no tokenizer (its text length is the
+    pipeline's 512)."""
+    return ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**Z_IMAGE_SCHEDULER_CONFIG),
+        vae=on_meta(AutoencoderKL, **FLUX_1_VAE),
+        text_encoder=on_meta(Qwen3Model, Qwen3Config(**QWEN3_4B)),
+        tokenizer=None,
+        transformer=on_meta(ZImageTransformer2DModel, **Z_IMAGE_TURBO),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A published checkpoint, and its figures at the family's default request size, by hand."""
+
+    name: str
+    family: str
+    pipeline: Callable[[Path], DiffusionPipeline]  # on the meta device; tokenizers are written to the folder
+    latent_shape: tuple[int, ...]  # one sample's latent
+    generated_tokens: int
+    forward: tuple[int, int]  # a row's tokens (generated, conditioning and text) and widest activation
+    text_elements: int  # one text's env at its longest
+    forward_rows: int  # rows of one forward, for a group of GROUP samples (and their CFG branches)
+    ulysses_refused: frozenset[int] = frozenset()  # the SP degrees a Ulysses split is refused at
+    # The bytes of a component's published safetensors (the total_size of its index), where known.
+    published_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+# FLUX.1 at 1024 x 1024: 8x VAE, 2x2 packing: 64 x 64 = 4096 tokens of 4 x 16 channels; the joint
+# attention adds the 512 T5 tokens; a single block's attention output (3072) beside its 4x MLP hidden
+# state is 5 x 3072 wide. Its text: 512 x 4096 T5 states and the 768-wide pooled CLIP projection.
+FLUX_FIGURES = {
+    "latent_shape": (4096, 64),
+    "generated_tokens": 4096,
+    "forward": (4096 + 512, 5 * 3072),
+    "text_elements": 512 * 4096 + 768,
+    "forward_rows": 8,  # no CFG: 8 rows, max_batch_size
+}
+WAN_LATENT = (16, 21, 60, 104)  # 81 frames: 1 + 80 / 4 latent frames of 480 / 8 x 832 / 8
+WAN_TOKENS = 21 * 30 * 52  # 1 x 2 x 2 patches
+# CFG doubles the group's rows to 16; the 2,096,640-element latent fits 4 times in the default
+# max_latent_elements (8 Mi), so 4 rows a forward.
+WAN_FORWARD_ROWS = 4
+CHECKPOINTS = (
+    Checkpoint(
+        "black-forest-labs/FLUX.1-dev",
+        "flux",
+        flux_pipeline,
+        **FLUX_FIGURES,
+        # metadata.total_size of transformer/diffusion_pytorch_model.safetensors.index.json and of
+        # text_encoder_2/model.safetensors.index.json.
+        published_bytes={"transformer": 23802816640, "text_encoder_2": 9524621312},
+    ),
+    Checkpoint(
+        "black-forest-labs/FLUX.1-Kontext-dev",
+        "flux-kontext",
+        functools.partial(flux_pipeline, pipeline_class=FluxKontextPipeline),
+        # The conditioning image at the request's size adds as many tokens as it generates.
+        **{**FLUX_FIGURES, "forward": (2 * 4096 + 512, 5 * 3072)},
+    ),
+    Checkpoint(
+        "stabilityai/stable-diffusion-3.5-medium",
+        "sd3",
+        sd3_pipeline,
+        latent_shape=(16, 128, 128),
+        generated_tokens=64 * 64,  # 2 x 2 patches of the 128 x 128 latent
+        forward=(64 * 64 + 77 + 256, 4 * 1536),  # CLIP's 77 and T5's 256 text tokens; 4x feed-forward
+        text_elements=(77 + 256) * 4096 + 2048,
+        forward_rows=8,  # CFG: 16 rows, max_batch_size 8
+        ulysses_refused=frozenset(SPLITS),  # no context-parallel plan in diffusers
+    ),
+    Checkpoint(
+        "Qwen/Qwen-Image",
+        "qwen-image",
+        qwen_image_pipeline,
+        latent_shape=(4096, 64),
+        generated_tokens=4096,
+        forward=(4096 + 512, 4 * 3072),  # the 512 longest prompt tokens; 4x feed-forward
+        text_elements=512 * 3584,
+        forward_rows=8,
+        # metadata.total_size of transformer/ and text_encoder/'s safetensors indexes.
+        published_bytes={"transformer": 40860802176, "text_encoder": 16584333312},
+    ),
+    Checkpoint(
+        "Qwen/Qwen-Image-Edit",
+        "qwen-image-edit",
+        qwen_image_edit_pipeline,
+        latent_shape=(4096, 64),
+        generated_tokens=4096,
+        # The image's 4096 latent tokens; the text: the VL encoder's 37 x 37 merged image patches (1024
+        # px to 1036, the nearest 28), the 1024 longest prompt tokens and the template's 7 others.
+        forward=(2 * 4096 + 37 * 37 + 1024 + 7, 4 * 3072),
+        # At its longest the image fills max_pixels: 12845056 / 28^2 = 16384 image tokens.
+        text_elements=(16384 + 1024 + 7) * 3584,
+        forward_rows=8,
+    ),
+    Checkpoint(
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        "wan",
+        functools.partial(wan_pipeline, config=WAN_1_3B),
+        latent_shape=WAN_LATENT,
+        generated_tokens=WAN_TOKENS,
+        forward=(WAN_TOKENS, 8960),  # the feed-forward, wider than q, k and v (3 x 1536)
+        text_elements=512 * 4096,
+        forward_rows=WAN_FORWARD_ROWS,
+        ulysses_refused=frozenset({8}),  # 12 heads
+    ),
+    Checkpoint(
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+        "wan",
+        functools.partial(wan_pipeline, config=WAN_14B),
+        latent_shape=WAN_LATENT,
+        generated_tokens=WAN_TOKENS,
+        forward=(WAN_TOKENS, 3 * 5120),  # q, k and v, wider than the feed-forward (13824)
+        text_elements=512 * 4096,
+        forward_rows=WAN_FORWARD_ROWS,
+    ),
+    Checkpoint(
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+        "wan",
+        functools.partial(wan_pipeline, config=WAN_14B, experts=2),
+        latent_shape=WAN_LATENT,
+        generated_tokens=WAN_TOKENS,
+        forward=(WAN_TOKENS, 3 * 5120),
+        text_elements=512 * 4096,
+        forward_rows=WAN_FORWARD_ROWS,
+    ),
+    Checkpoint(
+        "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+        "wan-i2v",
+        wan_i2v_pipeline,
+        latent_shape=WAN_LATENT,  # the condition enters on channels: the latent stays 16 wide
+        generated_tokens=WAN_TOKENS,
+        forward=(WAN_TOKENS, 3 * 5120),
+        text_elements=512 * 4096 + (16 * 16 + 1) * 1280,  # and CLIP's 224 / 14 squared patches + class
+        forward_rows=WAN_FORWARD_ROWS,
+    ),
+    Checkpoint(
+        "Tongyi-MAI/Z-Image-Turbo",
+        "z-image",
+        z_image_pipeline,
+        latent_shape=(16, 128, 128),  # unpacked, 8x VAE
+        generated_tokens=64 * 64,  # 2 x 2 patches, already a multiple of 32
+        # The unified sequence: the image's tokens and the 512 caption tokens, each padded to a
+        # multiple of 32; the gated feed-forward's two projections, int(3840 / 3 * 8) each.
+        forward=(64 * 64 + 512, 2 * 10240),
+        text_elements=512 * 2560,
+        forward_rows=8,  # CFG: 16 rows, max_batch_size 8
+        ulysses_refused=frozenset({4, 8}),  # 30 heads
+    ),
+)
+
+
+def build(checkpoint: Checkpoint, folder: Path) -> FamilyAdapter:
+    """The server's adapter of ``checkpoint``, over its pipeline on the meta device."""
+    adapter_class = next(a for a in families.ADAPTERS.values() if a.family == checkpoint.family)
+    return adapter_class(checkpoint.pipeline(folder), META, DTYPE)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> Callable[[Checkpoint], FamilyAdapter]:
+    built: dict[str, FamilyAdapter] = {}
+
+    def adapter(checkpoint: Checkpoint) -> FamilyAdapter:
+        if missing := FAMILIES[checkpoint.family].missing:
+            pytest.skip(f"{checkpoint.name} cannot be assembled here: {missing}")
+        if checkpoint.name not in built:
+            built[checkpoint.name] = build(checkpoint, tmp_path_factory.mktemp("tokenizers"))
+        return built[checkpoint.name]
+
+    return adapter
+
+
+@pytest.fixture(scope="module")
+def figures(adapters) -> Callable[[Checkpoint], "Figures"]:
+    measured: dict[str, Figures] = {}
+
+    def of(checkpoint: Checkpoint) -> Figures:
+        if checkpoint.name not in measured:
+            measured[checkpoint.name] = Figures.of(checkpoint, adapters(checkpoint))
+        return measured[checkpoint.name]
+
+    return of
+
+
+def default_shape(adapter: FamilyAdapter) -> MediaShape:
+    defaults = adapter.defaults()
+    return MediaShape(defaults.frames, defaults.height, defaults.width)
+
+
+def group_request(adapter: FamilyAdapter, split: int) -> rollout_pb2.RolloutRequest:
+    """A trainer's group at the family's defaults (size, steps, CFG, images on), resolved by the
+    server's validation with ``split`` sequence-parallel ranks; InvalidRequest if it cannot run."""
+    request = rollout_pb2.RolloutRequest(prompts=["a red fox in the snow"], samples_per_prompt=GROUP)
+    if adapter.takes_images:
+        image = io.BytesIO()
+        Image.new("RGB", (64, 64), "red").save(image, format="PNG")
+        request.condition_images.add(data=image.getvalue())
+    serving = ServingContext.of(adapter, adapter.defaults(), Limits(), seq_len_divisor=split)
+    return resolve(request, serving)
+
+
+def parameters(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def weight_bytes(pipe: DiffusionPipeline) -> int:
+    """What the loaded pipeline holds on each rank: every component's parameters and buffers."""
+    modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
+    return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
+
+
+def split_refusal(adapter: FamilyAdapter, split: int) -> str:
+    """Why a Ulysses split across ``split`` ranks is refused at start-up ("" if it is not)."""
+    try:
+        for expert in adapter.experts.values():
+            check_splittable(expert, ParallelDims(split, "ulysses", split))
+    except ParallelismUnsupported as error:
+        return str(error)
+    return ""
+
+
+def lora_config(targets: list[str]) -> str:
+    """The trainer's default LoRA on ``targets``, as its updates' header carries it."""
+    return lora_config_json(
+        LoraConfig(r=DEFAULT_LORA_RANK, lora_alpha=DEFAULT_LORA_ALPHA, target_modules=targets)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """What the server's code makes of a checkpoint at its default request: the table's figures."""
+
+    parameters: tuple[int, ...]  # each expert's
+    weights: int  # every component's bytes, on each rank
+    peaks: dict[int, int | None]  # by SP degree: the weights and the estimate's peak (None: refused)
+    full_update: int  # one expert's tensors
+    lora_update: int  # the trainer's default adapter on one expert
+    lora_under_sp: str  # the server's refusal of that adapter under --sp ("" if it takes it)
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint, adapter: FamilyAdapter) -> "Figures":
+        weights = weight_bytes(adapter.pipe)
+        profile = adapter.measure_decode()
+        budget = memory.MemoryBudget(0, Limits())
+        peaks = {}
+        for split in (1, *SPLITS):
+            estimate = memory.estimate(adapter, profile, group_request(adapter, 1), BACKLOG, split)
+            refused = split > 1 and split_refusal(adapter, split)
+            peaks[split] = None if refused else weights + budget.peak([estimate])
+        # The server's own checks: the spec it takes of a loaded transformer under --sp, and the
+        # adapter laid out on it (without the split's modules to avoid, when it refuses the adapter).
+        split_spec = TransformerSpec.of(next(iter(adapter.experts.values())), sequence_parallel=True)
+        config = lora_config(list(LORA_TARGETS[checkpoint.family]))
+        try:
+            lora, refusal = lora_layout(split_spec, config), ""
+        except InvalidRequest as error:
+            lora, refusal = lora_layout(dataclasses.replace(split_spec, unwrappable=()), config), str(error)
+        return cls(
+            parameters=tuple(parameters(expert) for expert in adapter.experts.values()),
+            weights=weights,
+            peaks=peaks,
+            full_update=split_spec.tensor_bytes,
+            lora_update=layout_bytes(lora),
+            lora_under_sp=refusal,
+        )
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=lambda c: c.name)
+def test_the_adapter_sizes_the_default_request_as_the_published_values_say(adapters, checkpoint):
+    adapter = adapters(checkpoint)
+    shape = default_shape(adapter)
+    assert (shape.height, shape.width) == ((480, 832) if adapter.max_frames > 1 else (1024, 1024))
+    assert shape.frames == (81 if adapter.max_frames > 1 else 1)
+    assert adapter.latent_shape(shape) == checkpoint.latent_shape
+    assert adapter.generated_tokens(shape) == checkpoint.generated_tokens
+    assert adapter.forward_activation(shape) == checkpoint.forward
+    assert adapter.text_elements() == checkpoint.text_elements
+    sigmas, timesteps = adapter.schedule(adapter.defaults().num_steps, shape)
+    assert len(sigmas) == len(timesteps) == adapter.defaults().num_steps + 1
+    # The real transformer's input layer takes the latent as the adapter shapes it (with the
+    # conditioning's channels, for a family that concatenates them), and makes that many tokens.
+    for expert in adapter.experts.values():
+        layer_name = next(
+            n
+            for n in ("x_embedder", "img_in", "pos_embed", "patch_embedding", "all_x_embedder")
+            if hasattr(expert, n)
+        )
+        latent = list(checkpoint.latent_shape)
+        channels = -1 if len(latent) == 2 else 0
+        if adapter.conditioning.concat != rollout_pb2.CONDITIONING_CONCAT_CHANNELS:
+            assert latent[channels] == expert.config.in_channels
+        latent[channels] = expert.config.in_channels
+        with torch.no_grad():
+            sample = torch.empty(1, *latent, device=META, dtype=DTYPE)
+            if layer_name == "all_x_embedder":  # Z-Image patchifies each sample [C, 1, H, W] itself
+                patches, _, _ = expert._patchify_image(sample[0].unsqueeze(1), 2, 1)
+                embedded = expert.all_x_embedder["2-1"](patches).unsqueeze(0)
+            else:
+                embedded = getattr(expert, layer_name)(sample)
+        tokens = embedded.shape[1] if embedded.dim() == 3 else math.prod(embedded.shape[2:])
+        assert tokens == checkpoint.generated_tokens
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=lambda c: c.name)
+def test_the_split_across_2_4_and_8_ranks(adapters, checkpoint):
+    """Ulysses divides the attention heads (every expert's) among the ranks; the default request's
+    tokens (generated and appended conditioning) then cut into equal parts, or validation names
+    height."""
+    adapter = adapters(checkpoint)
+    refused = {split for split in SPLITS if split_refusal(adapter, split)}
+    assert refused == checkpoint.ulysses_refused
+    for split in SPLITS:
+        request = group_request(adapter, split)
+        shape = MediaShape.of(request)
+        assert (adapter.generated_tokens(shape) + adapter.conditioning_tokens(shape)) % split == 0
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=lambda c: c.name)
+def test_the_memory_estimate_at_scale(adapters, checkpoint):
+    """A trainer's group at the default size: each forward row is 6 x its tokens x the widest
+    activation plus its text, in bf16, each rank's share of the tokens under SP; a forward takes the
+    rows the runner gives it; a component's parameters are its published checkpoint's bytes."""
+    adapter = adapters(checkpoint)
+    tokens, width = checkpoint.forward
+    profile = adapter.measure_decode()
+    assert profile.frames_per_piece == (4 if adapter.max_frames > 1 else 1)
+    assert profile.workspace == 0  # off the CPU
+    budget = memory.MemoryBudget(0, Limits())
+    for split in (1, *SPLITS):
+        estimate = memory.estimate(adapter, profile, group_request(adapter, 1), BACKLOG, split)
+        assert estimate.row_bytes == (-(-tokens // split) * width * 6 + checkpoint.text_elements) * 2
+        assert budget.forward_rows(estimate, estimate.rows) == checkpoint.forward_rows
+    for component, size in checkpoint.published_bytes.items():
+        assert 2 * parameters(getattr(adapter.pipe, component)) == size  # bf16
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=lambda c: c.name)
+def test_the_default_lora_targets_name_modules_of_the_real_tree(adapters, figures, checkpoint):
+    """Each target of the family's default LoRA matches linear layers of the published transformers
+    (as PEFT matches a name: the whole name or its dotted end), and the server lays the trainer's
+    default adapter out on it. Under sequence parallelism no target may wrap a module whose output
+    the split gathers: FLUX's proj_out is one (its latent projection out)."""
+    adapter = adapters(checkpoint)
+    targets = LORA_TARGETS[checkpoint.family]
+    for expert in adapter.experts.values():
+        modules = dict(expert.named_modules())
+        for target in targets:
+            matched = [m for name, m in modules.items() if name == target or name.endswith("." + target)]
+            assert matched and all(isinstance(m, torch.nn.Linear) for m in matched), target
+    measured = figures(checkpoint)
+    assert measured.lora_update > 0
+    if "proj_out" in targets:
+        assert "may not wrap ['proj_out']" in measured.lora_under_sp
+    else:
+        assert measured.lora_under_sp == ""
+
+
+def gib(size: int) -> str:
+    return f"{size / 2**30:.1f}"
+
+
+def row(checkpoint: Checkpoint, adapter: FamilyAdapter, measured: Figures) -> str:
+    """The checkpoint's line of the table."""
+    shape = default_shape(adapter)
+    counts = " + ".join(f"{count / 1e9:.2f} B" for count in measured.parameters)
+    peaks = " / ".join("-" if peak is None else gib(peak) for peak in measured.peaks.values())
+    size = f"{shape.width} x {shape.height}" + (f" x {shape.frames}" if shape.frames > 1 else "")
+    tokens = f"{adapter.generated_tokens(shape)} ({adapter.forward_activation(shape)[0]})"
+    return (
+        f"| {checkpoint.name} | {counts} | {size} | {tokens} | {gib(measured.weights)} | {peaks} | "
+        f"{gib(measured.full_update)} | {measured.lora_update / 2**20:.1f} |"
+    )
+
+
+TABLE_HEADER = (
+    "| checkpoint | transformer parameters | default size | tokens (in a forward) | weights, GiB | "
+    "est. peak per GPU at SP 1 / 2 / 4 / 8, GiB | FULL update, GiB | LoRA r=8 update, MiB |\n"
+    "|---|---|---|---|---|---|---|---|"
+)
+
+
+def table(adapter: Callable[[Checkpoint], FamilyAdapter], figures: Callable[[Checkpoint], Figures]) -> str:
+    served = [c for c in CHECKPOINTS if not FAMILIES[c.family].missing]
+    return "\n".join([TABLE_HEADER, *(row(c, adapter(c), figures(c)) for c in served)])
+
+
+def test_the_table_in_the_docs_is_the_one_computed_here(adapters, figures):
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    assert table(adapters, figures) in docs
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as scratch:
+        built = {
+            c.name: build(c, Path(scratch) / c.name) for c in CHECKPOINTS if not FAMILIES[c.family].missing
+        }
+        print(table(lambda c: built[c.name], lambda c: Figures.of(c, built[c.name])))
