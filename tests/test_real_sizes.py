@@ -33,10 +33,14 @@ import pytest
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    Flux2Transformer2DModel,
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -61,12 +65,16 @@ from transformers import (
     CLIPTextModelWithProjection,
     CLIPVisionConfig,
     CLIPVisionModelWithProjection,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
     Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
     Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3Model,
     T5Config,
     T5EncoderModel,
@@ -84,9 +92,14 @@ from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.limits import Limits
 from rollout_server.parallel import ParallelDims, check_splittable
 from rollout_server.presets.flux import FLUX_SCHEDULER_CONFIG
+from rollout_server.presets.flux2 import FLUX2_SCHEDULER_CONFIG
 from rollout_server.presets.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, _prompt_template
 from rollout_server.presets.sd3 import SD3_SCHEDULER_CONFIG
-from rollout_server.presets.tokenizers import write_qwen2_tokenizer, write_t5_tokenizer
+from rollout_server.presets.tokenizers import (
+    write_mistral_tokenizer,
+    write_qwen2_tokenizer,
+    write_t5_tokenizer,
+)
 from rollout_server.presets.wan import WAN22_BOUNDARY_RATIO, WAN_SCHEDULER_CONFIG
 from rollout_server.presets.z_image import Z_IMAGE_SCHEDULER_CONFIG
 from rollout_server.scheduler import STREAM_BUFFER
@@ -293,7 +306,6 @@ CLIP_VIT_H = {
     "projection_dim": 1024,
 }
 
-# Waiting for their adapters: each becomes one Checkpoint entry below once its family is served.
 # black-forest-labs/FLUX.2-dev transformer/config.json (diffusers' scripts/convert_flux2_to_diffusers.py).
 FLUX_2_DEV = {
     "attention_head_dim": 128,
@@ -344,7 +356,7 @@ Z_IMAGE_TURBO = {
     "rope_theta": 256.0,
     "t_scale": 1000.0,
 }
-# Tongyi-MAI/Z-Image-Turbo text_encoder/config.json: Qwen3-4B's.
+# Tongyi-MAI/Z-Image-Turbo and black-forest-labs/FLUX.2-klein-4B text_encoder/config.json: Qwen3-4B's.
 QWEN3_4B = {
     "head_dim": 128,
     "hidden_act": "silu",
@@ -358,6 +370,46 @@ QWEN3_4B = {
     "rope_theta": 1000000,
     "tie_word_embeddings": True,
     "vocab_size": 151936,
+}
+# black-forest-labs/FLUX.2-klein-9B text_encoder/config.json: Qwen3-8B's.
+QWEN3_8B = {
+    **QWEN3_4B,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "tie_word_embeddings": False,
+}
+# black-forest-labs/FLUX.2-dev text_encoder/config.json: Mistral Small 3.1 24B's (its Pixtral vision
+# tower beside the language model).
+MISTRAL_SMALL_3_1 = {
+    "image_token_index": 10,
+    "multimodal_projector_bias": False,
+    "projector_hidden_act": "gelu",
+    "spatial_merge_size": 2,
+    "text_config": {
+        "head_dim": 128,
+        "hidden_size": 5120,
+        "intermediate_size": 32768,
+        "max_position_embeddings": 131072,
+        "model_type": "mistral",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000000.0,
+        "vocab_size": 131072,
+    },
+    "vision_config": {
+        "head_dim": 64,
+        "hidden_size": 1024,
+        "image_size": 1540,
+        "intermediate_size": 4096,
+        "model_type": "pixtral",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+        "rope_theta": 10000.0,
+    },
+    "vision_feature_layer": -1,
 }
 
 
@@ -450,6 +502,32 @@ def wan_i2v_pipeline(folder: Path) -> WanImageToVideoPipeline:
     )
 
 
+def flux2_klein_pipeline(folder: Path, transformer: dict, text_encoder: dict) -> Flux2KleinPipeline:
+    """The adapter reads the tokenizer's length (a locally trained Qwen2 one: the real one is longer
+    than the pipeline's 512) and the text encoder's depth."""
+    write_qwen2_tokenizer(folder / "tokenizer", "")
+    return Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
+        vae=on_meta(AutoencoderKLFlux2),
+        text_encoder=on_meta(Qwen3ForCausalLM, Qwen3Config(**text_encoder)),
+        tokenizer=Qwen2Tokenizer.from_pretrained(folder / "tokenizer"),
+        transformer=on_meta(Flux2Transformer2DModel, **transformer),
+    )
+
+
+def flux2_dev_pipeline(folder: Path) -> Flux2Pipeline:
+    """As [klein]'s, with Mistral's tokenizer (a real checkpoint's sits in a processor that needs
+    torchvision; the adapter reads the tokenizer's length either way)."""
+    write_mistral_tokenizer(folder / "tokenizer", "", model_max_length=131072)
+    return Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
+        vae=on_meta(AutoencoderKLFlux2),
+        text_encoder=on_meta(Mistral3ForConditionalGeneration, Mistral3Config(**MISTRAL_SMALL_3_1)),
+        tokenizer=PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer"),
+        transformer=on_meta(Flux2Transformer2DModel, **FLUX_2_DEV),
+    )
+
+
 def z_image_pipeline(folder: Path) -> ZImagePipeline:
     """Z-Image decodes with FLUX.1's VAE; the adapter reads no tokenizer (its text length is the
     pipeline's 512)."""
@@ -489,6 +567,11 @@ FLUX_FIGURES = {
     "text_elements": 512 * 4096 + 768,
     "forward_rows": 8,  # no CFG: 8 rows, max_batch_size
 }
+# FLUX.2 at 1024 x 1024: 8x VAE of 32 channels, 2x2 patches packed: 4096 tokens of 128; the 512 text
+# tokens join them; a single block's fused projection is (3 + 2 x mlp_ratio 3) x the attention width
+# (heads x 128). Its text: three stacked layers of the encoder. [klein]'s CFG makes 16 rows and
+# [dev] has none: max_batch_size 8 either way.
+FLUX2_FIGURES = {"latent_shape": (4096, 128), "generated_tokens": 4096, "forward_rows": 8}
 WAN_LATENT = (16, 21, 60, 104)  # 81 frames: 1 + 80 / 4 latent frames of 480 / 8 x 832 / 8
 WAN_TOKENS = 21 * 30 * 52  # 1 x 2 x 2 patches
 # CFG doubles the group's rows to 16; the 2,096,640-element latent fits 4 times in the default
@@ -587,6 +670,28 @@ CHECKPOINTS = (
         forward=(WAN_TOKENS, 3 * 5120),
         text_elements=512 * 4096 + (16 * 16 + 1) * 1280,  # and CLIP's 224 / 14 squared patches + class
         forward_rows=WAN_FORWARD_ROWS,
+    ),
+    Checkpoint(
+        "black-forest-labs/FLUX.2-klein-4B",
+        "flux2-klein",
+        functools.partial(flux2_klein_pipeline, transformer=FLUX_2_KLEIN_4B, text_encoder=QWEN3_4B),
+        **{
+            **FLUX2_FIGURES,
+            "forward": (4096 + 512, 9 * 24 * 128),
+            "text_elements": 512 * 7680,  # three Qwen3-4B layers of 2560
+        },
+    ),
+    Checkpoint(
+        "black-forest-labs/FLUX.2-klein-9B",
+        "flux2-klein",
+        functools.partial(flux2_klein_pipeline, transformer=FLUX_2_KLEIN_9B, text_encoder=QWEN3_8B),
+        **{**FLUX2_FIGURES, "forward": (4096 + 512, 9 * 32 * 128), "text_elements": 512 * 12288},
+    ),
+    Checkpoint(
+        "black-forest-labs/FLUX.2-dev",
+        "flux2",
+        flux2_dev_pipeline,
+        **{**FLUX2_FIGURES, "forward": (4096 + 512, 9 * 48 * 128), "text_elements": 512 * 15360},
     ),
     Checkpoint(
         "Tongyi-MAI/Z-Image-Turbo",

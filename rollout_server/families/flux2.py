@@ -117,9 +117,12 @@ class Flux2FamilyAdapter(PackedLatentAdapter):
     @torch.no_grad()
     def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
         # As the pipelines' __call__ after their loop: tokens back onto the grid by their ids, the
-        # batch-norm statistics undone, the 2x2 patches unfolded, then the VAE.
+        # batch-norm statistics undone, the 2x2 patches unfolded, then the VAE. The generated tokens'
+        # ids are the grid in row-major order (``_image_ids``), so their scatter is this reshape:
+        # the same values in the same places, and no device sync for the grid's size.
         pipe, vae = self.pipe, self.pipe.vae
-        patches = pipe._unpack_latents_with_ids(latents.to(vae.dtype), self._image_ids(shape))
+        rows, cols = self._latent_grid(shape)
+        patches = latents.to(vae.dtype).view(1, rows, cols, -1).permute(0, 3, 1, 2)
         bn = vae.bn
         mean = bn.running_mean.view(1, -1, 1, 1).to(patches.device, patches.dtype)
         std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
