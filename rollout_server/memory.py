@@ -41,8 +41,9 @@ DECODE_LIVE_FACTOR = 6
 # on first use, and what the allocator keeps in its arenas (40 to 120 MiB measured on a CPU).
 RUNTIME_OVERHEAD = 128 * 2**20
 # A sample's float32 sampler tensors besides each branch's velocity: the state, the guided velocity,
-# the step's mean, noise, scaled noise and next latent.
-SAMPLER_TENSORS = 6
+# the step's mean, noise, scaled noise and next latent, and the solver's history (two data
+# predictions and UniPC's corrected sample, rollout_core.solvers).
+SAMPLER_TENSORS = 9
 # Copies of an event's payload alive while it is sent: the tensors, their safetensors buffer and the
 # messages cut from it.
 EVENT_COPIES = 3

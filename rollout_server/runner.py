@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_core import dtypes, steps
+from rollout_core import dtypes, solvers, steps
 from rollout_core.transformer_call import apply_guidance, call_transformer, stack_envs
 from rollout_core.tree import Tree
 from rollout_server.errors import InvalidRequest
@@ -227,6 +227,7 @@ class Runner:
             sampler_type=sampler_type,
             sigmas=sigmas,
             stochastic=stochastic,
+            solver=solvers.SOLVERS_BY_ENUM[request.solver].name,
             noise_levels=noise_levels,
             log_prob_constants=request.log_prob_constants,
             latent_dtype=dtypes.LATENT[request.latent_dtype],

@@ -1,12 +1,17 @@
-"""The model-agnostic, step-wise sampler: noise, fp32 step, log-prob.
+"""The model-agnostic, step-wise sampler: noise, fp32 step, log-prob, solver history.
 
 ``init(plan)`` gives a rollout's state at x_0, and ``advance(plan, state, v)`` takes its next step
 with a velocity computed elsewhere (the runner's batched transformer call with guidance) and says
 what happened in a ``StepRecord``. A state's rows are its live samples, each with the seed its noise
-comes from: ``regroup`` re-forms them, for a tree rollout's forks (a row repeated once per child,
-with the children's seeds) and prunes (rows dropped). Only the plan and the state enter a step, so
-the engine may step many rollouts, each at its own step, in any interleaving. The sampler owns the
-noise (``rollout_core.noise``) and the step math (``rollout_core.steps``) and knows no model.
+comes from, and the deterministic solver's history (``rollout_core.solvers.History``: the data
+predictions of the last steps, UniPC's corrected sample): ``regroup`` re-forms them together, for a
+tree rollout's forks (a row repeated once per child, with the children's seeds, each child with its
+parent's history) and prunes (rows dropped). Only the plan and the state enter a step, so the engine
+may step many rollouts, each at its own step, in any interleaving, and every sequence-parallel rank,
+stepping the same gathered velocity, holds the same history. The sampler owns the noise
+(``rollout_core.noise``), the stochastic step math (``rollout_core.steps``) and the deterministic
+solvers (``rollout_core.solvers``), and knows no model. A stochastic step is a first-order Gaussian
+transition from x_i as streamed; every other step is the plan's solver's.
 
 The streamed log-prob scores exactly the streamed x_{i+1}: when latents are kept in float32,
 x_{i+1} = mean + sd * eps and the residual is sd * eps, computed from the full noise tensor; when the
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_core import noise, steps
+from rollout_core import noise, solvers, steps
 from rollout_server.errors import NonFiniteStep
 
 
@@ -40,6 +45,7 @@ class SamplerPlan:
     sampler_type: str
     sigmas: torch.Tensor  # float32 [T + 1], terminal 0 included
     stochastic: Sequence[bool]  # [T]: the step draws noise and is scored
+    solver: str  # the deterministic solver of the other steps (rollout_core.solvers.SOLVERS)
     noise_levels: Sequence[float]  # [T]: the noise level of each step
     log_prob_constants: bool
     latent_dtype: torch.dtype  # the sampler state is rounded to it after every step
@@ -51,6 +57,11 @@ class SamplerPlan:
     def num_steps(self) -> int:
         return len(self.sigmas) - 1
 
+    @property
+    def step_orders(self) -> list[int]:
+        """[T]: the order of each step (1 on a stochastic step)."""
+        return solvers.step_orders(self.solver, list(self.stochastic))
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -58,6 +69,7 @@ class StepRecord:
 
     index: int
     stochastic: bool
+    order: int  # of the step's rule: 1 for a stochastic step
     x_next: torch.Tensor
     log_probs: torch.Tensor | None  # [B] when stochastic
     sd: torch.Tensor  # 0-d; 0 when not stochastic
@@ -85,11 +97,12 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @dataclass
 class SamplerState:
     """Where one rollout stands: ``x`` is x_i [B, ...], the latent that step ``step`` = i denoises,
-    and row b draws its noise from ``seeds[b]``."""
+    row b draws its noise from ``seeds[b]``, and ``history`` holds its solver's rows."""
 
     x: torch.Tensor
     seeds: list[int]
     step: int = 0
+    history: solvers.History = solvers.History()
 
 
 def init(plan: SamplerPlan) -> SamplerState:
@@ -100,8 +113,10 @@ def init(plan: SamplerPlan) -> SamplerState:
 
 def regroup(state: SamplerState, rows: Sequence[int], seeds: Sequence[int]) -> None:
     """Re-form the state's rows before its step: new row b is old row ``rows[b]``, drawing its noise
-    from ``seeds[b]`` from this step on (a row listed twice is copied bitwise)."""
-    state.x = state.x[torch.tensor(rows, dtype=torch.long, device=state.x.device)]
+    from ``seeds[b]`` from this step on (a row listed twice is copied bitwise, with its history)."""
+    index = torch.tensor(rows, dtype=torch.long, device=state.x.device)
+    state.x = state.x[index]
+    state.history = state.history.rows(index)
     state.seeds = list(seeds)
 
 
@@ -112,19 +127,21 @@ def advance(plan: SamplerPlan, state: SamplerState, v: torch.Tensor) -> StepReco
     i, x = state.step, state.x
     check_finite("velocity", i, v)
     stochastic = plan.stochastic[i]
-    kind = plan.sampler_type if stochastic else "ODE"
-    level = plan.noise_levels[i]
-    mean = steps.transition_mean(kind, x, v, plan.sigmas, i, level)
-    sd = steps.noise_std(kind, plan.sigmas, i, level)
     eps = log_probs = None
     if stochastic:
+        level = plan.noise_levels[i]
+        mean = steps.transition_mean(plan.sampler_type, x, v, plan.sigmas, i, level)
+        sd = steps.noise_std(plan.sampler_type, plan.sigmas, i, level)
         eps = noise.step_noise(state.seeds, i, plan.latent_shape).to(plan.device)
         scaled_noise = sd.to(plan.device) * eps
         x_next = _round(mean + scaled_noise, plan.latent_dtype)
         residual = scaled_noise if plan.latent_dtype == torch.float32 else x_next - mean
         log_probs = steps.log_prob(residual, sd, plan.log_prob_constants)
+        history, order = solvers.after_stochastic_step(plan.solver, state.history, x, v, plan.sigmas, i), 1
     else:
+        solved = solvers.solver_step(plan.solver, x, v, plan.sigmas, i, state.history)
+        mean, sd, history, order = solved.x_next, torch.zeros(()), solved.history, solved.order
         x_next = _round(mean, plan.latent_dtype)
     check_finite("next latent", i, x_next)
-    state.x, state.step = x_next, i + 1
-    return StepRecord(i, stochastic, x_next, log_probs, sd, eps, mean, v)
+    state.x, state.step, state.history = x_next, i + 1, history
+    return StepRecord(i, stochastic, order, x_next, log_probs, sd, eps, mean, v)

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 import rollout_server
 from rollout.v1 import rollout_pb2
-from rollout_core import dtypes, steps, wire
+from rollout_core import dtypes, solvers, steps, wire
 from rollout_server import families, memory, presets
 from rollout_server.auth import HANDLER_KINDS, ServerTLS, TokenInterceptor, TokenPolicy, exposure_warning
 from rollout_server.engine import Engine
@@ -130,6 +130,7 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
         transformers=list(adapter.experts),
         attention_split=options.parallel.attention_split,
         sampler_types=list(steps.SAMPLERS_BY_ENUM),
+        solvers=list(solvers.SOLVERS_BY_ENUM),
         defaults=defaults_proto(serving),
         limits=limits.to_proto(adapter.side_multiple, adapter.max_frames, adapter.frame_step),
         versions=versions(),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_core import codec, dtypes, noise, wire
+from rollout_core import codec, dtypes, noise, solvers, wire
 
 if TYPE_CHECKING:
     from rollout_server.families.base import FamilyAdapter
@@ -62,6 +62,11 @@ def started_event(
         timesteps=rollout.timesteps.tolist(),
         step_transformers=rollout.experts,
         stochastic=plan.stochastic,
+        step_solvers=[
+            rollout_pb2.SOLVER_UNSPECIFIED if stochastic else solvers.SOLVERS[plan.solver].enum
+            for stochastic in plan.stochastic
+        ],
+        step_orders=plan.step_orders,
         log_prob_constants=request.log_prob_constants,
         layout=rollout_pb2.LatentLayout(
             shape=plan.latent_shape,

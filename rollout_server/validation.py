@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_core import dtypes, steps
+from rollout_core import dtypes, solvers, steps
 from rollout_core.layout import DEFAULT_GROUP_SIZE, sample_layout
 from rollout_core.tree import Tree
 from rollout_server import images
@@ -64,6 +64,7 @@ class ServingContext:
     max_frames: int = 1  # the family's; image families take 1
     frame_step: int = 0  # video families: num_frames - 1 is a multiple of it
     min_steps: int = 1  # the fewest steps the model's schedule is defined for
+    solver: str = solvers.FALLBACK_SOLVER  # the family's deterministic solver (its pipeline's)
     # One sample's latent shape for a media shape (None: not checked against max_latent_elements).
     latent_shape: Callable[[MediaShape], tuple[int, ...]] | None = None
     # Sequence parallelism: one sample's generated tokens must divide by seq_len_divisor.
@@ -96,6 +97,7 @@ class ServingContext:
             max_frames=adapter.max_frames,
             frame_step=adapter.frame_step,
             min_steps=adapter.min_steps,
+            solver=adapter.solver,
             latent_shape=adapter.latent_shape,
             generated_tokens=adapter.generated_tokens,
             seq_len_divisor=seq_len_divisor,
@@ -116,7 +118,8 @@ def defaults_proto(context: ServingContext) -> rollout_pb2.RolloutRequest:
         num_steps=d.num_steps,
         guidance_scale=d.guidance_scale,
         true_cfg_scale=d.true_cfg_scale,
-        sampler=rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
+        sampler=steps.DEFAULT_SAMPLER.enum,
+        solver=solvers.SOLVERS[context.solver].enum,
         noise_level=d.noise_level,
         latents=rollout_pb2.LATENT_SELECTION_ALL,
         latent_dtype=rollout_pb2.TENSOR_DTYPE_FLOAT32,
@@ -224,12 +227,11 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     if len(request.negative_prompt) > limits.max_prompt_chars:
         bad.append(("negative_prompt", f"longer than {limits.max_prompt_chars} characters"))
 
-    if request.sampler == rollout_pb2.SAMPLER_TYPE_UNSPECIFIED:
-        resolved.sampler = rollout_pb2.SAMPLER_TYPE_FLOW_SDE
-    elif request.sampler not in steps.SAMPLERS_BY_ENUM:
+    # An unset sampler or solver (0) is not merged over the defaults: they stay the served ones.
+    sampler = steps.SAMPLERS_BY_ENUM.get(resolved.sampler)
+    if sampler is None:
         bad.append(("sampler", f"unknown sampler type {request.sampler}"))
-    sampler = steps.SAMPLERS_BY_ENUM.get(resolved.sampler, steps.SAMPLERS["ODE"])
-    if not _finite_in(resolved.noise_level, 0.0, sampler.max_noise_level):
+    elif not _finite_in(resolved.noise_level, 0.0, sampler.max_noise_level):
         bad.append(
             (
                 "noise_level",
@@ -238,11 +240,13 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         )
     elif 0.0 < resolved.noise_level < MIN_NOISE_LEVEL:
         bad.append(("noise_level", f"must be 0 or at least {MIN_NOISE_LEVEL}, got {resolved.noise_level}"))
+    if resolved.solver not in solvers.SOLVERS_BY_ENUM:
+        bad.append(("solver", f"unknown solver {request.solver}; expected one of {list(solvers.SOLVERS)}"))
 
     chosen = list(request.stochastic_steps)
     if chosen:
-        if resolved.sampler == rollout_pb2.SAMPLER_TYPE_ODE:
-            bad.append(("stochastic_steps", "the ODE sampler has no stochastic steps"))
+        if sampler is not None and not sampler.stochastic:
+            bad.append(("stochastic_steps", f"the {sampler.name} sampler has no stochastic steps"))
         elif any(i >= num_steps for i in chosen):
             bad.append(("stochastic_steps", f"indices must be < num_steps ({num_steps})"))
         elif any(b <= a for a, b in zip(chosen, chosen[1:], strict=False)):
@@ -251,7 +255,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     bad.extend(_branch_problems(request, resolved, limits))
     resolved.branches.extend(request.branches)
     bad.extend(_prune_point_problems(request, num_steps, limits))
-    if not request.HasField("log_prob_constants"):
+    if not request.HasField("log_prob_constants") and sampler is not None:
         resolved.log_prob_constants = sampler.log_prob_constants
 
     if request.latents == rollout_pb2.LATENT_SELECTION_UNSPECIFIED:
@@ -333,7 +337,7 @@ def _branch_problems(
         return [("branches", f"{len(branches)} branch points exceed {limits.max_steps} steps")]
     bad = []
     num_steps = resolved.num_steps
-    sampler = steps.SAMPLERS_BY_ENUM.get(resolved.sampler, steps.SAMPLERS["ODE"])
+    sampler = steps.SAMPLERS_BY_ENUM.get(resolved.sampler)
     for k, branch in enumerate(branches):
         if branch.step >= num_steps:
             bad.append((f"branches[{k}].step", f"must be < num_steps ({num_steps}), got {branch.step}"))
@@ -341,7 +345,7 @@ def _branch_problems(
             bad.append((f"branches[{k}].step", "branch steps must be strictly increasing"))
         if branch.factor < 1:
             bad.append((f"branches[{k}].factor", "must be at least 1"))
-        if branch.HasField("noise_level"):
+        if branch.HasField("noise_level") and sampler is not None:
             level = branch.noise_level
             if not _finite_in(level, MIN_NOISE_LEVEL, sampler.max_noise_level):
                 bad.append(

@@ -95,3 +95,66 @@ def bare_log_probs(transformer, trajectory) -> dict[int, float]:
         x_next = trajectory.latents[i + 1].unsqueeze(0).double().numpy()
         replayed[i] = float(log_prob(x_next, mean, sd, trajectory.log_prob_constants)[0])
     return replayed
+
+
+def _half_log_snr(s: float) -> float:
+    """lambda = log((1 - s) / s): -inf at s = 1, inf at s = 0."""
+    if s == 0.0:
+        return math.inf
+    return -math.inf if s == 1.0 else math.log((1 - s) / s)
+
+
+def solver_steps(solver: str, latents, velocities, sigmas, stochastic) -> dict[int, np.ndarray]:
+    """{step: x_{i+1}} of every deterministic step in float64, from the given x_i and v_i of every
+    step, by the published rules: Euler; DPM-Solver++(2M) (Lu et al. 2022, midpoint form, first order
+    at the first step and into sigma = 0); UniPC-2 bh2 (Zhao et al. 2023) with its corrector on the
+    sample a deterministic step made, the 2 x 2 system solved in closed form. Every step's data
+    prediction x - s v enters the history; a stochastic step's output is not corrected."""
+    xs = [np.asarray(x, dtype=np.float64) for x in latents]
+    vs = [np.asarray(v, dtype=np.float64) for v in velocities]
+    s = [float(value) for value in sigmas]
+    lam = [_half_log_snr(value) for value in s]
+    T = len(stochastic)
+    m = [xs[i] - s[i] * vs[i] for i in range(T)]
+    out, corrected, orders = {}, {}, {}
+    for i in range(T):
+        if stochastic[i]:
+            orders[i] = 1
+            continue
+        h = lam[i + 1] - lam[i]
+        alpha_next = 1 - s[i + 1]
+        decay = math.expm1(-h)  # e^-h - 1
+        if solver == "euler":
+            out[i] = xs[i] + (s[i + 1] - s[i]) * vs[i]
+            continue
+        if solver == "dpmpp_2m":
+            x = s[i + 1] / s[i] * xs[i] - alpha_next * decay * m[i]
+            if i > 0 and i < T - 1:
+                r = (lam[i] - lam[i - 1]) / h
+                x = x - 0.5 * alpha_next * decay * (m[i] - m[i - 1]) / r
+            out[i] = x
+            continue
+        assert solver == "unipc", solver
+        x = xs[i]
+        if i > 0 and not stochastic[i - 1]:  # correct the sample step i - 1 made
+            hc = lam[i] - lam[i - 1]
+            phi = math.expm1(-hc)
+            b1 = (phi / -hc - 1) / phi
+            b2 = 2 * ((phi / -hc - 1) / -hc - 0.5) / phi
+            base = s[i] / s[i - 1] * corrected[i - 1] - (1 - s[i]) * phi * m[i - 1]
+            if orders[i - 1] == 1:
+                x = base - (1 - s[i]) * phi * 0.5 * (m[i] - m[i - 1])
+            else:
+                r = (lam[i - 2] - lam[i - 1]) / hc
+                rho_0 = 0.0 if math.isinf(r) else (b1 - b2) / (1 - r)
+                rho_c = b1 - rho_0
+                d = (m[i - 2] - m[i - 1]) / r
+                x = base - (1 - s[i]) * phi * (rho_0 * d + rho_c * (m[i] - m[i - 1]))
+        corrected[i] = x
+        orders[i] = min(2, T - i, i + 1)
+        x_next = s[i + 1] / s[i] * x - alpha_next * decay * m[i]
+        if orders[i] == 2:
+            r = (lam[i - 1] - lam[i]) / h
+            x_next = x_next - alpha_next * decay * 0.5 * (m[i - 1] - m[i]) / r
+        out[i] = x_next
+    return out

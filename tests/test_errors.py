@@ -60,6 +60,7 @@ MALFORMED = [
     ("stochastic-steps-decreasing", {"stochastic_steps": [1, 0]}, "stochastic_steps"),
     ("stochastic-steps-repeated", {"stochastic_steps": [1, 1]}, "stochastic_steps"),
     ("stochastic-steps-with-ode", {"sampler": ODE, "stochastic_steps": [0]}, "stochastic_steps"),
+    ("unknown-solver", {"solver": 9}, "solver"),
     ("unknown-latents", {"latents": 42}, "latents"),
     ("unknown-latent-dtype", {"latent_dtype": 7}, "latent_dtype"),
     ("unspecified-debug-tensor", {"debug_tensors": [rollout_pb2.DEBUG_TENSOR_UNSPECIFIED]}, "debug_tensors"),

@@ -11,6 +11,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from helpers import FAMILIES, family_request, field_violations
 
 from rollout_client.images import LABEL_HEIGHT
+from rollout_core import solvers
 
 BOTH = pytest.mark.parametrize("family", ["wan", "wan2.2"])
 
@@ -50,29 +51,36 @@ def test_frames_must_be_4k_plus_1_and_bounded(family_client, family, frames):
     assert [violation.field for violation in field_violations(refused.value)] == ["num_frames"]
 
 
-@BOTH
-def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family):
+@pytest.mark.parametrize(("family", "solver"), [("wan", "unipc"), ("wan", "euler"), ("wan2.2", "unipc")])
+def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family, solver):
     """Schedule (UniPC's shifted flow sigmas and integer timesteps), env, raw timestep, expert per step
-    and CFG all as WanPipeline: its own loop, stepping with Euler over the same sigmas, reaches the
-    streamed final latents from the same x_0."""
-    request = family_request(family, "ODE", cfg=True, samples_per_prompt=1)
+    and CFG all as WanPipeline: from the same x_0, its own ``__call__`` with its own UniPC scheduler
+    reaches the streamed final latents of the family's default solver, and its loop stepping with
+    Euler over the same sigmas those of ``solver=euler``."""
+    fields = {} if solver == "unipc" else {"solver": solvers.SOLVERS[solver].enum}
+    request = family_request(family, "ODE", cfg=True, samples_per_prompt=1, **fields)
     trajectories = family_client.rollout(request)
+    assert trajectories[0].solver == solver
     sigmas, timesteps = trajectories[0].sigmas, trajectories[0].timesteps
     pipe = family_pipeline
     unipc = pipe.scheduler
     unipc.set_timesteps(4)
     np.testing.assert_array_equal(sigmas.numpy(), unipc.sigmas.numpy())
     np.testing.assert_array_equal(timesteps[:-1].numpy(), unipc.timesteps.float().numpy())
-    euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000)
+    scheduler = unipc  # WanPipeline's own
+    if solver == "euler":
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000)
 
-    def set_timesteps(num_inference_steps, device=None):
-        # Euler steps over UniPC's sigmas; the transformer gets UniPC's integer timesteps, as served
-        # (Euler's own would be sigma * 1000).
-        FlowMatchEulerDiscreteScheduler.set_timesteps(euler, sigmas=sigmas[:-1].tolist(), device=device)
-        euler.timesteps = timesteps[:-1].clone()
+        def set_timesteps(num_inference_steps, device=None):
+            # Euler steps over UniPC's sigmas; the transformer gets UniPC's integer timesteps, as
+            # served (Euler's own would be sigma * 1000).
+            FlowMatchEulerDiscreteScheduler.set_timesteps(
+                scheduler, sigmas=sigmas[:-1].tolist(), device=device
+            )
+            scheduler.timesteps = timesteps[:-1].clone()
 
-    euler.set_timesteps = set_timesteps
-    pipe.scheduler = euler
+        scheduler.set_timesteps = set_timesteps
+    pipe.scheduler = scheduler
     try:
         final = pipe(
             prompt=list(request.prompts),

@@ -249,7 +249,9 @@ def test_ode_rollout_matches_the_pipeline(adapter, family_client, family_pipelin
     """Over gRPC with CFG: the stream states the channel concatenation of condition, its env holds
     the adapter's image entries, and from the same x_0 the pipeline reaches the streamed final
     latents."""
-    request = family_request("wan-i2v", "ODE", cfg=True, samples_per_prompt=1)
+    # Euler, the steps of pipeline_latents (the family's default is its pipeline's UniPC).
+    solver = {"solver": rollout_pb2.SOLVER_EULER}
+    request = family_request("wan-i2v", "ODE", cfg=True, samples_per_prompt=1, **solver)
     trajectories = family_client.rollout(request)
     for p, (trajectory, text) in enumerate(zip(trajectories, SPEC.prompts, strict=True)):
         assert trajectory.transformer_call.conditioning == CONDITIONING

@@ -19,6 +19,7 @@ REQUEST = {"prompts": ["a red fox"], "samples_per_prompt": 2, "height": 64, "wid
 def plan(noise_level: float = 0.7) -> SamplerPlan:
     return SamplerPlan(
         sampler_type="FLOW_SDE",
+        solver="euler",
         sigmas=torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]),
         stochastic=[True, True, True, False],
         noise_levels=[noise_level] * 4,

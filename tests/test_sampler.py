@@ -15,6 +15,7 @@ def plan(sampler_type: str, seeds: list[int], noise_level: float, latent_dtype=t
         sampler_type=sampler_type,
         sigmas=torch.tensor([1.0, 0.8, 0.55, 0.3, 0.1, 0.0]),
         stochastic=[True, False, True, True, False],
+        solver="euler",
         noise_levels=[noise_level] * 5,
         log_prob_constants=sampler_type != "CPS",
         latent_dtype=latent_dtype,

@@ -120,7 +120,8 @@ def test_sp2_batching_concurrent_requests_matches_sp1(client, sp2_client):
     forwards, and each streams what it streams alone at SP=1: noise and log-probs bitwise, latents
     within 1e-5."""
     requests = {
-        "flow": request(base_seed=101, num_steps=6),
+        # A stochastic window between steps of a multistep solver: its history on both ranks.
+        "flow": request(base_seed=101, num_steps=6, stochastic_steps=[1, 2], solver=rollout_pb2.SOLVER_UNIPC),
         "cps-cfg": request(
             base_seed=202,
             num_steps=7,

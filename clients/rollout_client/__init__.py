@@ -24,6 +24,7 @@ _EXPORTS = {
     "Trajectory": "trajectory",
     "collect": "trajectory",
     "read_token": "credentials",
+    "regenerate_deterministic_steps": "replay",
     "replay_log_probs": "replay",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,10 +1,12 @@
-"""Recompute a trajectory's log-probs from the model, the way a trainer does in its policy update."""
+"""Recompute a trajectory's steps the way a trainer does: the log-probs of its stochastic steps from
+the model (the policy update), and its deterministic steps from velocities (a check of the solver)."""
 
 from typing import TYPE_CHECKING
 
 import torch
 
 from rollout_client.grpo import Transformer, step_log_probs
+from rollout_core import solvers
 
 if TYPE_CHECKING:
     from rollout_client.trajectory import Trajectory
@@ -26,3 +28,27 @@ def replay_log_probs(
     for i in torch.nonzero(trajectory.stochastic).flatten().tolist():
         replayed[i] = step_log_probs(transformer, [trajectory], i, device).item()
     return replayed
+
+
+@torch.no_grad()
+def regenerate_deterministic_steps(trajectory: "Trajectory", velocities: torch.Tensor) -> torch.Tensor:
+    """float32 [T, ...]: x_{i+1} of every deterministic step i recomputed with the trajectory's solver
+    from the streamed x_i and the velocities; NaN at the stochastic steps.
+
+    ``velocities`` [T, ...] is v_i after guidance at every step (the stream's VELOCITY debug tensors,
+    or the trainer's own forwards): the solver's history holds the data predictions x_i - s_i v_i of
+    the steps before, stochastic ones included (``rollout_core.solvers``), so every step's is needed,
+    with every latent (the ALL selection). With float32 latents each row is the streamed x_{i+1}
+    bitwise (the same elementwise float32 operations); bf16 and fp16 latents are streamed rounded,
+    and the rows here are not.
+    """
+    sigmas, history = trajectory.sigmas, solvers.History()
+    regenerated = torch.full_like(velocities, float("nan"), dtype=torch.float32)
+    for i in range(trajectory.num_steps):
+        x, v = trajectory.latents[i].unsqueeze(0), velocities[i].unsqueeze(0)
+        if trajectory.stochastic[i]:
+            history = solvers.after_stochastic_step(trajectory.solver, history, x, v, sigmas, i)
+            continue
+        solved = solvers.solver_step(trajectory.solver, x, v, sigmas, i, history)
+        regenerated[i], history = solved.x_next[0], solved.history
+    return regenerated

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from rollout_client.events import Event, Finished, Image, Pruned, Started, Step
 from rollout_core import wire
+from rollout_core.solvers import FALLBACK_SOLVER, SOLVERS, SOLVERS_BY_ENUM
 from rollout_core.steps import SAMPLERS_BY_ENUM
 from rollout_core.transformer_call import TransformerCall
 from rollout_core.tree import Tree
@@ -87,6 +88,10 @@ class Trajectory:
     # the server read it (ConditionImageInfo's JSON mapping). Its latents are in ``env``.
     condition_png: bytes | None = None
     condition_image: dict[str, Any] = field(default_factory=dict)
+    # The deterministic steps' solver (rollout_core.solvers; servers before solvers ran Euler) and
+    # each step's order (empty from such a server).
+    solver: str = FALLBACK_SOLVER
+    step_orders: list[int] = field(default_factory=list)
 
     def noise_level_at(self, i: int) -> float:
         """The noise level step i used (a tree's branch step may have its own)."""
@@ -142,6 +147,8 @@ class Trajectory:
                 "noise_levels",
                 "node_path",
                 "condition_image",
+                "solver",
+                "step_orders",
             )
         }
         metadata = {
@@ -375,6 +382,8 @@ def _trajectories(
                 tree=tree,
                 condition_png=condition_images[p] if condition_images else None,
                 condition_image=condition_infos[p] if condition_infos else {},
+                solver=SOLVERS_BY_ENUM.get(resolved.solver, SOLVERS[FALLBACK_SOLVER]).name,
+                step_orders=list(message.step_orders),
             )
         )
     return trajectories

@@ -16,7 +16,8 @@ v = velocity after guidance, x = x_i, a = noise level. All math is float32 whate
       x0   = x - s v,   x1 = x + (1 - s) v
       mean = (1 - s') x0 + sqrt(s'^2 - sd^2) x1
 
-* ODE: mean = x + dt * v, sd = 0.
+* ODE: no step draws noise; every step is the request's deterministic solver's
+  (``rollout_core.solvers``), whose first-order member, Euler, is mean = x + dt * v, sd = 0.
 
 A stochastic step draws x' = mean + sd * eps with eps ~ N(0, I). Its per-sample log-probability is
 the mean over all non-batch elements of::
@@ -24,7 +25,8 @@ the mean over all non-batch elements of::
     -(x' - mean)^2 / (2 sd^2) - log(sd) - log(sqrt(2 pi))      (with constants)
     -(x' - mean)^2                                             (without: FlowGRPO's CPS convention)
 
-A step whose sd is 0 (ODE, or CPS into s_T = 0) is deterministic and has no log-probability.
+A step whose sd is 0 (ODE, or CPS into s_T = 0), and a step left out of the request's stochastic
+steps, is deterministic, has no log-probability, and takes the request's solver.
 """
 
 import math
@@ -93,15 +95,16 @@ def _ode_sd(sigmas, i, noise_level) -> torch.Tensor:
     return _scalar(0.0)
 
 
-def _ode_mean(x, v, sigmas, i, noise_level) -> torch.Tensor:
+def euler_mean(x, v, sigmas, i, noise_level=0.0) -> torch.Tensor:
+    """x + dt * v: the ODE step of the Euler solver."""
     return x + (sigmas[i + 1] - sigmas[i]).to(x.device) * v
 
 
 @dataclass(frozen=True)
 class Sampler:
     """One transition rule: its name and its rollout.v1 ``SamplerType``, its mean and noise std
-    (float32; sigmas on the CPU), FlowGRPO's log-prob convention for it, and the largest noise level
-    it takes."""
+    (float32; sigmas on the CPU), FlowGRPO's log-prob convention for it, the largest noise level it
+    takes, and whether it has stochastic steps at all."""
 
     name: str
     enum: int
@@ -109,6 +112,7 @@ class Sampler:
     sd: Callable[[torch.Tensor, int, float], torch.Tensor]
     log_prob_constants: bool  # the default: SDE samplers score the full density, CPS drops constants
     max_noise_level: float
+    stochastic: bool = True
 
 
 # The largest noise levels: CPS's sd = s' sin(a pi / 2) must stay <= s', and past a = 1 the sine
@@ -118,22 +122,44 @@ SAMPLERS = {
     sampler.name: sampler
     for sampler in (
         Sampler(
-            "FLOW_SDE",
-            rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
-            _sde_mean(_flow_sde_std_t),
-            _sde_sd(_flow_sde_std_t),
-            True,
-            3.0,
+            name="FLOW_SDE",
+            enum=rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
+            mean=_sde_mean(_flow_sde_std_t),
+            sd=_sde_sd(_flow_sde_std_t),
+            log_prob_constants=True,
+            max_noise_level=3.0,
         ),
         Sampler(
-            "DANCE", rollout_pb2.SAMPLER_TYPE_DANCE, _sde_mean(_dance_std_t), _sde_sd(_dance_std_t), True, 3.0
+            name="DANCE",
+            enum=rollout_pb2.SAMPLER_TYPE_DANCE,
+            mean=_sde_mean(_dance_std_t),
+            sd=_sde_sd(_dance_std_t),
+            log_prob_constants=True,
+            max_noise_level=3.0,
         ),
-        Sampler("CPS", rollout_pb2.SAMPLER_TYPE_CPS, _cps_mean, _cps_sd, False, 1.0),
-        Sampler("ODE", rollout_pb2.SAMPLER_TYPE_ODE, _ode_mean, _ode_sd, False, 3.0),
+        Sampler(
+            name="CPS",
+            enum=rollout_pb2.SAMPLER_TYPE_CPS,
+            mean=_cps_mean,
+            sd=_cps_sd,
+            log_prob_constants=False,
+            max_noise_level=1.0,
+        ),
+        Sampler(
+            name="ODE",
+            enum=rollout_pb2.SAMPLER_TYPE_ODE,
+            mean=euler_mean,
+            sd=_ode_sd,
+            log_prob_constants=False,
+            max_noise_level=3.0,
+            stochastic=False,
+        ),
     )
 }
 # The same samplers by their rollout.v1 SamplerType.
 SAMPLERS_BY_ENUM = {sampler.enum: sampler for sampler in SAMPLERS.values()}
+# The sampler of a request that names none (SAMPLER_TYPE_UNSPECIFIED).
+DEFAULT_SAMPLER = SAMPLERS["FLOW_SDE"]
 
 
 def sampler_named(kind: str) -> Sampler:

@@ -19,6 +19,7 @@ from diffusers import DiffusionPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from PIL import Image
 
+from rollout_core import solvers
 from rollout_core.transformer_call import BATCHED_CALL, NO_CONDITIONING, CallForm, LatentConditioning
 
 
@@ -160,6 +161,13 @@ class FamilyAdapter(ABC):
         sigmas to end at ``shift_terminal`` divides by the last sigma's distance from 1, which is 0 with
         one step (every sigma would be NaN)."""
         return 2 if self.pipe.scheduler.config.get("shift_terminal") else 1
+
+    @property
+    def solver(self) -> str:
+        """The deterministic solver of the family's pipeline: its scheduler's step, where
+        ``rollout_core.solvers`` has it with the scheduler's settings (UniPC for Wan), else Euler."""
+        scheduler = self.pipe.scheduler
+        return solvers.solver_of_scheduler(type(scheduler).__name__, scheduler.config)
 
     @abstractmethod
     def defaults(self) -> FamilyDefaults:
