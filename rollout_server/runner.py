@@ -35,7 +35,7 @@ from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.prompt_cache import Conditioning, PromptCache
 from rollout_server.sampler import SamplerPlan, SamplerState, init, regroup, stochastic_steps
-from rollout_server.validation import check_prompt_tokens
+from rollout_server.validation import check_prompt_tokens, initial_latents
 
 if TYPE_CHECKING:
     from rollout_server.images import ConditionImage
@@ -205,7 +205,10 @@ class Runner:
             list(request.prompts), negative_prompt, request.guidance_scale, shape, condition_images
         )
         conditioning = encoded.conditioning
-        sigmas, timesteps = adapter.schedule(request.num_steps, shape)
+        if request.sigmas:
+            sigmas, timesteps = adapter.trainer_schedule(list(request.sigmas))
+        else:
+            sigmas, timesteps = adapter.schedule(request.num_steps, shape)
         sampler_type = steps.SAMPLERS_BY_ENUM[request.sampler].name
         latent_shape = adapter.latent_shape(shape)
         check_prompt_tokens(self.parallel.dims, adapter, conditioning.envs)
@@ -234,6 +237,7 @@ class Runner:
             seeds=list(request.seeds),
             latent_shape=latent_shape,
             device=adapter.device,
+            initial=initial_latents(request.initial_latents) if request.initial_latents else None,
         )
         signatures: dict[int, tuple] = {}  # equal texts share one env dict: sign it once
         envs = {}

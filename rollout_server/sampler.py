@@ -52,6 +52,7 @@ class SamplerPlan:
     seeds: Sequence[int]  # the rows' seeds at x_0
     latent_shape: Sequence[int]  # one sample's latent as the transformer consumes it
     device: torch.device
+    initial: torch.Tensor | None = None  # a trainer's x_0 [B, ...] (float32), else the seeds'
 
     @property
     def num_steps(self) -> int:
@@ -106,8 +107,10 @@ class SamplerState:
 
 
 def init(plan: SamplerPlan) -> SamplerState:
-    """x_0 from the per-sample seeds, rounded to the latent dtype, on the plan's device."""
-    x0 = _round(noise.initial_noise(plan.seeds, plan.latent_shape), plan.latent_dtype).to(plan.device)
+    """x_0 from the per-sample seeds (or the plan's own), rounded to the latent dtype, on the plan's
+    device."""
+    x0 = plan.initial if plan.initial is not None else noise.initial_noise(plan.seeds, plan.latent_shape)
+    x0 = _round(x0, plan.latent_dtype).to(plan.device)
     return SamplerState(x0, list(plan.seeds))
 
 

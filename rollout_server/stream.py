@@ -7,6 +7,7 @@ selection, debug tensors, manifest-only mode) and cuts every payload so that no 
 server's message limit.
 """
 
+import hashlib
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,11 +52,15 @@ def started_event(
 ) -> tuple[rollout_pb2.RolloutStarted, dict[str, torch.Tensor]]:
     """The started event of ``rollout`` (without tensors), and the env tensors it carries."""
     request, plan = rollout.request, rollout.plan
+    # The trainer's x_0 is its own: its hash is echoed, and the x_0 used is streamed where selected.
+    resolved = rollout_pb2.RolloutRequest()
+    resolved.CopyFrom(request)
+    resolved.ClearField("initial_latents")
     env_tensors, env_json = wire.encode_env(
         {branch: dict(enumerate(per_prompt)) for branch, per_prompt in rollout.conditioning.envs.items()}
     )
     started = rollout_pb2.RolloutStarted(
-        resolved=request,
+        resolved=resolved,
         seeds=request.seeds,
         prompt_indices=rollout.prompt_indices,
         sigmas=plan.sigmas.tolist(),
@@ -67,6 +72,9 @@ def started_event(
             for stochastic in plan.stochastic
         ],
         step_orders=plan.step_orders,
+        initial_latents_sha256=hashlib.sha256(request.initial_latents).hexdigest()
+        if request.initial_latents
+        else "",
         log_prob_constants=request.log_prob_constants,
         layout=rollout_pb2.LatentLayout(
             shape=plan.latent_shape,

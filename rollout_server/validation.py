@@ -9,10 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_core import dtypes, solvers, steps
+from rollout_core import dtypes, solvers, steps, wire
 from rollout_core.layout import DEFAULT_GROUP_SIZE, sample_layout
 from rollout_core.tree import Tree
 from rollout_server import images
@@ -41,6 +42,9 @@ MIN_NOISE_LEVEL = 1e-6
 
 # Client strings quoted in messages and logs are cut to this many characters.
 MAX_QUOTED_CHARS = 120
+# A trainer's x_0 may take this many bytes besides its tensor's: the safetensors header of one
+# tensor (its length, a JSON line of name, dtype, shape and offsets, padding) and some metadata.
+INITIAL_LATENTS_HEADER_BYTES = 4096
 
 
 def quoted(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
@@ -141,6 +145,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     resolved.MergeFrom(request)
     # MergeFrom appends repeated fields: take the request's own.
     del resolved.seeds[:], resolved.stochastic_steps[:], resolved.debug_tensors[:], resolved.branches[:]
+    del resolved.sigmas[:]
 
     layout, layout_problems = sample_layout(request, limits.max_samples)
     request_id = layout.request_id if layout else request.request_id
@@ -188,6 +193,15 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
             bad.append(
                 ("num_frames", f"a latent of {elements} elements is above {limits.max_latent_elements}")
             )
+    if request.initial_latents:
+        if context.latent_shape is None or any(
+            f in ("height", "width", "num_frames", "seeds") for f, _ in bad
+        ):
+            bad.append(("initial_latents", "needs a valid size and samples to be checked against"))
+        elif layout is not None:
+            shape = (len(layout.seeds), *context.latent_shape(MediaShape.of(resolved)))
+            if problem := _initial_latents_problem(request.initial_latents, shape):
+                bad.append(("initial_latents", problem))
     divisor = context.seq_len_divisor
     if divisor > 1 and not any(field in ("height", "width", "num_frames") for field, _ in bad):
         # The split image tokens (and the conditioning image's, appended to them) are gathered back at
@@ -200,9 +214,18 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
                 ("height", f"{size}: {tokens} tokens, which do not split evenly across {divisor} ranks")
             )
 
+    min_steps = context.min_steps
+    if request.sigmas:
+        min_steps = 1  # the family's schedule has a minimum, a given one does not
+        schedule_problem = _sigmas_problem(request, limits)
+        if schedule_problem:
+            bad.append(("sigmas", schedule_problem))
+        else:
+            resolved.num_steps = len(request.sigmas) - 1
+            resolved.sigmas.extend(request.sigmas)
     num_steps = resolved.num_steps
-    if not context.min_steps <= num_steps <= limits.max_steps:
-        bad.append(("num_steps", f"must be in [{context.min_steps}, {limits.max_steps}], got {num_steps}"))
+    if not min_steps <= num_steps <= limits.max_steps:
+        bad.append(("num_steps", f"must be in [{min_steps}, {limits.max_steps}], got {num_steps}"))
 
     if not _finite_in(resolved.guidance_scale, 0.0, 100.0):
         bad.append(("guidance_scale", f"must be finite and in [0, 100], got {resolved.guidance_scale}"))
@@ -282,6 +305,53 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     if bad:
         raise InvalidRequest(bad)
     return resolved
+
+
+def initial_latents(data: bytes) -> torch.Tensor:
+    """The x_0 of a request's ``initial_latents``, once ``resolve`` has checked it."""
+    return safetensors.torch.load(data)[wire.X_0]
+
+
+def _initial_latents_problem(data: bytes, shape: tuple[int, ...]) -> str:
+    """What is wrong with a trainer's x_0, or "": its size bounded before it is parsed, then one
+    finite float32 tensor ``x_0`` of ``shape``."""
+    needed = math.prod(shape) * 4
+    if len(data) > needed + INITIAL_LATENTS_HEADER_BYTES:
+        return f"{len(data)} bytes: a float32 x_0 of shape {list(shape)} takes {needed} and a header"
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as error:  # noqa: BLE001 - any failure to parse is the client's bad bytes
+        return f"not a safetensors buffer: {quoted(str(error))}"
+    if list(tensors) != [wire.X_0]:
+        return f"must hold one tensor named {wire.X_0!r}, got {quoted(str(sorted(tensors)))}"
+    x0 = tensors[wire.X_0]
+    if x0.dtype != torch.float32:
+        return f"x_0 must be float32, got {x0.dtype}"
+    if tuple(x0.shape) != shape:
+        return f"x_0 must have shape {list(shape)} (samples, *layout.shape), got {list(x0.shape)}"
+    if not torch.isfinite(x0).all():
+        return "x_0 must be finite"
+    return ""
+
+
+def _sigmas_problem(request: rollout_pb2.RolloutRequest, limits: Limits) -> str:
+    """What is wrong with a trainer's schedule, or "": T + 1 values for T in [1, max_steps] (counted
+    before any is read) and num_steps if set, finite, strictly decreasing, in (0, 1] but the last 0."""
+    count = len(request.sigmas)
+    if not 2 <= count <= limits.max_steps + 1:
+        return f"{count} values: a schedule of T steps has T + 1, T in [1, {limits.max_steps}]"
+    if request.HasField("num_steps") and request.num_steps != count - 1:
+        return f"{count} values for num_steps {request.num_steps}: num_steps + 1 are needed"
+    sigmas = list(request.sigmas)
+    if not all(math.isfinite(s) for s in sigmas):
+        return "every value must be finite"
+    if sigmas[-1] != 0:
+        return f"the last value must be 0, got {sigmas[-1]}"
+    if not all(0 < s <= 1 for s in sigmas[:-1]):
+        return "every value but the last must be in (0, 1]"
+    if any(b >= a for a, b in zip(sigmas, sigmas[1:], strict=False)):
+        return "the values must be strictly decreasing"
+    return ""
 
 
 def _image_problems(request: rollout_pb2.RolloutRequest, context: ServingContext) -> list[tuple[str, str]]:

@@ -7,11 +7,13 @@ import math
 
 import grpc
 import pytest
+import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from helpers import family_request, field_violations, make_request, vm_rss_bytes
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_core import wire
 
 VALID = {
     "prompts": ["a red fox"],
@@ -24,6 +26,15 @@ VALID = {
 }
 ODE = rollout_pb2.SAMPLER_TYPE_ODE
 EPS, MEAN = rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_MEAN
+# tiny-flux's x_0 at 64 x 64 for VALID's one sample: 4 x 4 packed tokens of 16 channels.
+X0_SHAPE = (1, 16, 16)
+
+
+def x0_buffer(tensors: dict) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors)
+
 
 # (id, fields overriding VALID (None: leave unset), the field a violation must name)
 MALFORMED = [
@@ -61,6 +72,50 @@ MALFORMED = [
     ("stochastic-steps-repeated", {"stochastic_steps": [1, 1]}, "stochastic_steps"),
     ("stochastic-steps-with-ode", {"sampler": ODE, "stochastic_steps": [0]}, "stochastic_steps"),
     ("unknown-solver", {"solver": 9}, "solver"),
+    ("sigmas-one-value", {"num_steps": None, "sigmas": [0.0]}, "sigmas"),
+    (
+        "sigmas-too-many",
+        {"num_steps": None, "sigmas": [1.0, *[0.5 - k / 1000 for k in range(100)], 0.0]},
+        "sigmas",
+    ),
+    ("sigmas-not-num-steps-plus-one", {"sigmas": [1.0, 0.6, 0.3, 0.0]}, "sigmas"),
+    ("sigmas-nan", {"sigmas": [math.nan, 0.5, 0.0]}, "sigmas"),
+    ("sigmas-last-not-zero", {"sigmas": [1.0, 0.5, 0.1]}, "sigmas"),
+    ("sigmas-above-one", {"sigmas": [1.5, 0.5, 0.0]}, "sigmas"),
+    ("sigmas-zero-before-the-end", {"sigmas": [1.0, 0.0, 0.0]}, "sigmas"),
+    ("sigmas-not-decreasing", {"sigmas": [0.5, 0.8, 0.0]}, "sigmas"),
+    ("initial-latents-not-safetensors", {"initial_latents": b"\x08" + bytes(20)}, "initial_latents"),
+    ("initial-latents-too-large", {"initial_latents": bytes(16 * 16 * 4 + 4097)}, "initial_latents"),
+    (
+        "initial-latents-other-name",
+        {"initial_latents": x0_buffer({"x0": torch.zeros(X0_SHAPE)})},
+        "initial_latents",
+    ),
+    (
+        "initial-latents-two-tensors",
+        {"initial_latents": x0_buffer({"x_0": torch.zeros(X0_SHAPE), "y": torch.zeros(1)})},
+        "initial_latents",
+    ),
+    (
+        "initial-latents-float16",
+        {"initial_latents": x0_buffer({"x_0": torch.zeros(X0_SHAPE, dtype=torch.float16)})},
+        "initial_latents",
+    ),
+    (
+        "initial-latents-wrong-shape",
+        {"initial_latents": wire.initial_latents_bytes(torch.zeros(1, 16, 8))},
+        "initial_latents",
+    ),
+    (
+        "initial-latents-two-samples-for-one",
+        {"initial_latents": wire.initial_latents_bytes(torch.zeros(2, 16, 16))},
+        "initial_latents",
+    ),
+    (
+        "initial-latents-nan",
+        {"initial_latents": wire.initial_latents_bytes(torch.full(X0_SHAPE, math.nan))},
+        "initial_latents",
+    ),
     ("unknown-latents", {"latents": 42}, "latents"),
     ("unknown-latent-dtype", {"latent_dtype": 7}, "latent_dtype"),
     ("unspecified-debug-tensor", {"debug_tensors": [rollout_pb2.DEBUG_TENSOR_UNSPECIFIED]}, "debug_tensors"),

@@ -26,11 +26,8 @@ def test_server_info(family_client, family):
         "timestep",
     )
     assert list(info.transformers) == list(FAMILIES[family].experts)
-    assert list(info.features) == (
-        ["lora", "tree", "prune_points", "weight_sync", "video", "experts"]
-        if family == "wan2.2"
-        else ["lora", "tree", "prune_points", "weight_sync", "video"]
-    )
+    served = ["lora", "tree", "prune_points", "weight_sync", "sigmas", "initial_latents", "video"]
+    assert list(info.features) == ([*served, "experts"] if family == "wan2.2" else served)
     defaults = info.defaults
     assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)
     assert defaults.guidance_scale == 5.0  # Wan 2.1's

@@ -78,8 +78,8 @@ def prompt_groups(
     request: rollout_pb2.RolloutRequest, layout: SampleLayout, prompt_indices
 ) -> rollout_pb2.RolloutRequest:
     """``request`` cut to the groups of ``prompt_indices`` (in that order, with their conditioning
-    images), with the seeds, group size and request id of its ``layout``: the part draws the noise the
-    whole request would."""
+    images and their rows of a trainer's x_0), with the seeds, group size and request id of its
+    ``layout``: the part draws the noise the whole request would."""
     part = rollout_pb2.RolloutRequest()
     part.CopyFrom(request)
     part.request_id = layout.request_id
@@ -90,4 +90,24 @@ def prompt_groups(
     if request.condition_images:  # one per prompt
         part.condition_images.extend(request.condition_images[p] for p in prompt_indices)
     part.seeds.extend(seed for p in prompt_indices for seed in layout.group_seeds(p))
+    if request.initial_latents:
+        group = layout.group_size
+        rows = [k for p in prompt_indices for k in range(p * group, (p + 1) * group)]
+        part.initial_latents = _initial_latent_rows(request.initial_latents, rows)
     return part
+
+
+def _initial_latent_rows(data: bytes, rows: list[int]) -> bytes:
+    """The rows ``rows`` of a request's x_0 buffer; the buffer as it is when it is not one the rows
+    can be cut from (a server then refuses it, naming the field)."""
+    from safetensors.torch import load
+
+    from rollout_core import wire
+
+    try:
+        x0 = load(data)[wire.X_0]
+        if len(x0) <= max(rows):
+            return data
+    except Exception:  # noqa: BLE001 - the server names what is wrong with it
+        return data
+    return wire.initial_latents_bytes(x0[rows])

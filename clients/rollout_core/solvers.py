@@ -138,8 +138,7 @@ def _unipc_corrector(x, m, history: History, sigmas, i) -> torch.Tensor:
     x_c = (s / s_prev).to(x.device) * last - (alpha * phi.to(x.device)) * m_prev
     if history.order == 1:
         return x_c - (alpha * phi.to(x.device)) * (0.5 * (m - m_prev))
-    b2 = g1 / -h - 0.5
-    b2 = b2 * 2 / phi
+    b2 = (g1 / -h - 0.5) * 2 / phi
     r = (_lambda(sigmas[i - 2]) - _lambda(s_prev)) / h
     if torch.isinf(r):
         rho_0, rho_c = torch.zeros(()), b1
@@ -274,7 +273,7 @@ def solver_step(
     """Deterministic step i from x = x_i with velocity v (float32, on x's device; sigmas on the CPU)."""
     solver = solver_named(name)
     x, v, sigmas = x.float(), v.float(), sigmas.to(torch.float32).cpu()
-    m = data_prediction(x, v, sigmas, i)
+    m = data_prediction(x, v, sigmas, i) if solver.history_length else None  # Euler reads none
     order = solver.order_at(i, len(sigmas) - 1, len(history.predictions))
     x_next, corrected = solver.step(x, v, m, sigmas, i, history, order)
     return SolverStep(x_next, _added(solver, history, m, corrected, order), order)
@@ -285,11 +284,14 @@ def after_stochastic_step(
 ) -> History:
     """The history after stochastic step i (first order): its data prediction added, nothing to
     correct."""
+    solver = solver_named(name)
+    if not solver.history_length:
+        return History()
     m = data_prediction(x.float(), v.float(), sigmas.to(torch.float32).cpu(), i)
-    return _added(solver_named(name), history, m, None, 1)
+    return _added(solver, history, m, None, 1)
 
 
-def _added(solver: Solver, history: History, m: torch.Tensor, corrected, order: int) -> History:
+def _added(solver: Solver, history: History, m: torch.Tensor | None, corrected, order: int) -> History:
     if not solver.history_length:
         return History()
     return History((*history.predictions, m)[-solver.history_length :], corrected, order)

@@ -4,6 +4,7 @@ env's layout, and the features a server lists in GetServerInfo.
 Stream tensors (one safetensors buffer per event):
 
 * started: ``x_0`` [B, *layout.shape] (when the latent selection sends it) and the env tensors;
+  a request's ``initial_latents`` is a buffer of ``x_0`` alone (``initial_latents_bytes``);
 * step: ``x_next`` [B, *layout.shape] (when selected) and the requested debug tensors ``eps``,
   ``mean``, ``velocity`` [B, *layout.shape] and ``sd`` [B].
 
@@ -64,6 +65,9 @@ FEATURE_CONDITION_IMAGES = "condition_images"  # requests carry a conditioning i
 # Requests take prune_points (held there for the caller's prune); PruneRollout answers what it stopped
 # and the step, and takes the rollout's control token.
 FEATURE_PRUNE_POINTS = "prune_points"
+# Requests take a trainer's schedule (sigmas) and x_0 (initial_latents); started echoes both.
+FEATURE_SIGMAS = "sigmas"
+FEATURE_INITIAL_LATENTS = "initial_latents"
 
 _ENV_PREFIX = "env/"
 # An env JSON entry that stands for a tensor of the buffer: {"tensor": "<name>"}.
@@ -72,6 +76,14 @@ _TENSOR_REFERENCE = "tensor"
 _COMPARED_BYTES = 64 * 1024
 
 Env = dict[str, Any]  # one transformer call's keyword arguments besides hidden_states and timestep
+
+
+def initial_latents_bytes(x0: torch.Tensor) -> bytes:
+    """``RolloutRequest.initial_latents`` for x_0 [B, *layout.shape]: a safetensors buffer of the one
+    float32 tensor ``x_0``."""
+    from safetensors.torch import save
+
+    return save({X_0: x0.detach().to(torch.float32).cpu().contiguous()})
 
 
 def env_name(branch: str, prompt: int, key: str) -> str:

@@ -162,6 +162,12 @@ class FamilyAdapter(ABC):
         one step (every sigma would be NaN)."""
         return 2 if self.pipe.scheduler.config.get("shift_terminal") else 1
 
+    def trainer_schedule(self, sigmas: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigmas, timesteps) of a trainer's validated schedule: the sigmas as sent, float32, and the
+        flow-matching timesteps sigma * num_train_timesteps."""
+        values = torch.tensor(sigmas, dtype=torch.float32)
+        return values, values * self.pipe.scheduler.config.get("num_train_timesteps", 1000)
+
     @property
     def solver(self) -> str:
         """The deterministic solver of the family's pipeline: its scheduler's step, where
