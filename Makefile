@@ -65,6 +65,7 @@ bench: $(STAMP) $(STUBS)
 	$(PY) bench/train_modes.py
 	$(PY) bench/replicas.py
 	$(PY) bench/tree.py
+	$(PY) bench/solvers.py
 
 # torch goes first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
