@@ -5,13 +5,14 @@ with a velocity computed elsewhere (the runner's batched transformer call with g
 what happened in a ``StepRecord``. A state's rows are its live samples, each with the seed its noise
 comes from, and the deterministic solver's history (``rollout_core.solvers.History``: the data
 predictions of the last steps, UniPC's corrected sample): ``regroup`` re-forms them together, for a
-tree rollout's forks (a row repeated once per child, with the children's seeds, each child with its
-parent's history) and prunes (rows dropped). Only the plan and the state enter a step, so the engine
+tree rollout's forks (a row repeated once per child, with the children's seeds and its history)
+and prunes (rows dropped). Only the plan and the state enter a step, so the engine
 may step many rollouts, each at its own step, in any interleaving, and every sequence-parallel rank,
 stepping the same gathered velocity, holds the same history. The sampler owns the noise
 (``rollout_core.noise``), the stochastic step math (``rollout_core.steps``) and the deterministic
 solvers (``rollout_core.solvers``), and knows no model. A stochastic step is a first-order Gaussian
-transition from x_i as streamed; every other step is the plan's solver's.
+transition from x_i as streamed, and ends the solver's history; every other step is the plan's
+solver's.
 
 The streamed log-prob scores exactly the streamed x_{i+1}: when latents are kept in float32,
 x_{i+1} = mean + sd * eps and the residual is sd * eps, computed from the full noise tensor; when the
@@ -140,7 +141,7 @@ def advance(plan: SamplerPlan, state: SamplerState, v: torch.Tensor) -> StepReco
         x_next = _round(mean + scaled_noise, plan.latent_dtype)
         residual = scaled_noise if plan.latent_dtype == torch.float32 else x_next - mean
         log_probs = steps.log_prob(residual, sd, plan.log_prob_constants)
-        history, order = solvers.after_stochastic_step(plan.solver, state.history, x, v, plan.sigmas, i), 1
+        history, order = solvers.History(), 1  # the noise ends the solver's history
     else:
         solved = solvers.solver_step(plan.solver, x, v, plan.sigmas, i, state.history)
         mean, sd, history, order = solved.x_next, torch.zeros(()), solved.history, solved.order

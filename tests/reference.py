@@ -108,19 +108,20 @@ def solver_steps(solver: str, latents, velocities, sigmas, stochastic) -> dict[i
     """{step: x_{i+1}} of every deterministic step in float64, from the given x_i and v_i of every
     step, by the published rules: Euler; DPM-Solver++(2M) (Lu et al. 2022, midpoint form, first order
     at the first step and into sigma = 0); UniPC-2 bh2 (Zhao et al. 2023) with its corrector on the
-    sample a deterministic step made, the 2 x 2 system solved in closed form. Every step's data
-    prediction x - s v enters the history; a stochastic step's output is not corrected."""
+    sample a deterministic step made, the 2 x 2 system solved in closed form. A stochastic step
+    starts the solver over: the steps after it read no earlier data prediction x - s v."""
     xs = [np.asarray(x, dtype=np.float64) for x in latents]
     vs = [np.asarray(v, dtype=np.float64) for v in velocities]
     s = [float(value) for value in sigmas]
     lam = [_half_log_snr(value) for value in s]
     T = len(stochastic)
     m = [xs[i] - s[i] * vs[i] for i in range(T)]
-    out, corrected, orders = {}, {}, {}
+    out, corrected, orders, run = {}, {}, {}, 0  # run: deterministic steps since the last stochastic
     for i in range(T):
         if stochastic[i]:
-            orders[i] = 1
+            orders[i], run = 1, 0
             continue
+        known, run = run, run + 1
         h = lam[i + 1] - lam[i]
         alpha_next = 1 - s[i + 1]
         decay = math.expm1(-h)  # e^-h - 1
@@ -129,14 +130,14 @@ def solver_steps(solver: str, latents, velocities, sigmas, stochastic) -> dict[i
             continue
         if solver == "dpmpp_2m":
             x = s[i + 1] / s[i] * xs[i] - alpha_next * decay * m[i]
-            if i > 0 and i < T - 1:
+            if known and i < T - 1:
                 r = (lam[i] - lam[i - 1]) / h
                 x = x - 0.5 * alpha_next * decay * (m[i] - m[i - 1]) / r
             out[i] = x
             continue
         assert solver == "unipc", solver
         x = xs[i]
-        if i > 0 and not stochastic[i - 1]:  # correct the sample step i - 1 made
+        if known:  # correct the sample step i - 1 made
             hc = lam[i] - lam[i - 1]
             phi = math.expm1(-hc)
             b1 = (phi / -hc - 1) / phi
@@ -151,7 +152,7 @@ def solver_steps(solver: str, latents, velocities, sigmas, stochastic) -> dict[i
                 d = (m[i - 2] - m[i - 1]) / r
                 x = base - (1 - s[i]) * phi * (rho_0 * d + rho_c * (m[i] - m[i - 1]))
         corrected[i] = x
-        orders[i] = min(2, T - i, i + 1)
+        orders[i] = min(2, T - i, known + 1)
         x_next = s[i + 1] / s[i] * x - alpha_next * decay * m[i]
         if orders[i] == 2:
             r = (lam[i - 1] - lam[i]) / h

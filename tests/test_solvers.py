@@ -1,9 +1,9 @@
 """The deterministic solvers (rollout_core.solvers): each step is its diffusers scheduler's step
-bitwise and the published formula's in float64; the sampler keeps their history per row through a
-stochastic window, tree forks and regrouping; on the tiny-flux server a rollout with all steps
-deterministic is FluxPipeline's with DPM-Solver++, the stochastic steps around a deterministic
-window replay with every solver, the deterministic ones regenerate from the streamed velocities, and
-a tree's children carry their parent's history. Wan's own UniPC is in test_family_wan.py."""
+bitwise and the published formula's in float64; the sampler keeps their history per row, restarts
+it after a stochastic step and regroups it with the rows; on the tiny-flux server a rollout with all
+steps deterministic is FluxPipeline's with DPM-Solver++, the stochastic steps of a window replay
+with every solver around them, the deterministic ones regenerate from the streamed velocities, and
+a tree's children step on from their fork with their own history. Wan's own UniPC is in test_family_wan.py."""
 
 import numpy as np
 import pytest
@@ -120,7 +120,7 @@ def test_a_scheduler_with_other_settings_is_served_with_euler():
 )
 def test_each_step_is_the_float64_formula_and_the_stochastic_steps_are_unchanged(solver, kind, stochastic):
     """From the sampler's own x_i and v_i, every deterministic x_{i+1} is the float64 formula's (the
-    history crossing the stochastic steps, and s = 1 at the start of the flux schedule), and every
+    solver restarting after each stochastic step, s = 1 at the start of the flux schedule), and every
     stochastic step is the first-order Gaussian transition of rollout_core.steps, bitwise.
 
     Bound: a step combines at most 5 terms, each a float32 coefficient times a tensor of size at most
@@ -256,22 +256,24 @@ def test_a_stochastic_window_replays_and_the_rest_regenerates_with_each_solver(
             assert torch.equal(regenerated[i], trajectory.latents[i + 1]), i
 
 
-def test_tree_children_step_on_with_their_parents_history(family_client):
-    """A fork at stochastic step 1 of 4 with dpmpp_2m elsewhere: step 2 is second order in every child,
-    with the data prediction its parent made at step 1. Each leaf's deterministic steps regenerate
-    bitwise along its path (the parent's x_1 and velocity, then its own)."""
+def test_tree_children_step_on_from_their_fork_with_their_own_history(family_client):
+    """A fork at stochastic step 1 of 5 with unipc elsewhere: every child starts the solver at step 2
+    and is second order, corrector included, at step 3 on its own predictions. Each leaf's
+    deterministic steps regenerate bitwise along its path (the parent's x_0 and velocity, then its
+    own), so the rows' histories were regrouped with them."""
     request = family_request(
         "flux",
         "FLOW_SDE",
         cfg=False,
         samples_per_prompt=1,
+        num_steps=5,
         stochastic_steps=[1],
         branches=[rollout_pb2.Branch(step=1, factor=2)],
-        solver=rollout_pb2.SOLVER_DPMPP_2M,
+        solver=rollout_pb2.SOLVER_UNIPC,
         debug_tensors=[VELOCITY],
     )
     run = split_events(family_client.stream(request))
-    assert list(run.started.message.step_orders) == [1, 1, 2, 1]
+    assert list(run.started.message.step_orders) == [1, 1, 1, 2, 1]
     trajectories = collect(run.events)
     assert len(trajectories) == 4
     for trajectory in trajectories:
@@ -281,7 +283,7 @@ def test_tree_children_step_on_with_their_parents_history(family_client):
             node = tree.owner(leaf, i + 1).id  # the node that took step i on the leaf's path
             velocities.append(step.debug["velocity"][list(step.nodes).index(node)])
         regenerated = regenerate_deterministic_steps(trajectory, torch.stack(velocities))
-        for i in (0, 2, 3):
+        for i in (0, 2, 3, 4):
             assert torch.equal(regenerated[i], trajectory.latents[i + 1]), (leaf, i)
 
 

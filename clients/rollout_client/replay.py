@@ -37,17 +37,17 @@ def regenerate_deterministic_steps(trajectory: "Trajectory", velocities: torch.T
 
     ``velocities`` [T, ...] is v_i after guidance at every step (the stream's VELOCITY debug tensors,
     or the trainer's own forwards): the solver's history holds the data predictions x_i - s_i v_i of
-    the steps before, stochastic ones included (``rollout_core.solvers``), so every step's is needed,
-    with every latent (the ALL selection). With float32 latents each row is the streamed x_{i+1}
-    bitwise (the same elementwise float32 operations); bf16 and fp16 latents are streamed rounded,
-    and the rows here are not.
+    the deterministic steps since the last stochastic one (``rollout_core.solvers``), so every such
+    step's is needed, with every latent (the ALL selection). With float32 latents each row is the
+    streamed x_{i+1} bitwise (the same elementwise float32 operations); bf16 and fp16 latents are
+    streamed rounded, and the rows here are not.
     """
     sigmas, history = trajectory.sigmas, solvers.History()
     regenerated = torch.full_like(velocities, float("nan"), dtype=torch.float32)
     for i in range(trajectory.num_steps):
         x, v = trajectory.latents[i].unsqueeze(0), velocities[i].unsqueeze(0)
         if trajectory.stochastic[i]:
-            history = solvers.after_stochastic_step(trajectory.solver, history, x, v, sigmas, i)
+            history = solvers.History()  # the noise ends the history
             continue
         solved = solvers.solver_step(trajectory.solver, x, v, sigmas, i, history)
         regenerated[i], history = solved.x_next[0], solved.history

@@ -38,14 +38,16 @@ h = lambda(s') - lambda(s) > 0. All math is float32, as diffusers' schedulers ru
   its own; where the schedule starts at s = 1 (lambda = -inf) r is infinite, the system has no finite
   solution, and the step takes its limit rho = (0, b_1): the term of s = 1 drops out.
 
-The stochastic steps stay the first-order Gaussian transitions of ``rollout_core.steps``, and the
-history (``History``) crosses them as the stochastic multistep solvers' does (DPM-Solver++(2M) SDE):
-every step, stochastic or not, adds its data prediction m_i, so a deterministic step after a
-stochastic window is second order with the window's last prediction. A stochastic step's output is
-never corrected (UniPC's corrector corrects a predictor step; a noisy step is not one) and a
-stochastic step's input is x_i as streamed (no correction first), so a trainer replays it from the
-stream alone. The predictions held are those of the last two steps; ``History.rows`` re-forms them
-with the rows (tree forks and prunes), and every rank of a sequence-parallel server holds the same.
+The stochastic steps stay the first-order Gaussian transitions of ``rollout_core.steps``, from x_i
+as streamed (no correction first), so a trainer replays them from the stream alone. A stochastic
+step ends the history (``History``): its noise moves the sample onto another ODE trajectory, whose
+earlier data predictions the history does not hold, so the deterministic steps after a stochastic
+window start the solver again as at x_0 (first order, no corrector, then its warm-up). Carrying the
+predictions across the noise instead costs accuracy: after a 2-step SDE window, dpmpp_2m with them
+was 5 times further from the converged latents than Euler at 4 steps, and without them 2 times
+closer (bench/solvers.py, tiny-flux). The predictions held are those of the last two deterministic
+steps; ``History.rows`` re-forms them with the rows (tree forks and prunes), and every rank of a
+sequence-parallel server holds the same.
 """
 
 from collections.abc import Callable, Mapping
@@ -258,13 +260,14 @@ def solver_of_scheduler(scheduler_class: str, config: Mapping[str, Any]) -> str:
 
 
 def step_orders(name: str, stochastic: list[bool]) -> list[int]:
-    """The order of every step of a rollout: 1 on a stochastic step, the solver's elsewhere. Every
-    step adds a data prediction, so step i knows min(i, history length) of them."""
-    solver, num_steps = solver_named(name), len(stochastic)
-    return [
-        1 if stochastic[i] else solver.order_at(i, num_steps, min(i, solver.history_length))
-        for i in range(num_steps)
-    ]
+    """The order of every step of a rollout: 1 on a stochastic step, the solver's elsewhere, which
+    knows the data predictions of the deterministic steps since the last stochastic one (at most its
+    history length)."""
+    solver, orders, known = solver_named(name), [], 0
+    for i, noisy in enumerate(stochastic):
+        orders.append(1 if noisy else solver.order_at(i, len(stochastic), known))
+        known = 0 if noisy else min(known + 1, solver.history_length)
+    return orders
 
 
 def solver_step(
@@ -277,18 +280,6 @@ def solver_step(
     order = solver.order_at(i, len(sigmas) - 1, len(history.predictions))
     x_next, corrected = solver.step(x, v, m, sigmas, i, history, order)
     return SolverStep(x_next, _added(solver, history, m, corrected, order), order)
-
-
-def after_stochastic_step(
-    name: str, history: History, x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int
-) -> History:
-    """The history after stochastic step i (first order): its data prediction added, nothing to
-    correct."""
-    solver = solver_named(name)
-    if not solver.history_length:
-        return History()
-    m = data_prediction(x.float(), v.float(), sigmas.to(torch.float32).cpu(), i)
-    return _added(solver, history, m, None, 1)
 
 
 def _added(solver: Solver, history: History, m: torch.Tensor | None, corrected, order: int) -> History:
