@@ -28,6 +28,7 @@ from helpers import (
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient
+from rollout_core import wire
 from rollout_server.local import LocalServer
 from rollout_server.parallel import ParallelDims, SequenceParallel
 
@@ -74,6 +75,23 @@ def test_sp2_matches_sp1(client, sp2_client, tiny_transformer, sampler):
     assert (one.started.message.sp_degree, one.started.message.attention_split) == (1, "none")
     assert_same_numbers(one, two, bitwise_log_probs=True)
     assert_replays(tiny_transformer, two.trajectories())  # with a plain, unsplit transformer
+
+
+def test_sp2_takes_a_trainers_schedule_and_x0_as_sp1(client, sp2_client):
+    """A trainer's sigmas and x_0 reach every rank (they travel in the request): the SP=2 stream starts
+    from that x_0 on that schedule, with the numbers of SP=1."""
+    x0 = 0.5 * split_events(client.stream(request())).started.x0
+    fields = {"sigmas": [1.0, 0.9, 0.8, 0.4, 0.0], "initial_latents": wire.initial_latents_bytes(x0)}
+    one = split_events(
+        client.stream(request(stochastic_steps=[0, 1], solver=rollout_pb2.SOLVER_DPMPP_2M, **fields))
+    )
+    two = split_events(
+        sp2_client.stream(request(stochastic_steps=[0, 1], solver=rollout_pb2.SOLVER_DPMPP_2M, **fields))
+    )
+    assert torch.equal(two.started.x0, x0) and list(two.started.message.sigmas) == list(
+        one.started.message.sigmas
+    )
+    assert_same_numbers(one, two, bitwise_log_probs=True)
 
 
 def test_sp2_tree_matches_sp1(client, sp2_client, tiny_transformer):
