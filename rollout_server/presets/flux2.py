@@ -32,17 +32,11 @@ from transformers import (
     Mistral3Config,
     Mistral3ForConditionalGeneration,
     PreTrainedTokenizerFast,
-    Qwen2Tokenizer,
-    Qwen3Config,
     Qwen3ForCausalLM,
 )
 
-from .tokenizers import (
-    QWEN3_CHAT_TEMPLATE,
-    QWEN3_SPECIAL_TOKENS,
-    write_mistral_tokenizer,
-    write_qwen2_tokenizer,
-)
+from .components import qwen3_config, qwen3_tokenizer
+from .tokenizers import write_mistral_tokenizer
 
 
 @dataclass(frozen=True)
@@ -105,32 +99,17 @@ def build_flux2_klein_preset(folder: Path, size: str = "tiny") -> None:
     cfg = FLUX2_PRESET_CONFIGS[size]
     folder = Path(folder)
     # The words of the chat template's turns are single tokens, as in Qwen3's vocabulary.
-    write_qwen2_tokenizer(
-        folder / "tokenizer",
-        "user\nassistant\n",
-        special_tokens=QWEN3_SPECIAL_TOKENS,
-        chat_template=QWEN3_CHAT_TEMPLATE,
-        model_max_length=cfg.text_tokens,
-    )
-    tokenizer = Qwen2Tokenizer.from_pretrained(folder / "tokenizer")
+    tokenizer = qwen3_tokenizer(folder / "tokenizer", "user\nassistant\n", cfg.text_tokens)
     transformer, vae = transformer_and_vae(cfg, guidance=False)
 
     torch.manual_seed(2)
     text_encoder = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=cfg.text_hidden_size,
+        qwen3_config(
+            tokenizer,
+            cfg,
             intermediate_size=3 * cfg.text_hidden_size,
-            num_hidden_layers=cfg.text_layers,
-            num_attention_heads=cfg.text_heads,
-            num_key_value_heads=cfg.text_kv_heads,
-            head_dim=cfg.text_hidden_size // cfg.text_heads,
             max_position_embeddings=4 * cfg.text_tokens,
-            rms_norm_eps=1e-6,
             tie_word_embeddings=True,
-            bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
         )
     )
 

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
+from transformers import Qwen3Model
 
-from .components import kl_vae
-from .tokenizers import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL_TOKENS, write_qwen2_tokenizer
+from .components import kl_vae, qwen3_config, qwen3_tokenizer
 
 
 @dataclass(frozen=True)
@@ -74,10 +73,7 @@ def build_z_image_preset(folder: Path, size: str = "tiny") -> None:
     cfg = Z_IMAGE_PRESET_CONFIGS[size]
     # The tokenizer learns the template's words, rendered around an empty prompt, as whole tokens.
     template = "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"
-    write_qwen2_tokenizer(
-        folder / "tokenizer", template, special_tokens=QWEN3_SPECIAL_TOKENS, chat_template=QWEN3_CHAT_TEMPLATE
-    )
-    tokenizer = Qwen2Tokenizer.from_pretrained(folder / "tokenizer")
+    tokenizer = qwen3_tokenizer(folder / "tokenizer", template)
 
     # A fixed seed per component keeps each one stable when another component's config changes.
     torch.manual_seed(0)
@@ -97,20 +93,12 @@ def build_z_image_preset(folder: Path, size: str = "tiny") -> None:
 
     torch.manual_seed(2)
     text_encoder = Qwen3Model(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=cfg.text_hidden_size,
+        qwen3_config(
+            tokenizer,
+            cfg,
             intermediate_size=2 * cfg.text_hidden_size,
-            num_hidden_layers=cfg.text_layers,
-            num_attention_heads=cfg.text_heads,
-            num_key_value_heads=cfg.text_kv_heads,
-            head_dim=cfg.text_hidden_size // cfg.text_heads,
             max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-            bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
         )
     )
 
