@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from helpers import FAMILIES, family_request, field_violations
+from helpers import FAMILIES, TOLERANCE, family_request, field_violations
 
 from rollout_client.images import LABEL_HEIGHT
 from rollout_core import solvers
@@ -48,14 +48,20 @@ def test_frames_must_be_4k_plus_1_and_bounded(family_client, family, frames):
     assert [violation.field for violation in field_violations(refused.value)] == ["num_frames"]
 
 
-@pytest.mark.parametrize(("family", "solver"), [("wan", "unipc"), ("wan", "euler"), ("wan2.2", "unipc")])
-def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family, solver):
+@pytest.mark.parametrize(
+    ("family", "solver", "cfg"),
+    [("wan", "unipc", True), ("wan", "unipc", False), ("wan", "euler", True), ("wan2.2", "unipc", True)],
+)
+def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family, solver, cfg):
     """Schedule (UniPC's shifted flow sigmas and integer timesteps), env, raw timestep, expert per step
     and CFG all as WanPipeline: from the same x_0, its own ``__call__`` with its own UniPC scheduler
     reaches the streamed final latents of the family's default solver, and its loop stepping with
-    Euler over the same sigmas those of ``solver=euler``."""
+    Euler over the same sigmas those of ``solver=euler``. With CFG the pipeline runs both branches in
+    one forward and the server each apart: Batch and split rounding (docs/testing.md), TOLERANCE in v
+    times up to 2s - 1 = 9 at scale 5, 1e-4. Without CFG both run the two prompts' rows in one forward
+    of one branch, and the UniPC steps are diffusers' own arithmetic: TOLERANCE."""
     fields = {} if solver == "unipc" else {"solver": solvers.SOLVERS[solver].enum}
-    request = family_request(family, "ODE", cfg=True, samples_per_prompt=1, **fields)
+    request = family_request(family, "ODE", cfg=cfg, samples_per_prompt=1, **fields)
     trajectories = family_client.rollout(request)
     assert trajectories[0].solver == solver
     sigmas, timesteps = trajectories[0].sigmas, trajectories[0].timesteps
@@ -87,13 +93,14 @@ def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family
             width=64,
             num_frames=5,
             num_inference_steps=4,
-            guidance_scale=5.0,
+            guidance_scale=request.guidance_scale,
             output_type="latent",
         ).frames
     finally:
         pipe.scheduler = unipc
+    bound = 1e-4 if cfg else TOLERANCE
     torch.testing.assert_close(
-        final, torch.stack([t.latents[-1] for t in trajectories]), atol=1e-4, rtol=1e-4
+        final, torch.stack([t.latents[-1] for t in trajectories]), atol=bound, rtol=bound
     )
 
 
