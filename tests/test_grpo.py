@@ -16,6 +16,7 @@ from rollout_client.events import Step
 from rollout_client.grpo import (
     clipped_policy_loss,
     group_advantages,
+    guarded_policy_loss,
     kl_to_reference,
     micro_batches,
     sde_window,
@@ -92,6 +93,63 @@ def test_clipped_policy_loss_is_the_ppo_surrogate():
     new = old.clone().requires_grad_(True)
     clipped_policy_loss(new, old, advantages, 1e-4).backward()
     np.testing.assert_allclose(new.grad.numpy(), -np.clip(advantages.numpy(), -5, 5) / 64, rtol=1e-12)
+
+
+def _gaussian_log_probs(x_next: torch.Tensor, means: torch.Tensor, stds: torch.Tensor) -> torch.Tensor:
+    """float64 [B]: the mean over elements of log N(x_next; means, stds^2), as the server streams it."""
+    s = stds.reshape(-1, 1, 1)
+    elementwise = -((x_next - means) ** 2) / (2 * s**2) - torch.log(s) - 0.5 * np.log(2 * np.pi)
+    return elementwise.mean(dim=(1, 2))
+
+
+def test_guarded_policy_loss_is_grpo_guards_surrogate():
+    """Against the closed form of GRPO-Guard's log-ratio, mean(eps * (mean - mean_old)) with
+    x_{i+1} = mean_old + s eps, computed without log-probs, on steps whose stds span 1e-3 to 0.5."""
+    generator = torch.Generator().manual_seed(0)
+    batch, shape = 64, (4, 8)
+    stds = torch.logspace(-3, np.log10(0.5), batch, dtype=torch.float64)
+    dts = torch.rand(batch, generator=generator, dtype=torch.float64) * 0.2 + 0.05
+    old_means = torch.randn(batch, *shape, generator=generator, dtype=torch.float64)
+    means = old_means + 0.05 * torch.randn(batch, *shape, generator=generator, dtype=torch.float64)
+    eps = torch.randn(batch, *shape, generator=generator, dtype=torch.float64)
+    x_next = old_means + stds.reshape(-1, 1, 1) * eps
+    advantages = 4 * torch.randn(batch, generator=generator, dtype=torch.float64)
+    log_probs, old_log_probs = (
+        _gaussian_log_probs(x_next, means, stds),
+        _gaussian_log_probs(x_next, old_means, stds),
+    )
+    a = np.clip(advantages.numpy(), -5, 5)
+    rho = np.exp((eps.numpy() * (means - old_means).numpy()).mean(axis=(1, 2)))
+    for clip_range in (1e-4, 0.2):
+        got = guarded_policy_loss(
+            log_probs, old_log_probs, means, old_means, stds, dts, advantages, clip_range
+        ).item()
+        expected = np.mean(
+            np.maximum(-a * rho, -a * np.clip(rho, 1 - clip_range, 1 + clip_range)) / dts.numpy()
+        )
+        # float64: the log-prob terms are below 1e3 in size (|eps|^2 / 2 and |log s|, and
+        # |mean - mean_old|^2 / (2 s^2) at s = 1e-3), so log_probs - old_log_probs + bias carries an
+        # absolute error below 1e3 * 2.2e-16 * a few roundings, ~1e-12, before the scaling by s <= 0.5:
+        # the ratios, and the loss, agree to a relative 1e-12; 1e-10 leaves room for the mean's sums.
+        assert got == pytest.approx(expected, rel=1e-10)
+    # On policy (rho = 1) the gradient w.r.t. the step mean is -A eps / (N B dt): eps, not PPO's
+    # eps / s, so a step's pull no longer grows as its noise shrinks.
+    on_policy = old_means.clone().requires_grad_(True)
+    loss = guarded_policy_loss(
+        _gaussian_log_probs(x_next, on_policy, stds),
+        old_log_probs,
+        on_policy,
+        old_means,
+        stds,
+        dts,
+        advantages,
+        1e-4,
+    )
+    loss.backward()
+    n = np.prod(shape)
+    expected_grad = -a.reshape(-1, 1, 1) * eps.numpy() / (n * batch * dts.numpy().reshape(-1, 1, 1))
+    # Same float64 bound as above, on terms of size |eps| / (n B dt) with no cancellation.
+    np.testing.assert_allclose(on_policy.grad.numpy(), expected_grad, rtol=1e-10, atol=0)
 
 
 def test_steps_scored_while_the_stream_runs_match_the_whole_rollout(client, tiny_transformer):

@@ -102,7 +102,9 @@ def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lor
     assert json.loads(table_path.read_text()) == tables["after"]
 
 
-@pytest.mark.parametrize("flag", ["--window", "--kl-beta", "--async", "--score-while-streaming"])
+@pytest.mark.parametrize(
+    "flag", ["--window", "--kl-beta", "--grpo-guard", "--async", "--score-while-streaming"]
+)
 def test_nft_refuses_the_flowgrpo_flags(flag, capsys):
     value = {"--window": ["2"], "--kl-beta": ["0.1"]}.get(flag, [])
     with pytest.raises(SystemExit) as refused:

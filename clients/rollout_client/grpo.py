@@ -48,6 +48,20 @@ advantages, the clipped policy loss, the KL penalty and the Flow-GRPO-Fast step 
       loss = mean(max(-A * rho, -A * clip(rho, 1 - clip_range, 1 + clip_range)))
 
   FlowGRPO's clip ranges are small: 1e-4 (1e-5 with Flow-GRPO-Fast and CPS).
+* ``guarded_policy_loss(log_probs, old_log_probs, means, old_means, stds, dts, advantages,
+  clip_range)``: GRPO-Guard's (arXiv 2510.22319) ratio normalisation. The log-ratio of a Gaussian
+  step with std ``s = sigma_t sqrt(dt)``, at x_{i+1} = mean_old + s eps, is
+  ``-|mean - mean_old|^2 / (2 s^2) - eps . (mean - mean_old) / s`` (means over latent elements):
+  its mean over eps is negative (the ratio is biased below 1 once the policy moves) and its spread
+  grows as 1 / s, so the last, least noisy steps dominate the clip and the gradient. GRPO-Guard adds
+  the bias back and rescales by s, which leaves ``mean(eps * (mean - mean_old))`` whatever the step,
+  and divides each step's surrogate by dt so every step's velocity gradient weighs alike::
+
+      bias = mean((mean - mean_old)^2) / (2 s^2)
+      rho = exp((log_probs - old_log_probs + bias) * s)
+      loss = mean(max(-A * rho, -A * clip(rho, 1 - clip_range, 1 + clip_range)) / dt)
+
+  The log-probs must be the Gaussian log-density (the server's log-prob constants on).
 * ``kl_to_reference(means, reference_means, stds)``: per sample, the KL divergence between the
   step's Gaussian under the policy and under the reference policy (the base model, e.g. with the
   LoRA disabled), which share the std, as a mean over latent elements like the log-prob::
@@ -264,6 +278,29 @@ def clipped_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
     return torch.maximum(unclipped, clipped).mean()
+
+
+def guarded_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    means: torch.Tensor,
+    old_means: torch.Tensor,
+    stds: torch.Tensor,
+    dts: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float,
+    adv_clip_max: float = 5.0,
+) -> torch.Tensor:
+    """GRPO-Guard's clipped surrogate (scalar; see the module docstring): ``means`` [B, ...] and
+    ``old_means`` the step's transition means under the policy and the rollout's policy, ``stds``
+    [B] the step's noise stds sigma_t sqrt(dt), ``dts`` [B] its sigma_i - sigma_{i+1}."""
+    advantages = advantages.clamp(-adv_clip_max, adv_clip_max)
+    squared = (means - old_means) ** 2
+    bias = squared.mean(dim=tuple(range(1, squared.ndim))) / (2 * stds**2)
+    ratio = torch.exp((log_probs - old_log_probs + bias) * stds)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    return (torch.maximum(unclipped, clipped) / dts).mean()
 
 
 def kl_to_reference(means: torch.Tensor, reference_means: torch.Tensor, stds: torch.Tensor) -> torch.Tensor:

@@ -180,6 +180,12 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--kl-beta", type=float, default=0.0, help="weight of the KL to the base model")
     parser.add_argument(
+        "--grpo-guard",
+        action="store_true",
+        help="FlowGRPO: GRPO-Guard's ratio, each step's log-ratio unbiased and rescaled by its noise std, "
+        "its surrogate divided by dt (rollout_client.grpo.guarded_policy_loss)",
+    )
+    parser.add_argument(
         "--train",
         choices=TRAINED,
         default="lora",
@@ -260,6 +266,10 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--prompts {args.prompts} must split evenly over the {world} trainer ranks")
     if args.clip_range is None:
         args.clip_range = 1e-2 if args.async_ else 1e-4
+    if args.async_ and args.grpo_guard:
+        parser.error(
+            "--grpo-guard takes the rollout policy's step means from the trainer's: it needs sync mode"
+        )
     if args.async_ and args.score_while_streaming:
         parser.error("--score-while-streaming scores with the rollout's policy: it needs sync mode")
     if args.prompt:
@@ -389,6 +399,7 @@ class OptimConfig:
     lr: float
     clip_range: float
     kl_beta: float
+    grpo_guard: bool  # GRPO-Guard's normalised ratio instead of PPO's
     micro_batch: int
     train: str  # "lora" or "full"
     lora_rank: int
@@ -482,6 +493,7 @@ class TrainConfig:
                 f.lr,
                 f.clip_range,
                 f.kl_beta,
+                f.grpo_guard,
                 f.micro_batch,
                 f.train,
                 f.lora_rank,

@@ -9,6 +9,7 @@ import torch
 from rollout_client.grpo import (
     clipped_policy_loss,
     group_advantages,
+    guarded_policy_loss,
     kl_to_reference,
     micro_batches,
     row_batches,
@@ -89,13 +90,38 @@ class PolicyUpdate:
         ratio = torch.exp(transition.log_probs.detach() - old)
         self.ratio_max_dev = max(self.ratio_max_dev, (ratio - 1).abs().max().item())
         piece_advantages = piece_advantages.to(old.device)
-        loss = clipped_policy_loss(transition.log_probs, old, piece_advantages, self.config.optim.clip_range)
+        if self.config.optim.grpo_guard:
+            loss = self._guarded_loss([trajectories[r] for r in rows], i, transition, old, piece_advantages)
+        else:
+            loss = clipped_policy_loss(
+                transition.log_probs, old, piece_advantages, self.config.optim.clip_range
+            )
         if reference is not None:
             kl = kl_to_reference(transition.means, reference, transition.stds).mean()
             self.kl += kl.item() * len(rows) * self.weight
             loss = loss + self.config.optim.kl_beta * kl
         (loss * len(rows) * self.weight).backward()
         self.loss += loss.item() * len(rows) * self.weight
+
+    def _guarded_loss(self, pieces, i, transition, old, piece_advantages) -> torch.Tensor:
+        if not all(t.log_prob_constants for t in pieces):
+            raise ValueError(
+                "--grpo-guard needs the Gaussian log-density: the server streams log-probs without constants"
+            )
+        dts = torch.stack([t.sigmas[i] - t.sigmas[i + 1] for t in pieces]).float().to(old.device)
+        # Sync mode: the weights are the rollout's until this iteration's optimizer step, so the rollout
+        # policy's step means are the trainer's, detached (as equal as the ratio's ratio_max_dev says).
+        old_means = transition.means.detach()
+        return guarded_policy_loss(
+            transition.log_probs,
+            old,
+            transition.means,
+            old_means,
+            transition.stds,
+            dts,
+            piece_advantages,
+            self.config.optim.clip_range,
+        )
 
 
 @register("flowgrpo")

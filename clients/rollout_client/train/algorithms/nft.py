@@ -26,7 +26,7 @@ class DiffusionNFT(Algorithm):
             return f"--algorithm nft runs on one trainer rank, not {world}"
         # NFT scores no step: nothing to window or to score early, no step Gaussians for the KL, and
         # its old velocities must be the rollout policy's, which a stale rollout is not.
-        for flag in ("window", "kl_beta", "async_", "score_while_streaming"):
+        for flag in ("window", "kl_beta", "grpo_guard", "async_", "score_while_streaming"):
             if getattr(args, flag):
                 return (
                     f"--{flag.rstrip('_').replace('_', '-')} is for FlowGRPO: --algorithm nft scores no step"
