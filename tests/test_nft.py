@@ -8,7 +8,15 @@ import torch
 from helpers import TOLERANCE, make_request
 
 from rollout.v1 import rollout_pb2
-from rollout_client.nft import final_latents, nft_loss, noise_levels, noised, optimality, velocities
+from rollout_client.nft import (
+    final_latents,
+    nft_loss,
+    nft_x0_loss,
+    noise_levels,
+    noised,
+    optimality,
+    velocities,
+)
 
 
 def test_nft_loss_is_its_formula_and_pulls_good_samples_in_and_pushes_bad_ones_out():
@@ -32,6 +40,47 @@ def test_nft_loss_is_its_formula_and_pulls_good_samples_in_and_pushes_bad_ones_o
     nft_loss(v, v_old, target, r, beta).backward()
     expected = 2 * beta * (2 * r.numpy() - 1)[:, None, None] * (v_old - target).numpy() / (6 * 16 * 4)
     np.testing.assert_allclose(v.grad.numpy(), expected, rtol=1e-10, atol=1e-15)
+
+
+def test_nft_x0_loss_is_the_velocity_error_weighted_by_its_own_size():
+    """Against its velocity form (x0 - x = s (v* - v), float64 NumPy): each sample's term is
+    s^2 mean((v - v*)^2) / max(s mean(|v - v*|), 1e-5), and the weight carries no gradient."""
+    generator = torch.Generator().manual_seed(0)
+    x, eps = (torch.randn(6, 16, 4, generator=generator, dtype=torch.float64) for _ in range(2))
+    levels = torch.tensor([0.05, 0.2, 0.4, 0.6, 0.8, 0.95], dtype=torch.float64)
+    x_s, target = noised(x, eps, levels)
+    v_old = target + 0.3 * torch.randn(6, 16, 4, generator=generator, dtype=torch.float64)
+    v = v_old + 0.1 * torch.randn(6, 16, 4, generator=generator, dtype=torch.float64)
+    r = torch.tensor([0.0, 0.2, 0.5, 0.5, 0.9, 1.0], dtype=torch.float64)
+    s = levels.numpy().reshape(-1, 1, 1)
+
+    def term(prediction: np.ndarray) -> np.ndarray:
+        error = prediction - target.numpy()
+        return (
+            s.ravel() ** 2
+            * (error**2).mean(axis=(1, 2))
+            / np.maximum(s.ravel() * np.abs(error).mean(axis=(1, 2)), 1e-5)
+        )
+
+    for beta in (1.0, 0.1):
+        plus = (1 - beta) * v_old.numpy() + beta * v.numpy()
+        minus = (1 + beta) * v_old.numpy() - beta * v.numpy()
+        expected = ((r.numpy() * term(plus) + (1 - r.numpy()) * term(minus)) / beta).mean()
+        # float64: x_s - s v - x rounds x_s - x = s v* at ~2.2e-16 |x| (|x| < 5) against errors of
+        # s |v - v*| >= 0.05 * 1e-2: a relative 1e-11 at worst per element, less in the means.
+        assert nft_x0_loss(v, v_old, x_s, x, levels, r, beta).item() == pytest.approx(expected, rel=1e-10)
+    # At v = v_old the gradient is 2 s (2r - 1) (v - v*) / (B E mean|v - v*|): the pull of every
+    # sample is about s whatever its error's size; a weight with a gradient would change it.
+    beta = 0.5
+    at_old = v_old.clone().requires_grad_(True)
+    nft_x0_loss(at_old, v_old, x_s, x, levels, r, beta).backward()
+    error = v_old.numpy() - target.numpy()
+    scale = np.abs(error).mean(axis=(1, 2), keepdims=True)
+    expected_grad = 2 * s * (2 * r.numpy().reshape(-1, 1, 1) - 1) * error / (6 * 64 * scale)
+    # Relative 1e-10 as above; at r = 0.5 the positive and negative halves, each below
+    # s |v - v*| / (B E mean|v - v*|) < 1e-2 in size, cancel to 0 only up to their relative 1e-13
+    # rounding (x_s - s v_pm - x carries 1e-15 against errors of at least 1e-2): atol 1e-15.
+    np.testing.assert_allclose(at_old.grad.numpy(), expected_grad, rtol=1e-10, atol=1e-15)
 
 
 def test_optimality_is_one_half_at_the_mean_and_saturates_at_the_clip():

@@ -30,6 +30,19 @@ sampler in the loss (any sampler, CFG included, may produce the samples).
   ``level * timesteps[0] / sigmas[0]`` (diffusers' flow-matching schedulers feed
   ``sigma * num_train_timesteps``; the ratio comes from the trajectory's own schedule).
 * ``nft_loss(v, v_old, target, r, beta)``: the loss above (scalar).
+* ``nft_x0_loss(v, v_old, x_s, x, levels, r, beta)``: the official DiffusionNFT scripts' form of
+  it, on the predicted clean sample ``x0_pm = x_s - s v_pm`` (whose target is x itself), each
+  sample's squared error divided by its own mean absolute error, detached (clipped below at 1e-5),
+  and by beta::
+
+      w_pm = stop_gradient(max(mean(|x0_pm - x|), 1e-5))
+      loss = mean over samples of  (r * mean((x0_plus - x)^2) / w_plus
+                                    + (1 - r) * mean((x0_minus - x)^2) / w_minus) / beta
+
+  Since ``x0_pm - x = s (v* - v_pm)``, a sample's term is ``s mean((v_pm - v*)^2) / mean(|v_pm -
+  v*|)``: every sample pulls with a force of about s, however far its prediction is, so neither the
+  noisiest levels nor the samples furthest off dominate the step. (The official scripts also
+  multiply by their advantage clip, a constant factor of the learning rate, left out here.)
 """
 
 from collections.abc import Sequence
@@ -117,3 +130,28 @@ def nft_loss(
     negative = (v_minus - target).pow(2).mean(dim=dims)
     r = r.to(v.device)
     return (r * positive + (1 - r) * negative).mean()
+
+
+def nft_x0_loss(
+    v: torch.Tensor,
+    v_old: torch.Tensor,
+    x_s: torch.Tensor,
+    x: torch.Tensor,
+    levels: torch.Tensor,
+    r: torch.Tensor,
+    beta: float = 1.0,
+) -> torch.Tensor:
+    """DiffusionNFT's loss on the predicted clean sample with the per-sample adaptive weight (scalar;
+    see the module docstring): ``x_s`` the noised samples at ``levels`` [B], ``x`` the samples."""
+    s = levels.view(-1, *([1] * (x.ndim - 1))).to(device=v.device, dtype=v.dtype)
+    dims = tuple(range(1, v.ndim))
+
+    def weighted_error(prediction: torch.Tensor) -> torch.Tensor:
+        error = x_s - s * prediction - x
+        weight = error.detach().abs().mean(dim=dims).clamp_min(1e-5)
+        return error.pow(2).mean(dim=dims) / weight
+
+    positive = weighted_error((1 - beta) * v_old + beta * v)
+    negative = weighted_error((1 + beta) * v_old - beta * v)
+    r = r.to(v.device)
+    return ((r * positive + (1 - r) * negative) / beta).mean()

@@ -168,6 +168,13 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         "--nft-beta", type=float_above_zero(), default=1.0, help="nft: the implicit policies' step beta"
     )
     parser.add_argument(
+        "--nft-loss",
+        choices=("velocity", "x0"),
+        default="velocity",
+        help="nft: the loss on the velocities (rollout_client.nft.nft_loss), or the official scripts' on "
+        "the predicted clean sample, each sample divided by its own mean absolute error (nft_x0_loss)",
+    )
+    parser.add_argument(
         "--nft-draws",
         type=int_at_least(1),
         default=4,
@@ -421,6 +428,7 @@ class OptimConfig:
 class NFTConfig:
     beta: float
     draws: int
+    loss: str  # "velocity" or "x0"
 
 
 @dataclass
@@ -500,7 +508,7 @@ class TrainConfig:
                 f.lora_alpha,
                 f.lora_targets,
             ),
-            nft=NFTConfig(f.nft_beta, f.nft_draws),
+            nft=NFTConfig(f.nft_beta, f.nft_draws, f.nft_loss),
             sync=SyncConfig(f.weight_sync, f.sync_address),
             checkpoint=CheckpointConfig(f.out, f.checkpoint_every, f.resume, f.checkpoint),
             eval=EvalConfig(f.eval_every),

@@ -7,7 +7,15 @@ import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_client.grpo import group_advantages, row_batches
-from rollout_client.nft import final_latents, nft_loss, noise_levels, noised, optimality, velocities
+from rollout_client.nft import (
+    final_latents,
+    nft_loss,
+    nft_x0_loss,
+    noise_levels,
+    noised,
+    optimality,
+    velocities,
+)
 from rollout_client.train.algorithms.base import Algorithm, register
 
 if TYPE_CHECKING:
@@ -62,11 +70,13 @@ class DiffusionNFT(Algorithm):
             self.trainer.zero_grad()
             for rows in pieces:
                 v = velocities(transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows])
-                loss = (
-                    nft_loss(v, v_old[rows], target[rows], r[rows], config.nft.beta)
-                    * len(rows)
-                    / len(trajectories)
-                )
+                if config.nft.loss == "x0":
+                    loss = nft_x0_loss(
+                        v, v_old[rows], x_s[rows], x[rows], levels[rows], r[rows], config.nft.beta
+                    )
+                else:
+                    loss = nft_loss(v, v_old[rows], target[rows], r[rows], config.nft.beta)
+                loss = loss * len(rows) / len(trajectories)
                 loss.backward()
                 total += loss.item() / config.nft.draws
             self.trainer.optimizer_step()
