@@ -9,6 +9,7 @@ from helpers import TOLERANCE, make_request
 
 from rollout.v1 import rollout_pb2
 from rollout_client.nft import (
+    anchor_loss,
     final_latents,
     nft_loss,
     nft_x0_loss,
@@ -81,6 +82,18 @@ def test_nft_x0_loss_is_the_velocity_error_weighted_by_its_own_size():
     # s |v - v*| / (B E mean|v - v*|) < 1e-2 in size, cancel to 0 only up to their relative 1e-13
     # rounding (x_s - s v_pm - x carries 1e-15 against errors of at least 1e-2): atol 1e-15.
     np.testing.assert_allclose(at_old.grad.numpy(), expected_grad, rtol=1e-10, atol=1e-15)
+
+
+def test_anchor_loss_is_the_mean_squared_velocity_distance_and_pulls_towards_the_reference():
+    generator = torch.Generator().manual_seed(1)
+    v, v_reference = (torch.randn(6, 16, 4, generator=generator, dtype=torch.float64) for _ in range(2))
+    v.requires_grad_(True)
+    loss = anchor_loss(v, v_reference)
+    difference = v.detach().numpy() - v_reference.numpy()
+    # float64 sums of 384 squares below 50 each: relative rounding far below 1e-12.
+    assert loss.item() == pytest.approx((difference**2).mean(axis=(1, 2)).mean(), rel=1e-12)
+    loss.backward()
+    np.testing.assert_allclose(v.grad.numpy(), 2 * difference / difference.size, rtol=1e-12)
 
 
 def test_optimality_is_one_half_at_the_mean_and_saturates_at_the_clip():

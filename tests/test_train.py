@@ -483,6 +483,28 @@ def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, messag
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--grpo-guard", "--async"],
+            "--grpo-guard takes the rollout policy's step means from the trainer's",
+        ),
+        (["--algorithm", "nft", "--nft-anchor", "-1"], "--nft-anchor must be a finite weight of at least 0"),
+        (["--algorithm", "nft", "--nft-anchor", "nan"], "--nft-anchor must be a finite weight of at least 0"),
+        (
+            ["--algorithm", "nft", "--nft-anchor", "1", "--train", "full"],
+            "--nft-anchor compares with the base",
+        ),
+    ],
+)
+def test_stabiliser_flags_that_cannot_train_are_refused(trainer, capsys, flags, message):
+    with pytest.raises(SystemExit) as refused:
+        trainer.parse_args(flags)
+    assert refused.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_the_lora_goes_on_the_servers_family_unless_the_flag_names_its_targets(trainer):
     """Each family's defaults are checked against its published transformers in test_real_sizes.py."""
     assert trainer.parse_args([]).optim.targets("sd3") == list(LORA_TARGETS["sd3"])

@@ -43,6 +43,11 @@ sampler in the loss (any sampler, CFG included, may produce the samples).
   v*|)``: every sample pulls with a force of about s, however far its prediction is, so neither the
   noisiest levels nor the samples furthest off dominate the step. (The official scripts also
   multiply by their advantage clip, a constant factor of the learning rate, left out here.)
+* ``anchor_loss(v, v_reference)``: ``mean over samples of mean((v - v_reference)^2)``, the
+  squared distance of the trained velocity to the reference model's (the base model, e.g. with the
+  LoRA disabled) at the same points: DiffusionNFT's KL term, which the trainer weighs with
+  ``--nft-anchor`` (the official 1e-4 is inert at small batches; the trainer logs the gradient
+  norms of both terms so a weight can be chosen that bites).
 """
 
 from collections.abc import Sequence
@@ -155,3 +160,8 @@ def nft_x0_loss(
     negative = weighted_error((1 + beta) * v_old - beta * v)
     r = r.to(v.device)
     return ((r * positive + (1 - r) * negative) / beta).mean()
+
+
+def anchor_loss(v: torch.Tensor, v_reference: torch.Tensor) -> torch.Tensor:
+    """The mean over samples of the mean squared velocity distance to the reference (scalar)."""
+    return (v - v_reference.to(v.device)).pow(2).mean()

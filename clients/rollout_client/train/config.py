@@ -175,6 +175,13 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         "the predicted clean sample, each sample divided by its own mean absolute error (nft_x0_loss)",
     )
     parser.add_argument(
+        "--nft-anchor",
+        type=float,
+        default=0.0,
+        help="nft: weight of the squared velocity distance to the base model "
+        "(rollout_client.nft.anchor_loss); its gradient norm and the policy term's are logged",
+    )
+    parser.add_argument(
         "--nft-draws",
         type=int_at_least(1),
         default=4,
@@ -261,6 +268,10 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--reward: {error}")
     if args.weight_sync == "auto":
         args.weight_sync = "group" if args.train == "full" else "grpc"
+    if not 0 <= args.nft_anchor < math.inf:
+        parser.error(f"--nft-anchor must be a finite weight of at least 0, got {args.nft_anchor}")
+    if args.train == "full" and args.nft_anchor:
+        parser.error("--nft-anchor compares with the base model through the LoRA: it needs --train lora")
     if args.train == "full" and args.kl_beta:
         parser.error("--kl-beta compares with the base model through the LoRA: it needs --train lora")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -429,6 +440,7 @@ class NFTConfig:
     beta: float
     draws: int
     loss: str  # "velocity" or "x0"
+    anchor: float  # weight of the anchor to the base model; 0: none
 
 
 @dataclass
@@ -508,7 +520,7 @@ class TrainConfig:
                 f.lora_alpha,
                 f.lora_targets,
             ),
-            nft=NFTConfig(f.nft_beta, f.nft_draws, f.nft_loss),
+            nft=NFTConfig(f.nft_beta, f.nft_draws, f.nft_loss, f.nft_anchor),
             sync=SyncConfig(f.weight_sync, f.sync_address),
             checkpoint=CheckpointConfig(f.out, f.checkpoint_every, f.resume, f.checkpoint),
             eval=EvalConfig(f.eval_every),

@@ -35,6 +35,8 @@ COLUMNS = [
     "prune_asked",
     "prune_stopped",
     "eval_seconds",
+    "policy_grad_norm",
+    "anchor_grad_norm",
 ]
 
 

@@ -71,5 +71,12 @@ class Algorithm:
         return math.nan
 
     def metrics(self, rollout: "Rollout") -> dict:
-        """The algorithm's columns of the metrics row: ``kl``, ``scored_steps``, ``pruned_leaves``."""
-        return {"kl": math.nan, "scored_steps": "", "pruned_leaves": 0}
+        """The algorithm's columns of the metrics row: ``kl``, ``scored_steps``, ``pruned_leaves``,
+        ``policy_grad_norm`` and ``anchor_grad_norm``."""
+        return {
+            "kl": math.nan,
+            "scored_steps": "",
+            "pruned_leaves": 0,
+            "policy_grad_norm": math.nan,
+            "anchor_grad_norm": math.nan,
+        }

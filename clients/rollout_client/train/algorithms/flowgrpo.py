@@ -150,6 +150,7 @@ class FlowGRPO(Algorithm):
 
     def metrics(self, rollout: Rollout) -> dict:
         return {
+            **super().metrics(rollout),
             "kl": self.policy_update.kl if self.config.optim.kl_beta > 0 else math.nan,
             "scored_steps": " ".join(map(str, stochastic_steps(rollout.collector))),
             "pruned_leaves": 0,

@@ -8,6 +8,7 @@ import torch
 from rollout.v1 import rollout_pb2
 from rollout_client.grpo import group_advantages, row_batches
 from rollout_client.nft import (
+    anchor_loss,
     final_latents,
     nft_loss,
     nft_x0_loss,
@@ -59,15 +60,20 @@ class DiffusionNFT(Algorithm):
             for _ in range(config.nft.draws):
                 levels = noise_levels(len(trajectories), generator)
                 x_s, target = noised(x, torch.randn(x.shape, generator=generator).to(config.device), levels)
-                v_old = torch.empty_like(x_s)
-                for rows in pieces:
-                    v_old[rows] = velocities(
-                        transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows]
-                    )
-                draws.append((x_s, target, levels, v_old))
+                v_old = self._velocities(trajectories, pieces, x_s, levels)
+                v_reference = None
+                if config.nft.anchor > 0:
+                    transformer.disable_adapters()
+                    try:
+                        v_reference = self._velocities(trajectories, pieces, x_s, levels)
+                    finally:
+                        transformer.enable_adapters()
+                draws.append((x_s, target, levels, v_old, v_reference))
         total = 0.0
-        for x_s, target, levels, v_old in draws:
+        self.grad_norms = {"policy": 0.0, "anchor": 0.0}
+        for x_s, target, levels, v_old, v_reference in draws:
             self.trainer.zero_grad()
+            policy_grads = anchor_grads = None
             for rows in pieces:
                 v = velocities(transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows])
                 if config.nft.loss == "x0":
@@ -77,7 +83,55 @@ class DiffusionNFT(Algorithm):
                 else:
                     loss = nft_loss(v, v_old[rows], target[rows], r[rows], config.nft.beta)
                 loss = loss * len(rows) / len(trajectories)
-                loss.backward()
                 total += loss.item() / config.nft.draws
+                if v_reference is None:
+                    loss.backward()
+                    continue
+                # The two terms' gradients apart, so their norms can be logged against each other.
+                anchor = config.nft.anchor * anchor_loss(v, v_reference[rows]) * len(rows) / len(trajectories)
+                total += anchor.item() / config.nft.draws
+                policy_grads = _accumulated(
+                    policy_grads,
+                    torch.autograd.grad(
+                        loss, self.trainer.parameters, retain_graph=True, materialize_grads=True
+                    ),
+                )
+                anchor_grads = _accumulated(
+                    anchor_grads, torch.autograd.grad(anchor, self.trainer.parameters, materialize_grads=True)
+                )
+            if v_reference is not None:
+                for parameter, policy_grad, anchor_grad in zip(
+                    self.trainer.parameters, policy_grads, anchor_grads, strict=True
+                ):
+                    parameter.grad = policy_grad + anchor_grad
+                self.grad_norms["policy"] += _norm(policy_grads) / config.nft.draws
+                self.grad_norms["anchor"] += _norm(anchor_grads) / config.nft.draws
             self.trainer.optimizer_step()
         return total
+
+    def _velocities(self, trajectories, pieces, x_s, levels) -> torch.Tensor:
+        out = torch.empty_like(x_s)
+        for rows in pieces:
+            out[rows] = velocities(
+                self.trainer.transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows]
+            )
+        return out
+
+    def metrics(self, rollout: "Rollout") -> dict:
+        """Also, with ``--nft-anchor``, the gradient norms of the policy term and of the weighted anchor
+        term (means over the draws, before clipping)."""
+        row = super().metrics(rollout)
+        if self.config.nft.anchor > 0:
+            row["policy_grad_norm"], row["anchor_grad_norm"] = (
+                self.grad_norms["policy"],
+                self.grad_norms["anchor"],
+            )
+        return row
+
+
+def _accumulated(total: tuple | None, grads: tuple) -> tuple:
+    return grads if total is None else tuple(a + b for a, b in zip(total, grads, strict=True))
+
+
+def _norm(grads: tuple) -> float:
+    return torch.sqrt(sum(grad.double().pow(2).sum() for grad in grads)).item()
