@@ -354,6 +354,20 @@ def test_steps_scored_while_streaming_train_as_after_the_stream(train_client, tm
     assert any(tensor.abs().max() > 0 for name, tensor in adapters[0].items() if "lora_B" in name)
 
 
+def test_the_stabilisers_train_on_policy_and_log_the_anchors_pull(train_client, tmp_path):
+    """--grpo-guard trains the LoRA on policy; --algorithm nft with the x0 loss and an anchor logs
+    both terms' gradient norms (the unit tests check the losses themselves)."""
+    guarded = run_trainer(train_client.address, tmp_path / "guard", "--grpo-guard")
+    assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in guarded)
+    adapter = load_file(tmp_path / "guard" / "lora" / "adapter_model.safetensors")
+    assert any(tensor.abs().max() > 0 for name, tensor in adapter.items() if "lora_B" in name)
+    assert all(math.isnan(float(row["anchor_grad_norm"])) for row in guarded)
+    flags = ("--algorithm", "nft", "--nft-loss", "x0", "--nft-anchor", "1", "--nft-draws", "2")
+    anchored = run_trainer(train_client.address, tmp_path / "nft", *flags)
+    for row in anchored:
+        assert 0 < float(row["policy_grad_norm"]) < math.inf and 0 < float(row["anchor_grad_norm"]) < math.inf
+
+
 def test_tree_rollouts_pruned_early_train_every_edge_on_policy(train_client, tmp_path):
     """--tree: two roots per prompt fork at steps 0 and 1 (8 leaves a prompt). When step 1 arrives the
     trainer keeps each prompt's best and worst node by predicted reward and asks the server to prune
