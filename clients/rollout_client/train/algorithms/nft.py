@@ -45,7 +45,8 @@ class DiffusionNFT(Algorithm):
     def update(self, rollout: "Rollout", rewards: torch.Tensor, iteration: int) -> float:
         """--nft-draws optimizer steps, each on every sample's final latent noised afresh, against the
         velocities of the policy that rolled them out (computed at every draw's points before the first
-        step). Returns the mean loss."""
+        step), plus with --nft-anchor the weighted anchor to the base model's velocities at the same
+        points. Returns the mean loss, the anchor included."""
         config, transformer = self.config, self.trainer.transformer
         trajectories: list[Trajectory] = rollout.trajectories
         advantages = group_advantages(rewards, torch.tensor([t.prompt_index for t in trajectories]))
