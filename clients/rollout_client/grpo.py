@@ -51,7 +51,7 @@ advantages, the clipped policy loss, the KL penalty and the Flow-GRPO-Fast step 
 * ``guarded_policy_loss(log_probs, old_log_probs, means, old_means, stds, dts, advantages,
   clip_range)``: GRPO-Guard's (arXiv 2510.22319) ratio normalisation. The log-ratio of a Gaussian
   step with std ``s = sigma_t sqrt(dt)``, at x_{i+1} = mean_old + s eps, is
-  ``-|mean - mean_old|^2 / (2 s^2) - eps . (mean - mean_old) / s`` (means over latent elements):
+  ``eps . (mean - mean_old) / s - |mean - mean_old|^2 / (2 s^2)`` (means over latent elements):
   its mean over eps is negative (the ratio is biased below 1 once the policy moves) and its spread
   grows as 1 / s, so the last, least noisy steps dominate the clip and the gradient. GRPO-Guard adds
   the bias back and rescales by s, which leaves ``mean(eps * (mean - mean_old))`` whatever the step,
