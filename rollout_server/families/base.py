@@ -324,6 +324,12 @@ def set_up_schedule(scheduler, num_steps: int, **kwargs) -> tuple[torch.Tensor, 
     return scheduler.sigmas.to(torch.float32).cpu(), timesteps
 
 
+def unscaled(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Latents in the VAE's dtype, from the scaled and shifted space FLUX.1's, SD3's and Z-Image's
+    pipelines sample in (``scaling_factor`` and ``shift_factor`` of the VAE config)."""
+    return latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+
+
 def denormalized(vae, latents: torch.Tensor) -> torch.Tensor:
     """Latents [B, C, F, H, W] in the VAE's dtype, from the per-channel normalised space Wan's and
     Qwen-Image's pipelines sample in (``latents_mean`` and ``latents_std`` of the VAE config)."""

@@ -17,7 +17,7 @@ from PIL import Image
 
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import LatentConditioning
-from rollout_server.families.base import FamilyDefaults, MediaShape, PackedLatentAdapter
+from rollout_server.families.base import FamilyDefaults, MediaShape, PackedLatentAdapter, unscaled
 
 # FLUX.1's T5 text length; a model whose tokenizer says less pads its prompts to that.
 MAX_SEQUENCE_LENGTH = 512
@@ -87,8 +87,7 @@ class FluxAdapter(PackedLatentAdapter):
         spatial = self.pipe._unpack_latents(
             latents.to(vae.dtype), shape.height, shape.width, self.pipe.vae_scale_factor
         )
-        spatial = spatial / vae.config.scaling_factor + vae.config.shift_factor
-        yield vae.decode(spatial, return_dict=False)[0]
+        yield vae.decode(unscaled(vae, spatial), return_dict=False)[0]
 
 
 class FluxKontextAdapter(FluxAdapter):

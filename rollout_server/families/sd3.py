@@ -19,6 +19,7 @@ from rollout_server.families.base import (
     MediaShape,
     resolution_shift,
     set_up_schedule,
+    unscaled,
 )
 
 # StableDiffusion3Pipeline.__call__'s default T5 length.
@@ -102,5 +103,4 @@ class SD3Adapter(FamilyAdapter):
     @torch.no_grad()
     def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
         vae = self.pipe.vae
-        latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        yield vae.decode(latents, return_dict=False)[0]
+        yield vae.decode(unscaled(vae, latents), return_dict=False)[0]

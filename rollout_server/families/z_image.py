@@ -50,6 +50,7 @@ from rollout_server.families.base import (
     MediaShape,
     resolution_shift,
     set_up_schedule,
+    unscaled,
 )
 
 MAX_SEQUENCE_LENGTH = 512  # ZImagePipeline.__call__'s default
@@ -160,5 +161,4 @@ class ZImageAdapter(FamilyAdapter):
     @torch.no_grad()
     def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
         vae = self.pipe.vae
-        latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        yield vae.decode(latents, return_dict=False)[0]
+        yield vae.decode(unscaled(vae, latents), return_dict=False)[0]
