@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rollout_client import RolloutClient
 from rollout_client.rewards import shapes
-from rollout_client.shapes_eval import eval_request, evaluate_policy
+from rollout_client.shapes_eval import ShapesEval, eval_request, evaluate_policy
 from rollout_server.local import LocalServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,12 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def evaluate(client: RolloutClient, args: argparse.Namespace) -> dict[str, tuple[int, int]]:
-    """The strict accuracy table of the server's current policy."""
+def evaluate(client: RolloutClient, args: argparse.Namespace) -> ShapesEval:
+    """The strict accuracy eval of the server's current policy."""
     request = eval_request(
         samples=args.samples, steps=args.steps, size=args.size, seed=args.seed, true_cfg_scale=args.cfg
     )
-    return evaluate_policy(client, request).table
+    return evaluate_policy(client, request)
 
 
 def push_lora(client: RolloutClient, folder: Path) -> int:
@@ -71,14 +71,16 @@ def main(argv=None) -> None:
         with RolloutClient(args.server or server.address, timeout=600) as client:
             if args.lora is not None:
                 print(f"policy version {push_lora(client, args.lora)}: {args.lora}", file=sys.stderr)
-            table = evaluate(client, args)
+            result = evaluate(client, args)
     finally:
         if server is not None:
             server.stop()
-    print(shapes.format_accuracy_table(table))
+    print(shapes.format_accuracy_table(result.table))
+    print(
+        f"accuracy {result.accuracy:.3f} +- {result.standard_error:.3f} (standard error, prompts as clusters)"
+    )
     if args.json is not None:
-        counts = {task: {"correct": correct, "total": total} for task, (correct, total) in table.items()}
-        args.json.write_text(json.dumps(counts, indent=2) + "\n")
+        args.json.write_text(json.dumps(result.summary(), indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@
 What each flag does, and what a run writes: the package's docstring and docs/training.md.
 """
 
+import math
+
 from rollout_client.train import parse_args, run
 from rollout_client.train.rollouts import ServerFailure
 
@@ -24,11 +26,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not ranks.leader:
         return rows
     first, last = rows[0]["reward_mean"], rows[-1]["reward_mean"]
-    on_policy = (
-        ""
-        if config.algorithm == "nft"
-        else f", max ratio deviation {max(r['ratio_max_dev'] for r in rows):.1e}"
-    )
+    deviation = max(r["ratio_max_dev"] for r in rows)  # NaN where no step is scored (nft, awm)
+    on_policy = "" if math.isnan(deviation) else f", max ratio deviation {deviation:.1e}"
     print(
         f"{len(rows)} iterations in {seconds:.0f} s ({'async' if config.rollout.async_ else 'sync'}, "
         f"{config.algorithm}): reward {first:.5f} -> {last:.5f}{on_policy}; "

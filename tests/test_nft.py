@@ -145,3 +145,10 @@ def test_final_latents_need_the_last_latent_streamed(client):
     )
     with pytest.raises(ValueError, match="sample 0 has no final latent"):
         final_latents(client.rollout(request))
+
+
+def test_noise_levels_above_a_minimum_are_the_logit_normal_draw_mapped_into_it():
+    plain = noise_levels(1000, torch.Generator().manual_seed(3))
+    high = noise_levels(1000, torch.Generator().manual_seed(3), minimum=0.5)
+    assert torch.allclose(high, 0.5 + 0.5 * plain) and bool((high >= 0.5).all() and (high < 1).all())
+    assert torch.equal(plain, torch.sigmoid(torch.randn(1000, generator=torch.Generator().manual_seed(3))))

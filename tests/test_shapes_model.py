@@ -26,7 +26,7 @@ TRAINING = [
     "--prompt-set", "shapes",
     "--reward", "rollout_client.rewards.shapes:geneval_reward",
     "--iterations", "2", "--prompts", "2", "--group-size", "4", "--steps", "4", "--size", "64",
-    "--window", "2", "--eval-every", "2",
+    "--window", "2", "--eval-every", "2", "--eval-samples", "1",
 ]  # fmt: skip
 # One prompt the base model often draws twice (two objects score 0.5), DiffusionNFT's fix of it, and
 # the held fixed rollout that measures the policy before and after: the trainer's own rollout shape.
@@ -89,9 +89,16 @@ def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lor
     assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)
     assert [row["eval_accuracy"] != "nan" for row in rows] == [True, False]
     tables = json.loads((out / "eval.json").read_text())
-    assert set(tables) == {"before", "after"}
+    assert set(tables) == {"before", "after", "images", "paired"}
     assert tables["before"]["overall"]["total"] == len(scenes.eval_prompts())
     assert float(rows[0]["eval_accuracy"]) == pytest.approx(tables["before"]["overall"]["correct"] / 64)
+    # The pairing compares the same images: its difference is that of the two accuracies.
+    paired, images = tables["paired"], tables["images"]
+    assert images["before"]["prompts"] == images["after"]["prompts"] == list(scenes.eval_prompts())
+    assert paired["difference"] == pytest.approx(
+        tables["after"]["accuracy"]["mean"] - tables["before"]["accuracy"]["mean"]
+    )
+    assert paired["images"] == 64 and float(rows[0]["eval_se"]) == tables["before"]["accuracy"]["se"] > 0
     for name in ("accuracy.png", "reward.png", "samples/eval-before.png", "samples/eval-after.png"):
         assert Image.open(out / name).format == "PNG"
 

@@ -504,8 +504,8 @@ def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, messag
             ["--grpo-guard", "--async"],
             "--grpo-guard takes the rollout policy's step means from the trainer's",
         ),
-        (["--algorithm", "nft", "--nft-anchor", "-1"], "--nft-anchor must be a finite weight of at least 0"),
-        (["--algorithm", "nft", "--nft-anchor", "nan"], "--nft-anchor must be a finite weight of at least 0"),
+        (["--algorithm", "nft", "--nft-anchor", "-1"], "--nft-anchor must be finite and at least 0"),
+        (["--algorithm", "nft", "--nft-anchor", "nan"], "--nft-anchor must be finite and at least 0"),
         (
             ["--algorithm", "nft", "--nft-anchor", "1", "--train", "full"],
             "--nft-anchor compares with the base",

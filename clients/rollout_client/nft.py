@@ -23,8 +23,10 @@ sampler in the loss (any sampler, CFG included, may produce the samples).
   advantages (``rollout_client.grpo.group_advantages``): with the default clip of 2, a sample two
   of its group's stds above the group's mean is fully positive.
 * ``noised(x, eps, levels)``: x_s and v* for the given noise and levels [B].
-* ``noise_levels(count, generator)``: levels drawn logit-normal, ``sigmoid(N(0, 1))``, the density
-  that flow-matching pretraining uses (the shapes preset's included).
+* ``noise_levels(count, generator, minimum)``: levels drawn logit-normal, ``sigmoid(N(0, 1))``, the
+  density that flow-matching pretraining uses (the shapes preset's included), mapped into
+  ``[minimum, 1)`` (Flow-Factory's NFT configs train the high-noise half, ``minimum`` 0.5, where a
+  sample's layout is decided).
 * ``velocities(transformer, trajectories, x, levels)``: the transformer's velocity at x [B, ...] on
   each trajectory's positive env, by the stream's transformer-call rule, at timestep
   ``level * timesteps[0] / sigmas[0]`` (diffusers' flow-matching schedulers feed
@@ -82,9 +84,10 @@ def final_latents(trajectories: Sequence["Trajectory"]) -> torch.Tensor:
     return torch.stack([trajectory.latents[-1] for trajectory in trajectories])
 
 
-def noise_levels(count: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """float32 [count] in (0, 1): ``sigmoid(N(0, 1))``."""
-    return torch.sigmoid(torch.randn(count, generator=generator))
+def noise_levels(count: int, generator: torch.Generator | None = None, minimum: float = 0.0) -> torch.Tensor:
+    """float32 [count] in (minimum, 1): ``minimum + (1 - minimum) sigmoid(N(0, 1))``."""
+    levels = torch.sigmoid(torch.randn(count, generator=generator))
+    return levels if minimum == 0 else minimum + (1 - minimum) * levels
 
 
 def noised(x: torch.Tensor, eps: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

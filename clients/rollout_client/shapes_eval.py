@@ -4,10 +4,19 @@ Each eval prompt (``rewards.scenes.eval_prompts()``) is sampled ``samples`` time
 deterministic ODE sampler from fixed seeds (``seed`` + k for the k-th image), at the policy the server
 serves now, and every image is scored strictly: the right objects, counts, colours and relation, and
 nothing extra. The same call before and after training compares the same noise.
+
+The standard errors count a prompt's images as one cluster (its images share the prompt, and a policy
+that draws a scene right tends to draw it right from every seed): the std of the per-prompt means
+over the root of the prompt count. ``paired_difference`` is the same on the per-image differences of
+two evals from the same seeds, which removes the variation between prompts that both share.
 """
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_client.rewards import scenes, shapes
@@ -31,6 +40,45 @@ class ShapesEval:
     def accuracy(self) -> float:
         correct, total = self.table["overall"]
         return correct / total
+
+    @property
+    def standard_error(self) -> float:
+        return clustered_standard_error([float(c) for c in self.correct], self.prompts)
+
+    def summary(self) -> dict:
+        """The table as JSON: each task's correct and total, and the accuracy's mean and se."""
+        counts = {task: {"correct": correct, "total": total} for task, (correct, total) in self.table.items()}
+        return counts | {"accuracy": {"mean": self.accuracy, "se": self.standard_error}}
+
+
+def clustered_standard_error(values: Sequence[float], prompts: Sequence[str]) -> float:
+    """The standard error of the mean of ``values`` (one per image, the same count per prompt), with a
+    prompt's images one cluster; NaN below two prompts."""
+    per_prompt: dict[str, list[float]] = {}
+    for value, prompt in zip(values, prompts, strict=True):
+        per_prompt.setdefault(prompt, []).append(value)
+    if len(per_prompt) < 2:
+        return math.nan
+    means = torch.tensor([sum(v) / len(v) for v in per_prompt.values()], dtype=torch.float64)
+    return (means.std(correction=1) / math.sqrt(len(means))).item()
+
+
+def paired_difference(
+    before: Sequence[bool], after: Sequence[bool], prompts: Sequence[str], before_prompts: Sequence[str]
+) -> dict:
+    """The after - before accuracy of two evals of the same images (prompts and seeds), +- its
+    clustered standard error."""
+    if list(prompts) != list(before_prompts):
+        raise ValueError("the two evals are not of the same prompts in the same order: they do not pair")
+    differences = [float(a) - float(b) for a, b in zip(after, before, strict=True)]
+    return {
+        "before": sum(map(float, before)) / len(before),
+        "after": sum(map(float, after)) / len(after),
+        "difference": sum(differences) / len(differences),
+        "se": clustered_standard_error(differences, prompts),
+        "images": len(differences),
+        "prompts": len(set(prompts)),
+    }
 
 
 def eval_request(

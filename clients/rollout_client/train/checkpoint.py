@@ -9,9 +9,13 @@ from peft import set_peft_model_state_dict
 from rollout_client.train.policy import trainable_state
 
 
-def save_checkpoint(path: Path, config, transformer, optimizer, schedule, rows: list[dict]) -> None:
+def save_checkpoint(
+    path: Path, config, transformer, optimizer, schedule, rows: list[dict], averages: dict
+) -> None:
     """What the run needs to go on after ``len(rows)`` iterations, written to a temporary file and
-    renamed over ``path``: a kill at any moment leaves the previous checkpoint or this one, whole."""
+    renamed over ``path``: a kill at any moment leaves the previous checkpoint or this one, whole.
+    ``averages`` holds the weights the run keeps beside the trained ones (its EMA, the algorithm's
+    state)."""
     state = {
         "settings": config.settings,
         "iterations_done": len(rows),
@@ -21,6 +25,7 @@ def save_checkpoint(path: Path, config, transformer, optimizer, schedule, rows: 
         "rng": {"cpu": torch.get_rng_state()}
         | ({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}),
         "rows": rows,
+        "averages": averages,
     }
     partial = path.with_name(path.name + ".partial")
     with open(partial, "wb") as file:
@@ -30,8 +35,9 @@ def save_checkpoint(path: Path, config, transformer, optimizer, schedule, rows: 
     os.replace(partial, path)
 
 
-def restore_checkpoint(checkpoint: dict, transformer, optimizer, schedule) -> list[dict]:
-    """Load a checkpoint's policy, optimizer, schedule and RNG state; returns its metrics rows."""
+def restore_checkpoint(checkpoint: dict, transformer, optimizer, schedule) -> tuple[list[dict], dict]:
+    """Load a checkpoint's policy, optimizer, schedule and RNG state; returns its metrics rows and its
+    averages."""
     if checkpoint["settings"]["train"] == "full":
         transformer.load_state_dict(checkpoint["policy"])
     else:
@@ -45,4 +51,4 @@ def restore_checkpoint(checkpoint: dict, transformer, optimizer, schedule) -> li
     torch.set_rng_state(checkpoint["rng"]["cpu"])
     if "cuda" in checkpoint["rng"]:
         torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
-    return checkpoint["rows"]
+    return checkpoint["rows"], checkpoint["averages"]

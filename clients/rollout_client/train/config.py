@@ -25,7 +25,20 @@ WEIGHT_SYNCS = ("auto", "grpc", "group")  # --weight-sync
 TREE_ADVANTAGES = ("branch-mean", "branch-log-prob", "backed-up")  # the first is the default
 
 
+TREE_SDE = ("all", "forks")  # --tree-sde; the first is the default
+
+
 DEFAULT_PRUNE_KEEP = 4
+
+
+# Flags of one algorithm's update, refused with the others.
+ALGORITHM_FLAGS = {
+    "nft_old_decay": ("nft",),
+    "nft_old_ramp": ("nft",),
+    "nft_min_level": ("nft", "awm"),
+    "awm_power": ("awm",),
+    "awm_kl": ("awm",),
+}
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -45,6 +58,7 @@ OPERATIONAL_FLAGS = {
     "retries",
     "weight_sync",
     "sync_address",
+    "time_budget",
 }
 
 
@@ -115,6 +129,32 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         help="with --prompt-set shapes: evaluate the policy on the eval prompts this often (0: never)",
     )
     parser.add_argument(
+        "--eval-samples",
+        type=int_at_least(1),
+        default=4,
+        help="with --eval-every: images per eval prompt, from seeds --eval-seed + k (4: 256 images)",
+    )
+    parser.add_argument(
+        "--eval-seed",
+        type=int,
+        default=2024,
+        help="the eval's first seed, the same for every run and checkpoint (its evals are paired)",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="seconds the whole run may take, its evals included: no iteration is started that would "
+        "not end, with the final eval, inside it (0: no budget)",
+    )
+    parser.add_argument(
+        "--ema-decay",
+        type=float,
+        default=0.0,
+        help="keep an EMA of the trained weights with this decay per iteration: the evals and the run's "
+        "end push it, and AWM's KL pulls towards it (0: none)",
+    )
+    parser.add_argument(
         "--cfg",
         type=float,
         help="true CFG scale of the rollouts, Flux and Qwen-Image (default: the server's; shapes: 3)",
@@ -129,6 +169,13 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         "--tree",
         default="",
         help="tree rollouts: branch points step:factor[:noise_level], comma-separated (e.g. 0:2,3:2,6:2)",
+    )
+    parser.add_argument(
+        "--tree-sde",
+        choices=TREE_SDE,
+        default=TREE_SDE[0],
+        help="with --tree: every step stochastic, or only the branch steps (the others deterministic: "
+        "a prompt's leaves differ only where they fork)",
     )
     parser.add_argument(
         "--prune-at",
@@ -162,7 +209,8 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         "--algorithm",
         choices=[name for name in ALGORITHMS if name != "tree"],  # --tree selects that one
         default="flowgrpo",
-        help="FlowGRPO's clipped policy loss on the stochastic steps, or DiffusionNFT's on the final latents",
+        help="FlowGRPO's clipped policy loss on the stochastic steps, or DiffusionNFT's or AWM's on the "
+        "final latents",
     )
     parser.add_argument(
         "--nft-beta", type=float_above_zero(), default=1.0, help="nft: the implicit policies' step beta"
@@ -182,10 +230,42 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         "(rollout_client.nft.anchor_loss); its gradient norm and the policy term's are logged",
     )
     parser.add_argument(
+        "--nft-old-decay",
+        type=float,
+        default=0.0,
+        help="nft: roll out with an old policy that follows the trained one, old <- eta old + "
+        "(1 - eta) theta after each iteration, eta ramping up to this (0: roll out with the trained one)",
+    )
+    parser.add_argument(
+        "--nft-old-ramp",
+        type=int_at_least(0),
+        default=20,
+        help="nft: the iterations over which the old policy's eta ramps from 0 to --nft-old-decay",
+    )
+    parser.add_argument(
         "--nft-draws",
         type=int_at_least(1),
         default=4,
-        help="nft: optimizer steps per iteration, each on a fresh noise and level of every sample",
+        help="nft and awm: optimizer steps per iteration, each on a fresh noise and level of every sample",
+    )
+    parser.add_argument(
+        "--nft-min-level",
+        type=float,
+        default=0.0,
+        help="nft and awm: draw the noise levels in [this, 1) only (0.5: the high-noise half)",
+    )
+    parser.add_argument(
+        "--awm-power",
+        type=float_above_zero(),
+        default=0.25,
+        help="awm: the power p of the robust weighting (t / p) ((l + 1e-3)^p - 1e-3^p) of each "
+        "sample's flow-matching error l (1: the plain error, times t)",
+    )
+    parser.add_argument(
+        "--awm-kl",
+        type=float,
+        default=0.0,
+        help="awm: weight of the squared velocity distance to the EMA of --ema-decay (0: none)",
     )
     parser.add_argument(
         "--clip-range",
@@ -268,8 +348,18 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--reward: {error}")
     if args.weight_sync == "auto":
         args.weight_sync = "group" if args.train == "full" else "grpc"
-    if not 0 <= args.nft_anchor < math.inf:
-        parser.error(f"--nft-anchor must be a finite weight of at least 0, got {args.nft_anchor}")
+    for flag in ("nft_anchor", "awm_kl", "time_budget"):
+        if not 0 <= getattr(args, flag) < math.inf:
+            parser.error(
+                f"--{flag.replace('_', '-')} must be finite and at least 0, got {getattr(args, flag)}"
+            )
+    for flag in ("ema_decay", "nft_old_decay", "nft_min_level"):
+        if not 0 <= getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(args, flag)}")
+    if args.ema_decay and args.async_:
+        parser.error("--ema-decay's evals push the EMA between rollouts: it needs sync mode")
+    if args.awm_kl and not args.ema_decay:
+        parser.error("--awm-kl pulls towards the EMA of the trained weights: it needs --ema-decay")
     if args.train == "full" and args.nft_anchor:
         parser.error("--nft-anchor compares with the base model through the LoRA: it needs --train lora")
     if args.train == "full" and args.kl_beta:
@@ -312,6 +402,9 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     problem = ALGORITHMS[algorithm_name(args.tree, args.algorithm)].refusal(args, world)
     if problem:
         parser.error(problem)
+    for flag, algorithms in ALGORITHM_FLAGS.items():
+        if getattr(args, flag) != parser.get_default(flag) and args.algorithm not in algorithms:
+            parser.error(f"--{flag.replace('_', '-')} is for --algorithm {' or '.join(algorithms)}")
     if not args.tree and args.tree_advantages is not None:
         parser.error("--tree-advantages scores the nodes of a tree: it needs --tree")
     args.tree_advantages = args.tree_advantages or TREE_ADVANTAGES[0]
@@ -321,6 +414,8 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--prune-keep is what --prune-at keeps: it needs --prune-at")
     if args.prune_at is not None:
         check_prune_flags(parser, args, branches)
+    if not args.tree and args.tree_sde != TREE_SDE[0]:
+        parser.error("--tree-sde picks a tree's stochastic steps: it needs --tree")
     for flag in ("prompt_pool", "eval_every"):
         if getattr(args, flag) and args.prompt_set != "shapes":
             parser.error(f"--{flag.replace('_', '-')} is for the shapes task: it needs --prompt-set shapes")
@@ -410,6 +505,7 @@ class TreeConfig:
     prune_at: int | None
     prune_keep: int
     advantages: str
+    sde: str  # "all": every step stochastic; "forks": the branch steps only
 
 
 @dataclass
@@ -441,6 +537,15 @@ class NFTConfig:
     draws: int
     loss: str  # "velocity" or "x0"
     anchor: float  # weight of the anchor to the base model; 0: none
+    old_decay: float  # the old policy's eta at most; 0: the rollouts are the trained policy's
+    old_ramp: int  # iterations over which eta ramps up to old_decay
+    min_level: float  # the noise levels are drawn in [min_level, 1)
+
+
+@dataclass
+class AWMConfig:
+    power: float  # of the robust weighting
+    kl: float  # weight of the distance to the EMA; 0: none
 
 
 @dataclass
@@ -460,6 +565,8 @@ class CheckpointConfig:
 @dataclass
 class EvalConfig:
     every: int
+    samples: int  # images per eval prompt
+    seed: int  # the eval's first seed
 
 
 @dataclass
@@ -472,11 +579,14 @@ class TrainConfig:
     device: str
     threads: int
     reward: str
+    time_budget: float  # seconds; 0: none
+    ema_decay: float  # 0: no EMA
     server: ServerConfig
     rollout: RolloutConfig
     tree: TreeConfig
     optim: OptimConfig
     nft: NFTConfig
+    awm: AWMConfig
     sync: SyncConfig
     checkpoint: CheckpointConfig
     eval: EvalConfig
@@ -493,6 +603,8 @@ class TrainConfig:
             device=f.device,
             threads=f.threads,
             reward=f.reward,
+            time_budget=f.time_budget,
+            ema_decay=f.ema_decay,
             server=ServerConfig(f.server, f.model, f.model_path, f.token_file, f.stall_timeout, f.retries),
             rollout=RolloutConfig(
                 f.prompts,
@@ -508,7 +620,7 @@ class TrainConfig:
                 f.async_,
                 f.score_while_streaming,
             ),
-            tree=TreeConfig(f.tree, f.prune_at, f.prune_keep, f.tree_advantages),
+            tree=TreeConfig(f.tree, f.prune_at, f.prune_keep, f.tree_advantages, f.tree_sde),
             optim=OptimConfig(
                 f.lr,
                 f.clip_range,
@@ -520,9 +632,18 @@ class TrainConfig:
                 f.lora_alpha,
                 f.lora_targets,
             ),
-            nft=NFTConfig(f.nft_beta, f.nft_draws, f.nft_loss, f.nft_anchor),
+            nft=NFTConfig(
+                f.nft_beta,
+                f.nft_draws,
+                f.nft_loss,
+                f.nft_anchor,
+                f.nft_old_decay,
+                f.nft_old_ramp,
+                f.nft_min_level,
+            ),
+            awm=AWMConfig(f.awm_power, f.awm_kl),
             sync=SyncConfig(f.weight_sync, f.sync_address),
             checkpoint=CheckpointConfig(f.out, f.checkpoint_every, f.resume, f.checkpoint),
-            eval=EvalConfig(f.eval_every),
+            eval=EvalConfig(f.eval_every, f.eval_samples, f.eval_seed),
             settings=run_settings(f),
         )

@@ -30,6 +30,7 @@ COLUMNS = [
     "update_seconds",
     "iteration_seconds",
     "eval_accuracy",
+    "eval_se",
     "transformer_rows",
     "pruned_leaves",
     "prune_asked",
@@ -37,6 +38,7 @@ COLUMNS = [
     "eval_seconds",
     "policy_grad_norm",
     "anchor_grad_norm",
+    "velocity_norm_ratio",
 ]
 
 
@@ -71,21 +73,22 @@ def plot_rewards(rows: list[dict], reward: str, path: Path) -> None:
     plt.close(figure)
 
 
-def plot_accuracy(rows: list[dict], final: tuple[int, float], path: Path) -> None:
-    """The eval accuracy at every evaluated iteration and after the last."""
+def plot_accuracy(rows: list[dict], final: tuple[int, float, float], path: Path) -> None:
+    """The eval accuracy, +- its standard error, at every evaluated iteration and after the last."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     points = [
-        (row["iteration"], row["eval_accuracy"])
+        (row["iteration"], row["eval_accuracy"], row["eval_se"])
         for row in rows
         if not math.isnan(row.get("eval_accuracy", math.nan))
     ]
     points.append(final)
+    iterations, accuracy, se = zip(*points, strict=True)
     figure, axis = plt.subplots(figsize=(6, 3.5), dpi=120)
-    axis.plot(*zip(*points, strict=True), marker="o", markersize=4)
+    axis.errorbar(iterations, accuracy, yerr=se, marker="o", markersize=4, capsize=3)
     axis.set_xlabel("iteration (policy before its update)")
     axis.set_ylabel("strict eval accuracy")
     axis.set_ylim(0, 1)
@@ -114,9 +117,10 @@ def evaluate(client: "RolloutClient", config: "TrainConfig") -> "ShapesEval":
     from rollout_client.shapes_eval import eval_request, evaluate_policy
 
     request = eval_request(
+        samples=config.eval.samples,
         steps=config.rollout.steps,
         size=config.rollout.size,
-        seed=config.seed,
+        seed=config.eval.seed,
         true_cfg_scale=config.rollout.cfg,
     )
     return retrying(
@@ -124,9 +128,19 @@ def evaluate(client: "RolloutClient", config: "TrainConfig") -> "ShapesEval":
     )
 
 
-def record_eval(path: Path, when: str, table: dict[str, tuple[int, int]]) -> None:
-    """Writes ``table`` into eval.json as ``when``: "before" starts the file afresh, "after" is added to
-    what a run (resumed or not) wrote before."""
+def record_eval(path: Path, when: str, result: "ShapesEval") -> dict | None:
+    """Writes ``result``'s table, its accuracy +- standard error and every image's score into eval.json
+    as ``when``: "before" starts the file afresh, "after" is added to what a run (resumed or not) wrote
+    before, with the paired difference to "before" (same prompts and seeds); returns that pairing."""
+    from rollout_client.shapes_eval import paired_difference
+
     tables = json.loads(path.read_text()) if when != "before" and path.exists() else {}
-    tables[when] = {task: {"correct": correct, "total": total} for task, (correct, total) in table.items()}
+    tables[when] = result.summary()
+    tables.setdefault("images", {})[when] = {"prompts": result.prompts, "correct": result.correct}
+    paired = None
+    if when == "after" and "before" in tables["images"]:
+        before = tables["images"]["before"]
+        paired = paired_difference(before["correct"], result.correct, result.prompts, before["prompts"])
+        tables["paired"] = paired
     path.write_text(json.dumps(tables, indent=2) + "\n")
+    return paired

@@ -133,14 +133,15 @@ class Pusher:
                 self.group.close()
 
 
-def save_policy(transformer: torch.nn.Module, config: LoraConfig | None, out: Path) -> Path:
+def save_policy(transformer: torch.nn.Module, config: LoraConfig | None, out: Path, suffix: str = "") -> Path:
     """The trained policy, where ``LoadWeights`` (and diffusers) take it: the LoRA as a PEFT adapter
-    folder ``lora/``, or the whole transformer as a diffusers model folder ``transformer/``."""
+    folder ``lora{suffix}/``, or the whole transformer as a diffusers model folder
+    ``transformer{suffix}/``."""
     if config is None:
-        transformer.save_pretrained(out / "transformer")
-        return out / "transformer"
-    save_adapter(transformer, config, out / "lora")
-    return out / "lora"
+        transformer.save_pretrained(out / f"transformer{suffix}")
+        return out / f"transformer{suffix}"
+    save_adapter(transformer, config, out / f"lora{suffix}")
+    return out / f"lora{suffix}"
 
 
 def save_adapter(transformer: torch.nn.Module, config: LoraConfig, folder: Path) -> None:

@@ -64,11 +64,15 @@ def rollout_request(
     config: "TrainConfig", iteration: int, min_version: int, latents: int
 ) -> rollout_pb2.RolloutRequest:
     """Iteration ``iteration``'s request: its prompts, seeds never repeated across iterations, the
-    --window's stochastic steps, the algorithm's ``latents`` selection, and the policy it needs."""
+    --window's stochastic steps (with --tree-sde forks, the tree's branch steps), the algorithm's
+    ``latents`` selection, and the policy it needs."""
     generator = torch.Generator().manual_seed(config.seed + iteration)
     window = (
         sde_window(config.rollout.steps, config.rollout.window, generator) if config.rollout.window else []
     )
+    branches = branch_points(config.tree.points)
+    if config.tree.sde == "forks":  # early branching: the leaves differ only where they fork
+        window = [branch.step for branch in branches]
     samples = config.rollout.prompts * config.rollout.group_size
     return rollout_pb2.RolloutRequest(
         request_id=f"grpo-iter-{iteration}",
@@ -84,7 +88,7 @@ def rollout_request(
         latents=latents,
         min_policy_version=min_version,
         true_cfg_scale=config.rollout.cfg,
-        branches=branch_points(config.tree.points),
+        branches=branches,
         # The early-termination rule predicts each node's image from its velocity; the server waits
         # for its prune after that step.
         debug_tensors=[] if config.tree.prune_at is None else [rollout_pb2.DEBUG_TENSOR_VELOCITY],

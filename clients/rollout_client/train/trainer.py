@@ -7,6 +7,7 @@ with the server on the final policy. A server that fails is retried (``rollouts.
 fails for good stops the run with its finished iterations checkpointed.
 """
 
+import contextlib
 import csv
 import functools
 import math
@@ -19,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from rollout_client.train.algorithms import ALGORITHMS, algorithm_name
+from rollout_client.train.averages import WeightAverage
 from rollout_client.train.checkpoint import restore_checkpoint, save_checkpoint
 from rollout_client.train.config import CHECKPOINT
 from rollout_client.train.metrics import (
@@ -31,6 +33,7 @@ from rollout_client.train.metrics import (
     save_images,
 )
 from rollout_client.train.policy import Pusher, load_policy, save_policy
+from rollout_client.train.probe import VelocityProbe
 from rollout_client.train.rewards import Rewards, SampleInfo
 from rollout_client.train.rollouts import (
     Prefetch,
@@ -64,13 +67,18 @@ class Trainer:
         self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
             self.optimizer, config.iterations, eta_min=config.optim.lr / 10
         )
+        # --ema-decay: an average of the trained weights, which the evals and the run's end push.
+        self.ema = WeightAverage(self.parameters) if config.ema_decay > 0 else None
         self.algorithm = ALGORITHMS[algorithm_name(config.tree.points, config.algorithm)](self)
         self.checkpoint = config.checkpoint.out / CHECKPOINT
         self.rows: list[dict] = []
         if config.checkpoint.state is not None:
-            self.rows = restore_checkpoint(
+            self.rows, averages = restore_checkpoint(
                 config.checkpoint.state, self.transformer, self.optimizer, self.schedule
             )
+            if self.ema is not None:
+                self.ema.load_state_dict(averages["ema"])
+            self.algorithm.load_state(averages["algorithm"])
             say(f"resuming after iteration {len(self.rows) - 1} from {self.checkpoint}")
         elif self.checkpoint.exists() and ranks.leader:
             say(f"a new run: removing the previous run's {self.checkpoint} (--resume goes on with it)")
@@ -78,6 +86,8 @@ class Trainer:
         self.saved = len(self.rows)  # iterations in the checkpoint on disk
         self.staleness = 1 if config.rollout.async_ else 0
         self.prefetch = Prefetch()  # --async: the next rollout, streaming while this one trains
+        self.probe: VelocityProbe | None = None  # made from the first rollout this process trains on
+        self.clock = time.perf_counter()  # --time-budget counts from here
 
     # The optimizer step every algorithm takes.
 
@@ -92,6 +102,15 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.parameters, self.algorithm.max_grad_norm)
         self.optimizer.step()
 
+    def push_rollout_policy(self) -> int:
+        """Push the weights the server rolls out with (the algorithm's); returns their version."""
+        with self.algorithm.rollout_weights():
+            return self.pusher.push()
+
+    def evaluated_weights(self):
+        """The weights an eval measures, applied for the block: the EMA if the run keeps one."""
+        return self.ema.applied(self.parameters) if self.ema is not None else contextlib.nullcontext()
+
     # The server's part of an iteration.
 
     def request(self, iteration: int, version: int):
@@ -105,7 +124,7 @@ class Trainer:
         self.algorithm.start()
         rollout = self.prefetch.take()
         push_start = time.perf_counter()
-        version = self.pusher.push() if pushed is None else pushed
+        version = self.push_rollout_policy() if pushed is None else pushed
         push_seconds = time.perf_counter() - push_start
         bar.update(1)
         if rollout is None:
@@ -126,7 +145,7 @@ class Trainer:
             return None
         what = f"iteration {iteration}: the push"
         pushed = (
-            retrying(what, self.pusher.push, self.config.server.retries, self.client.address)
+            retrying(what, self.push_rollout_policy, self.config.server.retries, self.client.address)
             if self.ranks.leader
             else None
         )
@@ -177,18 +196,22 @@ class Trainer:
         result, eval_seconds = None, math.nan
         if config.eval.every and iteration % config.eval.every == 0 and ranks.leader:
             eval_start = time.perf_counter()
-            result = self.evaluate()  # the policy that rolled this iteration out
+            result = self.evaluate()  # the policy before this iteration's update
             eval_seconds = time.perf_counter() - eval_start
             if iteration == 0:
-                record_eval(config.checkpoint.out / "eval.json", "before", result.table)
+                record_eval(config.checkpoint.out / "eval.json", "before", result)
                 eval_grid(result, config.checkpoint.out / "samples" / "eval-before.png")
 
         trajectories = rollout.trajectories
         samples = [SampleInfo(t.prompt_index, t.sample_index, t.seed, t.policy_version) for t in trajectories]
         rewards = self.reward([t.image() for t in trajectories], [t.prompt for t in trajectories], samples)
         train_start = time.perf_counter()
+        if self.probe is None and self.lora_config is not None and ranks.leader:
+            self.probe = VelocityProbe(self.transformer, trajectories, config.seed, config.device)
         loss = self.algorithm.update(rollout, rewards, iteration)
         self.schedule.step()
+        if self.ema is not None:
+            self.ema.update(self.parameters, config.ema_decay)
         bar.update(1)
         # Over every rank's share: all rewards, the mean of the ranks' losses, the largest deviation.
         shares = ranks.gather((rewards, loss, self.algorithm.ratio_max_dev, self.reward.last))
@@ -211,6 +234,8 @@ class Trainer:
             "update_seconds": push_seconds,
             "iteration_seconds": time.perf_counter() - start,
             "eval_accuracy": math.nan if result is None else result.accuracy,
+            "eval_se": math.nan if result is None else result.standard_error,
+            "velocity_norm_ratio": math.nan if self.probe is None else self.probe.ratio(self.transformer),
             "transformer_rows": rollout.collector.finished.message.transformer_rows,
             "prune_asked": rollout.prune_asked,
             "prune_stopped": rollout.prune_stopped,
@@ -223,14 +248,39 @@ class Trainer:
             save_images(trajectories, config.checkpoint.out / "samples" / f"iter-{iteration:04d}")
         return row
 
+    def push_evaluated_policy(self) -> int:
+        with self.evaluated_weights():
+            return self.pusher.push()
+
     def evaluate(self) -> "ShapesEval":
+        """Evaluate the evaluated weights (the EMA, or the trained ones), pushed first where the server
+        rolls out with others."""
+        if self.ema is not None or self.algorithm.own_rollout_policy:
+            what = "the eval's push"
+            retrying(what, self.push_evaluated_policy, self.config.server.retries, self.client.address)
         return evaluate(self.client, self.config)
 
     def save_checkpoint(self) -> None:
+        averages = {
+            "ema": None if self.ema is None else self.ema.state_dict(),
+            "algorithm": self.algorithm.state(),
+        }
         save_checkpoint(
-            self.checkpoint, self.config, self.transformer, self.optimizer, self.schedule, self.rows
+            self.checkpoint, self.config, self.transformer, self.optimizer, self.schedule, self.rows, averages
         )
         self.saved = len(self.rows)
+
+    def out_of_time(self) -> bool:
+        """With --time-budget: whether the next iteration (as long as this process's mean one, its evals
+        left out) and the final eval (as long as the first) would end past the budget."""
+        budget = self.config.time_budget
+        done = self.rows[self.first_row :]
+        if not budget or not done:
+            return False
+        iteration = sum(r["iteration_seconds"] - _or_zero(r["eval_seconds"]) for r in done) / len(done)
+        evals = [r["eval_seconds"] for r in done if not math.isnan(r["eval_seconds"])]
+        final_eval = evals[0] if evals else 0.0
+        return time.perf_counter() - self.clock + iteration + final_eval > budget
 
     # The run.
 
@@ -245,7 +295,11 @@ class Trainer:
             )
             writer.writeheader()
             writer.writerows(self.rows)
+            self.first_row = len(self.rows)
             for iteration in range(len(self.rows), config.iterations):
+                if ranks.agree(self.out_of_time() if ranks.leader else None):
+                    say(f"--time-budget {config.time_budget:g} s: stopping after {len(self.rows)} iterations")
+                    break
                 row = self.train_step(iteration)
                 writer.writerow(row)
                 metrics.flush()
@@ -255,28 +309,39 @@ class Trainer:
                 ):
                     self.save_checkpoint()
                     say(f"checkpoint: iterations 0-{iteration} in {self.checkpoint}")
+        if ranks.leader and self.saved < len(self.rows):
+            self.save_checkpoint()  # stopped by --time-budget
         if ranks.leader:
             self.finish()
         return self.rows
 
     def finish(self) -> None:
-        """Save the policy and the plots, and leave the server on the final policy (evaluated, with
-        --eval-every)."""
-        config = self.config
-        saved_policy = save_policy(self.transformer, self.lora_config, config.checkpoint.out)
-        plot_rewards(self.rows, config.reward, config.checkpoint.out / "reward.png")
+        """Save the policy (and its EMA) and the plots, and leave the server on the evaluated policy (the
+        EMA if the run keeps one), evaluated with --eval-every."""
+        config, out = self.config, self.config.checkpoint.out
+        saved_policy = save_policy(self.transformer, self.lora_config, out)
+        if self.ema is not None:
+            with self.ema.applied(self.parameters):
+                saved_policy = save_policy(self.transformer, self.lora_config, out, suffix="-ema")
+        plot_rewards(self.rows, config.reward, out / "reward.png")
         try:
-            retrying("the final push", self.pusher.push, config.server.retries, self.client.address)
+            retrying("the final push", self.push_evaluated_policy, config.server.retries, self.client.address)
             if config.eval.every:
-                final = self.evaluate()
+                final = evaluate(self.client, config)
         except ServerFailure as failure:
             raise ServerFailure(f"{failure}; the run is complete, its policy in {saved_policy}") from failure
         finally:
             self.pusher.close()
         if config.eval.every:
-            record_eval(config.checkpoint.out / "eval.json", "after", final.table)
-            eval_grid(final, config.checkpoint.out / "samples" / "eval-after.png")
-            plot_accuracy(
-                self.rows, (config.iterations, final.accuracy), config.checkpoint.out / "accuracy.png"
+            paired = record_eval(out / "eval.json", "after", final)
+            eval_grid(final, out / "samples" / "eval-after.png")
+            done = len(self.rows)
+            plot_accuracy(self.rows, (done, final.accuracy, final.standard_error), out / "accuracy.png")
+            say(
+                f"eval accuracy after {done} iterations: {final.accuracy:.3f} +- {final.standard_error:.3f}"
+                + ("" if paired is None else f" ({paired['difference']:+.3f} +- {paired['se']:.3f} paired)")
             )
-            say(f"eval accuracy after {config.iterations} iterations: {final.accuracy:.3f}")
+
+
+def _or_zero(seconds: float) -> float:
+    return 0.0 if math.isnan(seconds) else seconds

@@ -1,6 +1,6 @@
 """The training algorithms, registered by name (see ``base``)."""
 
-from rollout_client.train.algorithms import flowgrpo, nft, tree  # noqa: F401 - each registers itself
+from rollout_client.train.algorithms import awm, flowgrpo, nft, tree  # noqa: F401 - each registers itself
 from rollout_client.train.algorithms.base import ALGORITHMS, Algorithm, register
 
 

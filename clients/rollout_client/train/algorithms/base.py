@@ -9,12 +9,16 @@ An iteration of ``Trainer.train_step`` runs, for its algorithm:
    ranks and clips them to ``max_grad_norm``, the same for every algorithm); returns the mean loss;
 4. ``metrics(rollout)``: the algorithm's columns of the iteration's metrics row.
 
+Every push of the policy the server rolls out with happens inside ``rollout_weights()`` (DiffusionNFT's
+old policy swaps itself in there), and ``state()`` is checkpointed with the run.
+
 ``latents`` is what its requests ask the server to stream, and ``refusal(config, world)`` the flags it
 cannot train with (the command line refuses them). Register a new algorithm with
 ``@register("name")`` in a module of this package imported by its ``__init__``; ``--algorithm name``
 then selects it.
 """
 
+import contextlib
 import math
 from typing import TYPE_CHECKING, ClassVar
 
@@ -55,6 +59,23 @@ class Algorithm:
     def __init__(self, trainer: "Trainer"):
         self.trainer = trainer
         self.config = trainer.config
+
+    @property
+    def own_rollout_policy(self) -> bool:
+        """Whether ``rollout_weights()`` applies other weights than the trained ones."""
+        return False
+
+    def rollout_weights(self) -> contextlib.AbstractContextManager:
+        """The weights the server rolls out with, applied for the block that pushes them: by default the
+        trained ones themselves."""
+        return contextlib.nullcontext()
+
+    def state(self) -> dict:
+        """What a checkpoint must keep of the algorithm beside the trained weights (an old policy)."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Restore ``state()`` from a checkpoint."""
 
     def start(self) -> None:
         """A new iteration's rollout is about to stream."""

@@ -1,6 +1,7 @@
-"""DiffusionNFT (``rollout_client.nft``): a flow-matching style loss on the final latents against the
-rollout policy's own velocities; no step's log-prob enters it."""
+"""The forward-process algorithms, which train on each sample's final latent noised afresh and score
+no step's log-prob: DiffusionNFT (``rollout_client.nft``) here, AWM (``rollout_client.awm``) in ``awm``."""
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,61 +19,107 @@ from rollout_client.nft import (
     velocities,
 )
 from rollout_client.train.algorithms.base import Algorithm, register
+from rollout_client.train.averages import WeightAverage, ramped_decay
 
 if TYPE_CHECKING:
     from rollout_client import Trajectory
     from rollout_client.train.rollouts import Rollout
 
 
-@register("nft")
-class DiffusionNFT(Algorithm):
+class ForwardProcess(Algorithm):
+    """What DiffusionNFT and AWM share: the final latents only, one trainer rank, the gradients clipped
+    to 1, and --nft-draws optimizer steps per iteration, each on every sample noised afresh at levels
+    drawn in [--nft-min-level, 1)."""
+
     latents = rollout_pb2.LATENT_SELECTION_FINAL_ONLY
     max_grad_norm = 1.0
 
     @classmethod
     def refusal(cls, args, world: int) -> str | None:
         if world > 1:
-            return f"--algorithm nft runs on one trainer rank, not {world}"
-        # NFT scores no step: nothing to window or to score early, no step Gaussians for the KL, and
-        # its old velocities must be the rollout policy's, which a stale rollout is not.
+            return f"--algorithm {cls.name} runs on one trainer rank, not {world}"
+        # It scores no step: nothing to window or to score early, no step Gaussians for the KL, and its
+        # loss compares with the rollout policy, which a stale rollout is not.
         for flag in ("window", "kl_beta", "grpo_guard", "async_", "score_while_streaming"):
             if getattr(args, flag):
                 return (
-                    f"--{flag.rstrip('_').replace('_', '-')} is for FlowGRPO: --algorithm nft scores no step"
+                    f"--{flag.rstrip('_').replace('_', '-')} is for FlowGRPO: --algorithm {cls.name} "
+                    "scores no step"
                 )
         return None
+
+    def draws(self, trajectories: list["Trajectory"], iteration: int):
+        """The iteration's samples x [B, ...] and --nft-draws (x_s, v*, levels) of them, seeded by the
+        run's seed and the iteration (a resumed run draws alike)."""
+        config = self.config
+        generator = torch.Generator().manual_seed(config.seed * 1_000_033 + iteration)
+        x = final_latents(trajectories).to(config.device)
+        draws = []
+        for _ in range(config.nft.draws):
+            levels = noise_levels(len(trajectories), generator, config.nft.min_level)
+            x_s, target = noised(x, torch.randn(x.shape, generator=generator).to(config.device), levels)
+            draws.append((x_s, target, levels))
+        return x, draws
+
+    @torch.no_grad()
+    def velocities_of(self, trajectories, pieces, x_s, levels) -> torch.Tensor:
+        """The velocities at ``x_s`` of the weights the transformer holds now, without gradients."""
+        out = torch.empty_like(x_s)
+        for rows in pieces:
+            out[rows] = velocities(
+                self.trainer.transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows]
+            )
+        return out
+
+
+@register("nft")
+class DiffusionNFT(ForwardProcess):
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        # --nft-old-decay: the rollouts and v_old come from an old policy that follows the trained one.
+        self.old = WeightAverage(trainer.parameters) if self.config.nft.old_decay > 0 else None
+
+    @property
+    def own_rollout_policy(self) -> bool:
+        return self.old is not None
+
+    def rollout_weights(self):
+        return self.old.applied(self.trainer.parameters) if self.old is not None else contextlib.nullcontext()
+
+    def state(self) -> dict:
+        return {} if self.old is None else {"old": self.old.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        if self.old is not None:
+            self.old.load_state_dict(state["old"])
 
     def update(self, rollout: "Rollout", rewards: torch.Tensor, iteration: int) -> float:
         """--nft-draws optimizer steps, each on every sample's final latent noised afresh, against the
         velocities of the policy that rolled them out (computed at every draw's points before the first
         step), plus with --nft-anchor the weighted anchor to the base model's velocities at the same
-        points. Returns the mean loss, the anchor included."""
-        config, transformer = self.config, self.trainer.transformer
+        points; then the old policy (--nft-old-decay) moves towards the trained one. Returns the mean
+        loss, the anchor included."""
+        config, transformer, parameters = self.config, self.trainer.transformer, self.trainer.parameters
         trajectories: list[Trajectory] = rollout.trajectories
         advantages = group_advantages(rewards, torch.tensor([t.prompt_index for t in trajectories]))
-        generator = torch.Generator().manual_seed(
-            config.seed * 1_000_033 + iteration
-        )  # a resumed run draws alike
-        x = final_latents(trajectories).to(config.device)
+        x, draws = self.draws(trajectories, iteration)
         r = optimality(advantages)
         pieces = row_batches(trajectories, config.optim.micro_batch)
-        draws = []
-        with torch.no_grad():
-            for _ in range(config.nft.draws):
-                levels = noise_levels(len(trajectories), generator)
-                x_s, target = noised(x, torch.randn(x.shape, generator=generator).to(config.device), levels)
-                v_old = self._velocities(trajectories, pieces, x_s, levels)
-                v_reference = None
-                if config.nft.anchor > 0:
-                    transformer.disable_adapters()
-                    try:
-                        v_reference = self._velocities(trajectories, pieces, x_s, levels)
-                    finally:
-                        transformer.enable_adapters()
-                draws.append((x_s, target, levels, v_old, v_reference))
+        points = []
+        for x_s, target, levels in draws:
+            with self.rollout_weights():
+                v_old = self.velocities_of(trajectories, pieces, x_s, levels)
+            v_reference = None
+            if config.nft.anchor > 0:
+                transformer.disable_adapters()
+                try:
+                    v_reference = self.velocities_of(trajectories, pieces, x_s, levels)
+                finally:
+                    transformer.enable_adapters()
+            points.append((x_s, target, levels, v_old, v_reference))
         total = 0.0
         self.grad_norms = {"policy": 0.0, "anchor": 0.0}
-        for x_s, target, levels, v_old, v_reference in draws:
+        for x_s, target, levels, v_old, v_reference in points:
             self.trainer.zero_grad()
             policy_grads = anchor_grads = None
             for rows in pieces:
@@ -93,30 +140,22 @@ class DiffusionNFT(Algorithm):
                 total += anchor.item() / config.nft.draws
                 policy_grads = _accumulated(
                     policy_grads,
-                    torch.autograd.grad(
-                        loss, self.trainer.parameters, retain_graph=True, materialize_grads=True
-                    ),
+                    torch.autograd.grad(loss, parameters, retain_graph=True, materialize_grads=True),
                 )
                 anchor_grads = _accumulated(
-                    anchor_grads, torch.autograd.grad(anchor, self.trainer.parameters, materialize_grads=True)
+                    anchor_grads, torch.autograd.grad(anchor, parameters, materialize_grads=True)
                 )
             if v_reference is not None:
                 for parameter, policy_grad, anchor_grad in zip(
-                    self.trainer.parameters, policy_grads, anchor_grads, strict=True
+                    parameters, policy_grads, anchor_grads, strict=True
                 ):
                     parameter.grad = policy_grad + anchor_grad
                 self.grad_norms["policy"] += _norm(policy_grads) / config.nft.draws
                 self.grad_norms["anchor"] += _norm(anchor_grads) / config.nft.draws
             self.trainer.optimizer_step()
+        if self.old is not None:
+            self.old.update(parameters, ramped_decay(iteration, config.nft.old_decay, config.nft.old_ramp))
         return total
-
-    def _velocities(self, trajectories, pieces, x_s, levels) -> torch.Tensor:
-        out = torch.empty_like(x_s)
-        for rows in pieces:
-            out[rows] = velocities(
-                self.trainer.transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows]
-            )
-        return out
 
     def metrics(self, rollout: "Rollout") -> dict:
         """Also, with ``--nft-anchor``, the gradient norms of the policy term and of the weighted anchor

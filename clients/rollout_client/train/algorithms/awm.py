@@ -1,0 +1,47 @@
+"""Advantage Weighted Matching (``rollout_client.awm``): the flow-matching loss on the final latents,
+each sample's term weighted by its advantage, with an optional KL to the EMA of the trained weights."""
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollout_client.awm import awm_loss, signed_advantages
+from rollout_client.grpo import group_advantages, row_batches
+from rollout_client.nft import anchor_loss, velocities
+from rollout_client.train.algorithms.base import register
+from rollout_client.train.algorithms.nft import ForwardProcess
+
+if TYPE_CHECKING:
+    from rollout_client.train.rollouts import Rollout
+
+
+@register("awm")
+class AdvantageWeightedMatching(ForwardProcess):
+    def update(self, rollout: "Rollout", rewards: torch.Tensor, iteration: int) -> float:
+        """--nft-draws optimizer steps, each on every sample's final latent noised afresh: AWM's loss, plus
+        with --awm-kl the weighted squared distance to the EMA's velocities at the same points. Returns
+        the mean loss, the KL included."""
+        config, trainer = self.config, self.trainer
+        trajectories = rollout.trajectories
+        advantages = signed_advantages(
+            group_advantages(rewards, torch.tensor([t.prompt_index for t in trajectories]))
+        )
+        _, draws = self.draws(trajectories, iteration)
+        pieces = row_batches(trajectories, config.optim.micro_batch)
+        total = 0.0
+        for x_s, target, levels in draws:
+            v_ema = None
+            if config.awm.kl > 0:
+                with trainer.ema.applied(trainer.parameters):
+                    v_ema = self.velocities_of(trajectories, pieces, x_s, levels)
+            trainer.zero_grad()
+            for rows in pieces:
+                v = velocities(trainer.transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows])
+                loss = awm_loss(v, target[rows], levels[rows], advantages[rows], config.awm.power)
+                if v_ema is not None:
+                    loss = loss + config.awm.kl * anchor_loss(v, v_ema[rows])
+                loss = loss * len(rows) / len(trajectories)
+                total += loss.item() / config.nft.draws
+                loss.backward()
+            trainer.optimizer_step()
+        return total
