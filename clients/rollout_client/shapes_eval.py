@@ -20,6 +20,7 @@ import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_client.rewards import scenes, shapes
+from rollout_core import noise
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -102,8 +103,21 @@ def eval_request(
 
 
 def evaluate_policy(client: "RolloutClient", request: rollout_pb2.RolloutRequest | None = None) -> ShapesEval:
-    """Roll out ``request`` (default: ``eval_request()``) and score every image strictly."""
-    trajectories = client.rollout(request if request is not None else eval_request())
+    """Roll out ``request`` (default: ``eval_request()``) and score every image strictly. An eval above
+    the server's ``max_samples`` goes as several requests of whole prompts, each with its share of the
+    request's own seeds (``splitmix64(base_seed + k)``, prompt-major): the same images as one request."""
+    request = request if request is not None else eval_request()
+    prompts, samples = list(request.prompts), request.samples_per_prompt or 1
+    seeds = list(request.seeds) or noise.derive_seeds(request.base_seed, len(prompts) * samples)
+    per_request = max(client.server_info().limits.max_samples // samples, 1)
+    trajectories = []
+    for start in range(0, len(prompts), per_request):
+        part = rollout_pb2.RolloutRequest()
+        part.CopyFrom(request)
+        part.ClearField("base_seed")
+        part.prompts[:] = prompts[start : start + per_request]
+        part.seeds[:] = seeds[start * samples : (start + per_request) * samples]
+        trajectories += client.rollout(part)
     images = [trajectory.image() for trajectory in trajectories]
     prompts = [trajectory.prompt for trajectory in trajectories]
     correct = shapes.strict_accuracy(images, prompts).bool().tolist()
