@@ -7,8 +7,10 @@ included; ``--iterations`` is each algorithm's cosine horizon, about what fits t
 A run whose eval.json is complete is not run again, so the bench resumes where it stopped. Printed: a
 markdown table per run (accuracy before -> after +- its standard error, the paired difference +- its
 standard error, per task type, the dense reward of the first and last 10 iterations, the final
-velocity-norm ratio to the base model, iterations and seconds) and one per algorithm (the mean over the
-seeds); plotted (--plot): the paired differences with their error bars, and each run's dense reward.
+velocity-norm ratio to the base model, the largest ratio deviation (the on-policy proof of the
+ratio-based ones; NaN for the forward-process ones), iterations and seconds) and one per algorithm
+(the mean over the seeds); plotted (--plot): the paired differences with their error bars, and each
+run's dense reward.
 
     python bench/shapes_rl.py --out shapes-rl                 # all of it: about 75 minutes on 2 cores
     python bench/shapes_rl.py --out shapes-rl --only nft-anchored --seeds 2024
@@ -97,6 +99,7 @@ def summary(folder: Path) -> dict:
         "reward_last": statistics.mean(rewards[-10:]),
         "rewards": rewards,
         "velocity_norm_ratio": float(rows[-1]["velocity_norm_ratio"]),
+        "ratio_max_dev": max(float(row["ratio_max_dev"]) for row in rows),
         "iterations": len(rows),
         "seconds": sum(float(row["iteration_seconds"]) for row in rows),
     }
@@ -110,9 +113,9 @@ def print_tables(results: dict[tuple[str, int], dict]) -> None:
     print(
         "| algorithm | seed | accuracy before -> after (%) | paired difference (points) | "
         + " | ".join(TASKS)
-        + " | dense reward, first -> last 10 | velocity norm / base | iterations | s |"
+        + " | dense reward, first -> last 10 | velocity norm / base | ratio_max_dev | iterations | s |"
     )
-    print("|---|---|---|---|" + "---|" * len(TASKS) + "---|---|---|---|")
+    print("|---|---|---|---|" + "---|" * len(TASKS) + "---|---|---|---|---|")
     for (name, seed), s in results.items():
         p = s["paired"]
         tasks = " | ".join(f"{b} -> {a} / {t}" for b, a, t in s["tasks"].values())
@@ -121,7 +124,7 @@ def print_tables(results: dict[tuple[str, int], dict]) -> None:
             f"{percent(p['after'])} +- {percent(s['after_se'])} | "
             f"{100 * p['difference']:+.1f} +- {percent(p['se'])} | {tasks} | "
             f"{s['reward_first']:.3f} -> {s['reward_last']:.3f} | {s['velocity_norm_ratio']:.3f} | "
-            f"{s['iterations']} | {s['seconds']:.0f} |"
+            f"{s['ratio_max_dev']:.1e} | {s['iterations']} | {s['seconds']:.0f} |"
         )
     print()
     print("| algorithm | mean paired difference over the seeds (points) | each seed |")

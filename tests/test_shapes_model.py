@@ -35,12 +35,12 @@ NFT_PROMPTS = ["a purple circle", "a blue circle", "two red squares", "a red cir
 NFT_TRAINING = [
     *(flag for prompt in NFT_PROMPTS for flag in ("--prompt", prompt)),
     "--reward", "rollout_client.rewards.shapes:geneval_reward",
-    "--algorithm", "nft", "--lr", "1e-3", "--nft-loss", "x0", "--nft-anchor", "2",
+    "--algorithm", "nft", "--lr", "1e-3", "--nft-loss", "x0", "--nft-anchor", "0.5",
     "--nft-old-decay", "0.5", "--nft-old-ramp", "4",
-    "--iterations", "6", "--group-size", "12", "--steps", "8", "--size", "64",
+    "--iterations", "8", "--group-size", "16", "--steps", "8", "--size", "64",
 ]  # fmt: skip
 # The trained policy's velocities at the probe's points stay within this factor of the base model's.
-VELOCITY_NORM_BOUND = 1.1
+VELOCITY_NORM_BOUND = 1.02  # measured here: at most 1.0055
 MEASURE = rollout_pb2.RolloutRequest(
     prompts=NFT_PROMPTS,
     samples_per_prompt=16,
@@ -158,9 +158,9 @@ def test_anchored_nft_on_four_prompts_raises_their_dense_reward_near_the_base_ve
     ratios = [float(row["velocity_norm_ratio"]) for row in rows]
     assert all(1 / VELOCITY_NORM_BOUND < ratio < VELOCITY_NORM_BOUND for ratio in ratios), ratios
     rewards = torch.tensor([float(row["reward_mean"]) for row in rows])
-    assert rewards[-2:].mean() > rewards[:2].mean() + 0.05, rewards
+    assert rewards[-2:].mean() > rewards[:2].mean() + 0.03, rewards  # measured here: 0.504 -> 0.578
 
     before = mean_dense_reward(family_resources.client("shapes"))
     with RolloutClient(training_server.address, timeout=300) as client:
         after = mean_dense_reward(client)
-    assert after > before + 0.05, (before, after)
+    assert after > before + 0.03, (before, after)  # measured here: 0.519 -> 0.583
