@@ -66,8 +66,13 @@ def trainer_args(address: str, out, *flags: str) -> list:
 
 def same_for_any_run(row: dict) -> dict:
     """A metrics row without what two runs with the same seeds may differ in: the server's policy
-    versions and the timings."""
-    return {name: value for name, value in row.items() if not name.endswith(("_version", "_seconds"))}
+    versions, the timings, and the velocity-norm ratio (measured at the points of the process's first
+    rollout, which for a resumed run is its first after resuming)."""
+    return {
+        name: value
+        for name, value in row.items()
+        if not name.endswith(("_version", "_seconds")) and name != "velocity_norm_ratio"
+    }
 
 
 def read_metrics(out) -> list[dict]:
@@ -368,6 +373,40 @@ def test_the_stabilisers_train_on_policy_and_log_the_anchors_pull(train_client, 
         assert 0 < float(row["policy_grad_norm"]) < math.inf and 0 < float(row["anchor_grad_norm"]) < math.inf
 
 
+def test_awm_an_old_policy_an_ema_early_branching_and_a_time_budget_train(train_client, tmp_path):
+    """The forward-process variants and the run-level options on the tiny model: AWM with a KL to the
+    EMA saves both adapters, different and both trained, and leaves the server on the EMA (the pusher
+    checks what the server serves); DiffusionNFT with an old policy checkpoints it; a tree with
+    --tree-sde forks trains its fork step only, on policy; and a budget already spent stops the run
+    after its first iteration, saved and ended as a whole run is."""
+    awm = run_trainer(train_client.address, tmp_path / "awm", "--algorithm", "awm", "--ema-decay", "0.5",
+                      "--awm-kl", "1", "--nft-draws", "2", "--nft-min-level", "0.5")  # fmt: skip
+    assert all(row["ratio_max_dev"] == "nan" and math.isfinite(float(row["loss"])) for row in awm)
+    assert all(0.5 < float(row["velocity_norm_ratio"]) < 2 for row in awm)
+    trained, ema = (
+        load_file(tmp_path / "awm" / folder / "adapter_model.safetensors") for folder in ("lora", "lora-ema")
+    )
+    lora_b = [name for name in trained if "lora_B" in name]
+    assert any(trained[name].abs().max() > 0 for name in lora_b)
+    assert any(ema[name].abs().max() > 0 for name in lora_b)
+    assert not all(torch.equal(trained[name], ema[name]) for name in lora_b)
+
+    flags = ("--algorithm", "nft", "--nft-old-decay", "0.5", "--nft-old-ramp", "1", "--nft-draws", "2")
+    run_trainer(train_client.address, tmp_path / "old", *flags)
+    averages = torch.load(tmp_path / "old" / "checkpoint.pt", weights_only=True)["averages"]
+    assert averages["ema"] is None and len(averages["algorithm"]["old"]) > 0
+
+    early = run_trainer(train_client.address, tmp_path / "tree", "--group-size", "1", "--tree", "0:4",
+                        "--tree-sde", "forks")  # fmt: skip
+    for row in early:
+        assert row["scored_steps"] == "0" and float(row["ratio_max_dev"]) <= TOLERANCE
+
+    spent = run_trainer(train_client.address, tmp_path / "budget", "--time-budget", "0.001")
+    assert len(spent) == 1
+    assert torch.load(tmp_path / "budget" / "checkpoint.pt", weights_only=True)["iterations_done"] == 1
+    assert (tmp_path / "budget" / "lora" / "adapter_model.safetensors").is_file()
+
+
 def test_tree_rollouts_pruned_early_train_every_edge_on_policy(train_client, tmp_path):
     """--tree: two roots per prompt fork at steps 0 and 1 (8 leaves a prompt). When step 1 arrives the
     trainer keeps each prompt's best and worst node by predicted reward and asks the server to prune
@@ -388,9 +427,10 @@ def test_tree_rollouts_pruned_early_train_every_edge_on_policy(train_client, tmp
 
 
 def test_a_killed_run_resumes_to_the_uninterrupted_run(train_client, tmp_path, trainer, capsys):
-    """SIGKILL after the first checkpoint, then --resume: the metrics and the final adapter are those of
-    a run that was never interrupted, bit for bit (same seeds, same server, one thread each side)."""
-    flags = ("--iterations", "5", "--checkpoint-every", "2")
+    """SIGKILL after the first checkpoint, then --resume: the metrics, the final adapter and its EMA are
+    those of a run that was never interrupted, bit for bit (same seeds, same server, one thread each
+    side)."""
+    flags = ("--iterations", "5", "--checkpoint-every", "2", "--ema-decay", "0.5")
     killed = tmp_path / "killed"
     process, log = start_trainer(train_client.address, killed, *flags)
     try:
@@ -408,9 +448,12 @@ def test_a_killed_run_resumes_to_the_uninterrupted_run(train_client, tmp_path, t
         assert row["policy_version"] == row["pushed_version"]  # sync: every iteration on its own policy
         assert float(row["ratio_max_dev"]) <= TOLERANCE
     assert [same_for_any_run(row) for row in resumed] == [same_for_any_run(row) for row in whole]
-    adapters = [load_file(out / "lora" / "adapter_model.safetensors") for out in (killed, tmp_path / "whole")]
-    assert adapters[0].keys() == adapters[1].keys()
-    assert all(torch.equal(tensor, adapters[1][name]) for name, tensor in adapters[0].items())
+    for folder in ("lora", "lora-ema"):
+        adapters = [
+            load_file(out / folder / "adapter_model.safetensors") for out in (killed, tmp_path / "whole")
+        ]
+        assert adapters[0].keys() == adapters[1].keys()
+        assert all(torch.equal(tensor, adapters[1][name]) for name, tensor in adapters[0].items())
 
     # A checkpoint continues the run it was written by, not another one.
     with pytest.raises(SystemExit) as refused:
@@ -505,6 +548,17 @@ def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, messag
             "--grpo-guard takes the rollout policy's step means from the trainer's",
         ),
         (["--algorithm", "nft", "--nft-anchor", "-1"], "--nft-anchor must be finite and at least 0"),
+        (["--time-budget", "inf"], "--time-budget must be finite and at least 0"),
+        (["--ema-decay", "1"], "--ema-decay must be in [0, 1)"),
+        (["--algorithm", "nft", "--nft-old-decay", "-0.1"], "--nft-old-decay must be in [0, 1)"),
+        (["--algorithm", "awm", "--nft-min-level", "1"], "--nft-min-level must be in [0, 1)"),
+        (["--ema-decay", "0.9", "--async"], "--ema-decay's evals push the EMA between rollouts"),
+        (["--algorithm", "awm", "--awm-kl", "1"], "--awm-kl pulls towards the EMA of the trained weights"),
+        (["--nft-old-decay", "0.5"], "--nft-old-decay is for --algorithm nft"),
+        (["--algorithm", "nft", "--awm-power", "1"], "--awm-power is for --algorithm awm"),
+        (["--nft-min-level", "0.5"], "--nft-min-level is for --algorithm nft or awm"),
+        (["--algorithm", "awm", "--window", "2"], "--window is for FlowGRPO: --algorithm awm scores no step"),
+        (["--tree-sde", "forks"], "--tree-sde picks a tree's stochastic steps: it needs --tree"),
         (["--algorithm", "nft", "--nft-anchor", "nan"], "--nft-anchor must be finite and at least 0"),
         (
             ["--algorithm", "nft", "--nft-anchor", "1", "--train", "full"],
