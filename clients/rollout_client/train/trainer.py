@@ -84,6 +84,7 @@ class Trainer:
             say(f"a new run: removing the previous run's {self.checkpoint} (--resume goes on with it)")
             self.checkpoint.unlink()
         self.saved = len(self.rows)  # iterations in the checkpoint on disk
+        self.first_row = len(self.rows)  # this process's first iteration
         self.staleness = 1 if config.rollout.async_ else 0
         self.prefetch = Prefetch()  # --async: the next rollout, streaming while this one trains
         self.probe: VelocityProbe | None = None  # made from the first rollout this process trains on
@@ -295,7 +296,6 @@ class Trainer:
             )
             writer.writeheader()
             writer.writerows(self.rows)
-            self.first_row = len(self.rows)
             for iteration in range(len(self.rows), config.iterations):
                 if ranks.agree(self.out_of_time() if ranks.leader else None):
                     say(f"--time-budget {config.time_budget:g} s: stopping after {len(self.rows)} iterations")
