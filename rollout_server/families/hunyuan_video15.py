@@ -75,9 +75,9 @@ class HunyuanVideo15Adapter(FamilyAdapter):
         guider = self.pipe.guider.config
         if guider.guidance_rescale or (guider.start, guider.stop) != (0.0, 1.0) or not guider.enabled:
             raise UnsupportedModel(
-                f"{self.source}: its guider rescales (guidance_rescale {guider.guidance_rescale}), guides "
-                f"from {guider.start} to {guider.stop} of the steps or is disabled (enabled {guider.enabled}): "
-                "only plain CFG on every step is served"
+                f"{self.source}: its guider rescales (guidance_rescale {guider.guidance_rescale}), "
+                f"guides from {guider.start} to {guider.stop} of the steps or is disabled (enabled "
+                f"{guider.enabled}): only plain CFG on every step is served"
             )
         if guider.use_original_formulation:
             self.cfg_rule, self.cfg_off_scale = "cfg_from_positive", 0.0
@@ -115,7 +115,12 @@ class HunyuanVideo15Adapter(FamilyAdapter):
     def latent_shape(self, shape: MediaShape) -> tuple[int, ...]:
         spatial = self.pipe.vae_scale_factor_spatial
         latent_frames = (shape.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
-        return (self.pipe.num_channels_latents, latent_frames, shape.height // spatial, shape.width // spatial)
+        return (
+            self.pipe.num_channels_latents,
+            latent_frames,
+            shape.height // spatial,
+            shape.width // spatial,
+        )
 
     def generated_tokens(self, shape: MediaShape) -> int:
         _, frames, rows, cols = self.latent_shape(shape)
@@ -124,8 +129,8 @@ class HunyuanVideo15Adapter(FamilyAdapter):
 
     def latent_packing(self) -> str:
         return (
-            "video: [vae_latent_channels, (F - 1)/4 + 1, H/16, W/16], fed with C + 1 conditioning channels of "
-            "zeros (the transformer patchifies itself)"
+            "video: [vae_latent_channels, (F - 1)/4 + 1, H/16, W/16], fed with C + 1 conditioning "
+            "channels of zeros (the transformer patchifies itself)"
         )
 
     def _context_tokens(self) -> tuple[int, int, int]:
