@@ -68,7 +68,7 @@ class HunyuanVideo15Adapter(FamilyAdapter):
         "image_embeds",
         "condition",
     )
-    max_frames = 2 * DEFAULT_FRAMES - 1  # twice the default's latent frames bounds one request's work
+    max_frames = 2 * DEFAULT_FRAMES - 1  # about twice the default (4k + 1) bounds one request's work
 
     def __init__(self, pipe, device, dtype, folder=None):
         super().__init__(pipe, device, dtype, folder)
