@@ -13,14 +13,12 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import (
     extract_glyph_texts,
     retrieve_timesteps,
 )
-from helpers import FAMILIES, TOLERANCE, family_request, field_violations
+from helpers import TOLERANCE, family_request, field_violations
 
 from rollout_core.transformer_call import apply_guidance
 from rollout_server.errors import ParallelismUnsupported, UnsupportedModel
 from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter
 from rollout_server.parallel import ParallelDims, SequenceParallel
-
-SPEC = FAMILIES["hunyuan-video15"]
 
 
 @pytest.fixture

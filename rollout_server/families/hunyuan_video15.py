@@ -35,6 +35,7 @@ Sequence parallelism: ``HunyuanVideo15Transformer3DModel`` has no context-parall
 0.41 and this adapter gives it none, so ``--sp`` is refused at start-up.
 """
 
+import inspect
 from collections.abc import Iterator
 
 import numpy as np
@@ -47,10 +48,10 @@ from rollout_core.transformer_call import LatentConditioning
 from rollout_server.errors import UnsupportedModel
 from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape, set_up_schedule
 
-# HunyuanVideo15Pipeline.__call__'s defaults, and its aspect ratio (width : height) when none is given.
-DEFAULT_FRAMES = 121
-DEFAULT_STEPS = 50
-DEFAULT_ASPECT = (16, 9)
+# HunyuanVideo15Pipeline.__call__'s defaults (121 frames, 50 steps).
+_CALL_DEFAULTS = inspect.signature(HunyuanVideo15Pipeline.__call__).parameters
+DEFAULT_FRAMES = _CALL_DEFAULTS["num_frames"].default
+DEFAULT_STEPS = _CALL_DEFAULTS["num_inference_steps"].default
 
 
 class HunyuanVideo15Adapter(FamilyAdapter):
@@ -93,10 +94,11 @@ class HunyuanVideo15Adapter(FamilyAdapter):
         return self.pipe.vae_scale_factor_temporal
 
     def defaults(self) -> FamilyDefaults:
-        # The pipeline's: 121 frames, 50 steps, the guider's scale, and the 16:9 size it picks for
-        # the transformer's target_size (848 x 480 at 480p).
+        # The pipeline's: its frames and steps, the guider's scale, and the size it picks for the
+        # transformer's target_size at its default aspect ratio (848 x 480 for 16:9 at 480p).
+        aspect_width, aspect_height = self.pipe.default_aspect_ratio
         height, width = self.pipe.video_processor.calculate_default_height_width(
-            DEFAULT_ASPECT[1], DEFAULT_ASPECT[0], self.pipe.target_size
+            aspect_height, aspect_width, self.pipe.target_size
         )
         return FamilyDefaults(
             height=height,
