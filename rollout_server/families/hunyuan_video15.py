@@ -27,9 +27,10 @@ refused.
 
 The schedule is the pipeline's: sigmas linspace(1, 0, N + 1)[:-1] through ``retrieve_timesteps``,
 which the scheduler shifts by its static ``shift``. Latents are [C, (F - 1) / 4 + 1, H / 16, W / 16]
-as the transformer consumes them (it patchifies 1 x 1 x 1 itself), in the transformer's dtype in the
-pipeline (bfloat16 for the released checkpoints: ``latent_dtype`` BFLOAT16 rounds the same). The
-decode is the pipeline's, ``vae.decode(latents / scaling_factor)``, a whole video at once.
+as the transformer consumes them (it patchifies 1 x 1 x 1 itself). The pipeline keeps them in the
+transformer's dtype (bfloat16 for the released checkpoints), rounding after every step, as
+``latent_dtype`` BFLOAT16 does; it also combines the CFG branches in that dtype, the server in
+float32. The decode is the pipeline's, ``vae.decode(latents / scaling_factor)``, a whole video at once.
 
 Sequence parallelism: ``HunyuanVideo15Transformer3DModel`` has no context-parallel plan in diffusers
 0.41 and this adapter gives it none, so ``--sp`` is refused at start-up.
