@@ -382,6 +382,35 @@ FAMILIES = {
         replay_samplers=("FLOW_SDE", "CPS"),
         conditioning=("CONDITIONING_CONCAT_CHANNELS", "condition"),
     ),
+    # HunyuanVideo 1.5: video latents with C + 1 conditioning channels of zeros, the raw timestep, two
+    # text encoders (Qwen2.5-VL and ByT5, each with its mask), zero image embeddings, classic CFG on
+    # guidance_scale.
+    "hunyuan-video15": Family(
+        preset="tiny-hunyuan-video15",
+        transformer="HunyuanVideo15Transformer3DModel",
+        pipeline="HunyuanVideo15Pipeline",
+        prompts=("a red fox in the snow", 'a sign that says "open"'),  # the second quotes glyph text
+        base_seed=111,
+        cfg_on={"guidance_scale": 6.0, "negative_prompt": "blurry"},
+        cfg_off={"guidance_scale": 1.0},
+        timestep_divisor=1.0,
+        cfg_rule=("true_cfg", 6.0),
+        env_keys=frozenset(
+            {
+                "encoder_hidden_states",
+                "encoder_attention_mask",
+                "encoder_hidden_states_2",
+                "encoder_attention_mask_2",
+                "image_embeds",
+                "condition",
+                "attention_kwargs",
+                "return_dict",
+            }
+        ),
+        latent_shape=(32, 2, 4, 4),  # the preset's 5 frames: 2 latent frames of 4 x 4 (16x VAE)
+        text_width="text_embed_dim",
+        conditioning=("CONDITIONING_CONCAT_CHANNELS", "condition"),
+    ),
     # Z-Image: per-sample latents with a frame axis under x, (1000 - t) / 1000 in float32 under t, the
     # negated prediction, prompts of their own lengths, and CFG around the positive branch, on with
     # guidance_scale > 0.

@@ -258,12 +258,13 @@ def test_noise_level_bound_is_per_sampler(client, sampler, noise_level):
         ("flux2-klein", "true_cfg_scale", 3.0),
         ("flux2", "true_cfg_scale", 3.0),
         ("z-image", "true_cfg_scale", 3.0),
+        ("hunyuan-video15", "true_cfg_scale", 3.0),
     ],
 )
 def test_a_scale_the_model_does_not_read_is_refused(family, field, value, family_client):
-    """SD3, Wan, FLUX.2 [klein] and Z-Image take their CFG scale from guidance_scale, Qwen-Image (no
-    embedded guidance) from true_cfg_scale: the other scale would be silently ignored, so it is
-    INVALID_ARGUMENT naming it. The default, which a started event echoes, is still accepted, so a
+    """SD3, Wan, FLUX.2 [klein], Z-Image and HunyuanVideo 1.5 take their CFG scale from guidance_scale,
+    Qwen-Image (no embedded guidance) from true_cfg_scale: the other scale would be silently ignored,
+    so it is INVALID_ARGUMENT naming it. The default, which a started event echoes, is still accepted, so a
     resolved request can be resent."""
     request = family_request(family, "ODE", cfg=False, num_steps=2, **{field: value})
     with pytest.raises(grpc.RpcError) as raised:

@@ -8,6 +8,7 @@ from helpers import command_line_exit
 from rollout_server import errors, families
 from rollout_server.families.flux import FluxAdapter, FluxKontextAdapter
 from rollout_server.families.flux2 import Flux2Adapter, Flux2KleinAdapter
+from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter
 from rollout_server.families.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from rollout_server.families.sd3 import SD3Adapter
 from rollout_server.families.wan_i2v import WanImageToVideoAdapter
@@ -26,6 +27,7 @@ from rollout_server.families.z_image import ZImageAdapter
         ("qwen-image-edit", QwenImageEditAdapter),
         ("wan-i2v", WanImageToVideoAdapter),
         ("z-image", ZImageAdapter),
+        ("hunyuan-video15", HunyuanVideo15Adapter),
     ],
 )
 def test_preset_folder_is_detected(family_folder, family, adapter):

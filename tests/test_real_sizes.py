@@ -8,8 +8,8 @@ that pipeline. The checks are what breaks only at scale, against figures worked 
 published values:
 
 - the adapter's latent shape, generated tokens and forward size at the family's default request size
-  (1024 x 1024 pixels; 480 x 832 pixels x 81 frames for video), and the tokens the real transformer's
-  input layer makes of that latent;
+  (1024 x 1024 pixels; 480 x 832 pixels x 81 frames for video, HunyuanVideo 1.5's own 480 x 848
+  x 121), and the tokens the real transformer's input layer makes of that latent;
 - the sequence-parallel split at 2, 4 and 8 ranks: the attention heads Ulysses divides, and the
   tokens of a default request;
 - the memory estimate: a forward row against tokens x width, the rows the runner puts in one forward,
@@ -34,8 +34,10 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
+    AutoencoderKLHunyuanVideo15,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
+    ClassifierFreeGuidance,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
@@ -44,6 +46,8 @@ from diffusers import (
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
     QwenImageEditPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
@@ -70,6 +74,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLTextModel,
     Qwen2Tokenizer,
     Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
@@ -93,6 +99,8 @@ from rollout_server.limits import Limits
 from rollout_server.parallel import ParallelDims, check_splittable
 from rollout_server.presets.flux import FLUX_SCHEDULER_CONFIG
 from rollout_server.presets.flux2 import FLUX2_SCHEDULER_CONFIG
+from rollout_server.presets.hunyuan_video15 import GUIDANCE_SCALE as HUNYUAN_VIDEO15_GUIDANCE_SCALE
+from rollout_server.presets.hunyuan_video15 import SCHEDULER_CONFIG as HUNYUAN_VIDEO15_SCHEDULER_CONFIG
 from rollout_server.presets.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, _prompt_template
 from rollout_server.presets.sd3 import SD3_SCHEDULER_CONFIG
 from rollout_server.presets.tokenizers import (
@@ -413,6 +421,38 @@ MISTRAL_SMALL_3_1 = {
 }
 
 
+# hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v transformer/config.json (the "480p_t2v"
+# entry of diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py, which wrote it). Its VAE is
+# AutoencoderKLHunyuanVideo15's defaults (the script builds it so), its scheduler shifts by 5 and its
+# guider's scale is 6 (the script's 480p_t2v entries, the preset's values).
+HUNYUAN_VIDEO15_480P_T2V = {
+    "attention_head_dim": 128,
+    "image_embed_dim": 1152,
+    "in_channels": 65,
+    "num_attention_heads": 16,
+    "num_layers": 54,
+    "num_refiner_layers": 2,
+    "out_channels": 32,
+    "rope_axes_dim": (16, 56, 56),
+    "target_size": 640,
+    "task_type": "t2v",
+    "text_embed_2_dim": 1472,
+    "text_embed_dim": 3584,
+}
+# google/byt5-small config.json, the ByT5 encoder of HunyuanVideo 1.5 (Glyph-SDXL-v2's weights; the
+# color and font tokens it adds to the vocabulary change no size the adapter reads).
+BYT5_SMALL = {
+    "d_ff": 3584,
+    "d_kv": 64,
+    "d_model": 1472,
+    "feed_forward_proj": "gated-gelu",
+    "num_heads": 6,
+    "num_layers": 12,
+    "tie_word_embeddings": False,
+    "vocab_size": 384,
+}
+
+
 def on_meta(model_class, *args, **kwargs) -> torch.nn.Module:
     """``model_class(*args, **kwargs)`` on the meta device, in the served dtype."""
     with torch.device(META):
@@ -540,6 +580,20 @@ def z_image_pipeline(folder: Path) -> ZImagePipeline:
     )
 
 
+def hunyuan_video15_pipeline(folder: Path) -> HunyuanVideo15Pipeline:
+    """The adapter reads no tokenizer: its text lengths are the pipeline's (1000 and 256)."""
+    return HunyuanVideo15Pipeline(
+        text_encoder=on_meta(Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig(**QWEN_VL["text_config"])),
+        tokenizer=None,
+        transformer=on_meta(HunyuanVideo15Transformer3DModel, **HUNYUAN_VIDEO15_480P_T2V),
+        vae=on_meta(AutoencoderKLHunyuanVideo15),
+        scheduler=FlowMatchEulerDiscreteScheduler(**HUNYUAN_VIDEO15_SCHEDULER_CONFIG),
+        text_encoder_2=on_meta(T5EncoderModel, T5Config(**BYT5_SMALL)),
+        tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=HUNYUAN_VIDEO15_GUIDANCE_SCALE),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """A published checkpoint, and its figures at the family's default request size, by hand."""
@@ -553,6 +607,9 @@ class Checkpoint:
     text_elements: int  # one text's env at its longest
     forward_rows: int  # rows of one forward, for a group of GROUP samples (and their CFG branches)
     ulysses_refused: frozenset[int] = frozenset()  # the SP degrees a Ulysses split is refused at
+    # (frames, height, width) of the default request: 1 x 1024 x 1024, or 81 x 480 x 832 for video,
+    # unless given.
+    default_media: tuple[int, int, int] | None = None
     # The bytes of a component's published safetensors (the total_size of its index), where known.
     published_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -706,6 +763,25 @@ CHECKPOINTS = (
         forward_rows=8,  # CFG: 16 rows, max_batch_size 8
         ulysses_refused=frozenset({4, 8}),  # 30 heads
     ),
+    Checkpoint(
+        "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
+        "hunyuan-video15",
+        hunyuan_video15_pipeline,
+        # The pipeline's default: 121 frames at the 16:9 size its target_size (640) picks, 848 x 480;
+        # 16x VAE of 32 channels, 4x in time: 1 + 120 / 4 latent frames of 480 / 16 x 848 / 16.
+        default_media=(121, 480, 848),
+        latent_shape=(32, 31, 30, 53),
+        generated_tokens=31 * 30 * 53,  # 1 x 1 x 1 patches
+        # Joint attention over the video tokens, the 1000 Qwen2.5-VL tokens, the 256 ByT5 bytes and
+        # the 729 image tokens; the 4x feed-forward (16 x 128 wide), wider than q, k and v.
+        forward=(31 * 30 * 53 + 1000 + 256 + 729, 4 * 2048),
+        # The three contexts' states, and the two text masks.
+        text_elements=1000 * (3584 + 1) + 256 * (1472 + 1) + 729 * 1152,
+        # CFG doubles the group's rows to 16; the 1,577,280-element latent fits 5 times in the
+        # default max_latent_elements (8 Mi), so 5 rows a forward.
+        forward_rows=5,
+        ulysses_refused=frozenset(SPLITS),  # no context-parallel plan in diffusers
+    ),
 )
 
 
@@ -828,8 +904,8 @@ class Figures:
 def test_the_adapter_sizes_the_default_request_as_the_published_values_say(adapters, checkpoint):
     adapter = adapters(checkpoint)
     shape = default_shape(adapter)
-    assert (shape.height, shape.width) == ((480, 832) if adapter.max_frames > 1 else (1024, 1024))
-    assert shape.frames == (81 if adapter.max_frames > 1 else 1)
+    usual = (81, 480, 832) if adapter.max_frames > 1 else (1, 1024, 1024)
+    assert (shape.frames, shape.height, shape.width) == (checkpoint.default_media or usual)
     assert adapter.latent_shape(shape) == checkpoint.latent_shape
     assert adapter.generated_tokens(shape) == checkpoint.generated_tokens
     assert adapter.forward_activation(shape) == checkpoint.forward
@@ -868,7 +944,9 @@ def test_the_split_across_2_4_and_8_ranks(adapters, checkpoint):
     adapter = adapters(checkpoint)
     refused = {split for split in SPLITS if split_refusal(adapter, split)}
     assert refused == checkpoint.ulysses_refused
-    for split in SPLITS:
+    # A transformer without a plan is never split: its tokens need not cut evenly.
+    no_plan = all("no context-parallel plan" in split_refusal(adapter, split) for split in SPLITS)
+    for split in () if no_plan else SPLITS:
         request = group_request(adapter, split)
         shape = MediaShape.of(request)
         assert (adapter.generated_tokens(shape) + adapter.conditioning_tokens(shape)) % split == 0
@@ -882,7 +960,10 @@ def test_the_memory_estimate_at_scale(adapters, checkpoint):
     adapter = adapters(checkpoint)
     tokens, width = checkpoint.forward
     profile = adapter.measure_decode()
-    assert profile.frames_per_piece == (4 if adapter.max_frames > 1 else 1)
+    # A video VAE with a causal cache decodes a latent frame (4 frames) a piece; one without, the
+    # whole probe (1 + 4 frames) at once.
+    video_piece = 4 if adapter.decode_keeps_state else 1 + adapter.frame_step
+    assert profile.frames_per_piece == (video_piece if adapter.max_frames > 1 else 1)
     assert profile.workspace == 0  # off the CPU
     budget = memory.MemoryBudget(0, Limits())
     for split in (1, *SPLITS):

@@ -521,6 +521,7 @@ def test_help_is_quiet_and_lists_every_preset():
         "tiny-qwen-image-edit",
         "tiny-wan-i2v",
         "tiny-z-image",
+        "tiny-hunyuan-video15",
     }
 
 

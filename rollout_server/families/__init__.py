@@ -9,6 +9,7 @@ import torch
 from rollout_server.errors import UnsupportedModel
 from rollout_server.families.flux import FluxAdapter, FluxKontextAdapter
 from rollout_server.families.flux2 import Flux2Adapter, Flux2KleinAdapter
+from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter
 from rollout_server.families.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from rollout_server.families.sd3 import SD3Adapter
 from rollout_server.families.wan import WanAdapter
@@ -30,6 +31,7 @@ ADAPTERS: dict[str, type["FamilyAdapter"]] = {
         QwenImageEditAdapter,
         WanAdapter,
         WanImageToVideoAdapter,
+        HunyuanVideo15Adapter,
         ZImageAdapter,
     )
 }

@@ -54,6 +54,15 @@ Z_IMAGE_TARGETS = (
     "feed_forward.w2",
     "feed_forward.w3",
 )
+# HunyuanVideo 1.5's: the joint attention of every dual-stream block (and of the text token refiner), and
+# both streams' feed-forwards.
+HUNYUAN_VIDEO15_TARGETS = (
+    *SD3_TARGETS,
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+)
 # --lora-targets' default, by the server's family.
 LORA_TARGETS = {
     "flux": FLUX_TARGETS,
@@ -65,5 +74,6 @@ LORA_TARGETS = {
     "qwen-image-edit": QWEN_IMAGE_TARGETS,
     "wan": WAN_TARGETS,
     "wan-i2v": WAN_TARGETS,
+    "hunyuan-video15": HUNYUAN_VIDEO15_TARGETS,
     "z-image": Z_IMAGE_TARGETS,
 }

@@ -1,0 +1,165 @@
+"""HunyuanVideo 1.5 text-to-video on the tiny-hunyuan-video15 preset: the server's schedule, env
+(both text encoders, the zero image embeddings and conditioning channels), transformer call, CFG and
+decoding are HunyuanVideo15Pipeline's own; frames are validated as 4k + 1 and bounded; a guider the
+server cannot serve is refused, and so is --sp (no context-parallel plan). Replay parity is in
+test_replay.py with the other families."""
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
+from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import (
+    extract_glyph_texts,
+    retrieve_timesteps,
+)
+from helpers import TOLERANCE, family_request, field_violations
+
+from rollout_core.transformer_call import apply_guidance
+from rollout_server.errors import ParallelismUnsupported, UnsupportedModel
+from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter
+from rollout_server.parallel import ParallelDims, SequenceParallel
+
+
+@pytest.fixture
+def family() -> str:
+    return "hunyuan-video15"
+
+
+def test_server_info(family_client):
+    info = family_client.server_info()
+    assert (info.family, info.pipeline_class) == ("hunyuan-video15", "HunyuanVideo15Pipeline")
+    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
+        "guidance_scale",
+        "true_cfg",
+        "timestep",
+    )
+    defaults = info.defaults
+    assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)
+    assert defaults.guidance_scale == 6.0  # the preset's guider's
+    limits = info.limits
+    assert (limits.side_multiple, limits.frame_step, limits.max_frames) == (
+        16,
+        4,
+        241,
+    )  # 16x VAE, 1x1 patches
+
+
+def test_the_system_turn_is_the_108_tokens_the_pipeline_crops(family_pipeline):
+    """The tiny tokenizer renders the chat template with the pipeline's system message, and that turn
+    is exactly the prompt_template_encode_start_idx tokens the pipeline drops, as with Qwen2.5-VL's."""
+    pipe = family_pipeline
+    system = [{"role": "system", "content": pipe.system_message}]
+    turn = pipe.tokenizer.apply_chat_template(system, tokenize=False)
+    assert turn == f"<|im_start|>system\n{pipe.system_message}<|im_end|>\n"
+    assert len(pipe.tokenizer(turn).input_ids) == pipe.prompt_template_encode_start_idx == 108
+
+
+@pytest.mark.parametrize("frames", [2, 4, 6, 245])
+def test_frames_must_be_4k_plus_1_and_bounded(family_client, frames):
+    with pytest.raises(grpc.RpcError) as refused:
+        family_client.rollout(family_request("hunyuan-video15", "ODE", cfg=False, num_frames=frames))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [violation.field for violation in field_violations(refused.value)] == ["num_frames"]
+
+
+@pytest.mark.parametrize("cfg", [True, False])
+def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, cfg):
+    """Schedule (linspace(1, 0, N + 1)[:-1] shifted by the scheduler), the two text encodings with
+    their masks, the zero conditioning channels and image embeddings, the raw timestep and CFG all as
+    HunyuanVideo15Pipeline: from the same x_0, its own ``__call__`` (its guider at the request's scale)
+    reaches the streamed final latents. Both run each branch's two rows in one forward of their own,
+    in two processes: Batch and split rounding (docs/testing.md), TOLERANCE in v, times up to
+    2s - 1 = 11 at scale 6 with CFG."""
+    request = family_request("hunyuan-video15", "ODE", cfg=cfg, samples_per_prompt=1)
+    trajectories = family_client.rollout(request)
+    pipe = family_pipeline
+    retrieve_timesteps(pipe.scheduler, 4, sigmas=np.linspace(1.0, 0.0, 5)[:-1])
+    np.testing.assert_array_equal(trajectories[0].sigmas.numpy(), pipe.scheduler.sigmas.numpy())
+    np.testing.assert_array_equal(trajectories[0].timesteps[:-1].numpy(), pipe.scheduler.timesteps.numpy())
+    # Only the second prompt quotes text: its glyph text's bytes (and ByT5's </s>) reach ByT5; the
+    # first prompt's mask is zero.
+    glyphs = [t.env["positive"]["encoder_attention_mask_2"].sum().item() for t in trajectories]
+    glyph_text = extract_glyph_texts(request.prompts[1])
+    assert glyphs == [0, len(pipe.tokenizer_2(glyph_text).input_ids)] and "open" in glyph_text
+    guider = pipe.guider
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=request.guidance_scale)
+    try:
+        final = pipe(
+            prompt=list(request.prompts),
+            # One negative prompt per prompt: the pipeline does not broadcast a single one.
+            negative_prompt=[request.negative_prompt] * len(request.prompts) if cfg else None,
+            latents=torch.stack([t.latents[0] for t in trajectories]),
+            height=64,
+            width=64,
+            num_frames=5,
+            num_inference_steps=4,
+            output_type="latent",
+        ).frames
+    finally:
+        pipe.guider = guider
+    bound = (2 * request.guidance_scale - 1) * TOLERANCE if cfg else TOLERANCE
+    torch.testing.assert_close(
+        final, torch.stack([t.latents[-1] for t in trajectories]), atol=bound, rtol=bound
+    )
+
+
+def test_each_sample_streams_its_frames_as_the_pipeline_decodes_them(family_client, family_pipeline):
+    trajectories = family_client.rollout(
+        family_request("hunyuan-video15", "FLOW_SDE", cfg=False, images=True, num_frames=9)
+    )
+    pipe = family_pipeline
+    latents = torch.stack([t.latents[-1] for t in trajectories])
+    assert latents.shape[2] == 3  # 9 frames: 3 latent frames
+    for k, trajectory in enumerate(trajectories):
+        # The pipeline's decode, a sample at a time, as served (the VAE's causal attention mask does not
+        # broadcast over a batch of several in diffusers 0.41).
+        with torch.no_grad():
+            video = pipe.vae.decode(latents[k : k + 1] / pipe.vae.config.scaling_factor, return_dict=False)[0]
+        expected = pipe.video_processor.postprocess_video(video, output_type="np")[
+            0
+        ]  # [F, H, W, 3] in [0, 1]
+        frames = trajectory.frames()
+        assert len(frames) == 9 and all(frame.size == (64, 64) for frame in frames)
+        got = np.stack([np.asarray(frame.convert("RGB"), dtype=np.float64) for frame in frames])
+        np.testing.assert_allclose(got, np.round(expected * 255), atol=1)
+
+
+def with_guider(pipe, **config) -> HunyuanVideo15Pipeline:
+    """The preset's components with another guider."""
+    return HunyuanVideo15Pipeline(**{**pipe.components, "guider": ClassifierFreeGuidance(**config)})
+
+
+@pytest.mark.parametrize(
+    "config", [{"guidance_rescale": 0.7}, {"start": 0.2}, {"stop": 0.8}, {"enabled": False}], ids=str
+)
+def test_a_guider_other_than_plain_cfg_on_every_step_is_refused(family_pipeline, config):
+    with pytest.raises(UnsupportedModel, match="only plain CFG on every step is served"):
+        HunyuanVideo15Adapter(with_guider(family_pipeline, **config), torch.device("cpu"), torch.float32)
+
+
+def test_the_guiders_original_formulation_is_cfg_around_the_positive_branch(family_pipeline):
+    """use_original_formulation: v_pos + s (v_pos - v_neg), off at s = 0, as the guider computes it."""
+    pipe = with_guider(family_pipeline, guidance_scale=3.0, use_original_formulation=True)
+    adapter = HunyuanVideo15Adapter(pipe, torch.device("cpu"), torch.float32)
+    assert (adapter.cfg_rule, adapter.cfg_off_scale, adapter.defaults().guidance_scale) == (
+        "cfg_from_positive",
+        0.0,
+        3.0,
+    )
+    positive, negative = torch.randn(2, 1, 32, 2, 4, 4)
+    # The same float32 operations in the same order (a difference, a product, a sum): bitwise.
+    torch.testing.assert_close(
+        apply_guidance(adapter.cfg_rule, 3.0, {"positive": positive, "negative": negative}),
+        pipe.guider.forward(positive, negative).pred,
+        rtol=0,
+        atol=0,
+    )
+
+
+def test_sp_is_refused_without_a_context_parallel_plan(family_resources):
+    two_ranks = SequenceParallel(ParallelDims(sp=2, world_size=2))
+    with pytest.raises(
+        ParallelismUnsupported, match="HunyuanVideo15Transformer3DModel has no context-parallel plan"
+    ):
+        two_ranks.split_transformer(family_resources.transformer("hunyuan-video15"))
