@@ -17,6 +17,8 @@ def test_awm_loss_is_its_formula():
     v = target + 0.5 * torch.randn(6, 16, 4, generator=generator, dtype=torch.float64)
     advantages = torch.tensor([-1.0, -0.5, 0.0, 0.25, 0.7, 1.0], dtype=torch.float64)
     errors = ((v.numpy() - target.numpy()) ** 2).mean(axis=(1, 2))
+    # float64 on both sides, the same operations summed in other orders: rounding of a few 1e-16
+    # relative per term, far below rtol 1e-12.
     for power in (0.25, 0.5, 1.0):
         weight = levels.numpy() / power * ((errors + OFFSET) ** power - OFFSET**power)
         expected = (advantages.numpy() * weight).mean()
@@ -38,7 +40,7 @@ def test_awm_pulls_good_samples_in_pushes_bad_ones_out_and_bounds_the_push():
     error = 0.3**2
     scale = 2 * 0.5 * (error + OFFSET) ** (0.25 - 1) / (3 * 8)
     expected = scale * advantages.numpy()[:, None] * 0.3 * np.ones((3, 8))
-    np.testing.assert_allclose(v.grad.numpy(), expected, rtol=1e-10)
+    np.testing.assert_allclose(v.grad.numpy(), expected, rtol=1e-10)  # float64 autograd: ~1e-15 relative
     assert (v.grad[0] > 0).all() and (v.grad[1] < 0).all() and (v.grad[2] == 0).all()  # descent: -grad
 
     def push(distance: float, power: float) -> float:
@@ -52,6 +54,7 @@ def test_awm_pulls_good_samples_in_pushes_bad_ones_out_and_bounds_the_push():
 
 def test_signed_advantages_are_twice_the_optimality_less_one():
     advantages = torch.tensor([-5.0, -2.0, -1.0, 0.0, 0.5, 2.0, 9.0])
+    # float32: r = 0.5 + 0.5 a rounds by at most half an ulp of 1 (3e-8), 2 r - 1 doubles that, exactly.
     np.testing.assert_allclose(
         signed_advantages(advantages).numpy(), (2 * optimality(advantages) - 1).numpy(), atol=1e-7
     )
