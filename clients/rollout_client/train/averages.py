@@ -13,7 +13,8 @@ A ``WeightAverage`` holds one tensor per trained parameter and moves it towards 
   (``ramped_decay``), so it follows the trained policy at first and more slowly later.
 
 ``applied(parameters)`` swaps the average into the parameters for a block (a push, a forward with no
-gradient) and puts theta back after it, whatever happens inside.
+gradient) and puts theta back after it, whatever happens inside. ``base_model(transformer)`` does the
+same for the base model a LoRA run trains from: its adapters are disabled inside the block.
 """
 
 import contextlib
@@ -57,6 +58,16 @@ class WeightAverage:
             )
         for average, saved in zip(self.tensors, tensors, strict=True):
             average.copy_(saved)
+
+
+@contextlib.contextmanager
+def base_model(transformer: torch.nn.Module) -> Iterator[None]:
+    """The transformer is its base model inside the block (its LoRA disabled), the policy again after."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
 
 
 def ramped_decay(iteration: int, most: float, ramp: int) -> float:

@@ -12,6 +12,7 @@ import torch
 
 from rollout_client.grpo import row_batches
 from rollout_client.nft import noised, velocities
+from rollout_client.train.averages import base_model
 
 SAMPLES = 8
 LEVELS = (0.25, 0.5, 0.75, 1.0)
@@ -28,11 +29,8 @@ class VelocityProbe:
         self.x = torch.cat(points)
         self.levels = torch.tensor(LEVELS).repeat_interleave(len(first))
         self.trajectories = first * len(LEVELS)
-        transformer.disable_adapters()
-        try:
+        with base_model(transformer):
             self.base_norm = self._norm(transformer)
-        finally:
-            transformer.enable_adapters()
 
     @torch.no_grad()
     def _norm(self, transformer: torch.nn.Module) -> float:

@@ -17,6 +17,7 @@ from rollout_client.grpo import (
     tree_edges,
 )
 from rollout_client.train.algorithms.base import Algorithm, register
+from rollout_client.train.averages import base_model
 from rollout_client.train.rollouts import Rollout, stochastic_steps
 
 if TYPE_CHECKING:
@@ -76,12 +77,8 @@ class PolicyUpdate:
         transition = step_transitions(self.transformer, pieces, i, self.config.device)
         reference = None
         if self.config.optim.kl_beta > 0:
-            with torch.no_grad():
-                self.transformer.disable_adapters()
-                try:
-                    reference = step_transitions(self.transformer, pieces, i, self.config.device).means
-                finally:
-                    self.transformer.enable_adapters()
+            with torch.no_grad(), base_model(self.transformer):
+                reference = step_transitions(self.transformer, pieces, i, self.config.device).means
         return transition, reference
 
     def _backward(self, trajectories, piece_advantages, i, rows, scored) -> None:

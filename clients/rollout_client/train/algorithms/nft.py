@@ -19,7 +19,7 @@ from rollout_client.nft import (
     velocities,
 )
 from rollout_client.train.algorithms.base import Algorithm, register
-from rollout_client.train.averages import WeightAverage, ramped_decay
+from rollout_client.train.averages import WeightAverage, base_model, ramped_decay
 
 if TYPE_CHECKING:
     from rollout_client import Trajectory
@@ -105,18 +105,18 @@ class DiffusionNFT(ForwardProcess):
         x, draws = self.draws(trajectories, iteration)
         r = optimality(advantages)
         pieces = row_batches(trajectories, config.optim.micro_batch)
-        points = []
-        for x_s, target, levels in draws:
-            with self.rollout_weights():
-                v_old = self.velocities_of(trajectories, pieces, x_s, levels)
-            v_reference = None
-            if config.nft.anchor > 0:
-                transformer.disable_adapters()
-                try:
-                    v_reference = self.velocities_of(trajectories, pieces, x_s, levels)
-                finally:
-                    transformer.enable_adapters()
-            points.append((x_s, target, levels, v_old, v_reference))
+        with self.rollout_weights():  # swapped in once for every draw
+            old = [self.velocities_of(trajectories, pieces, x_s, levels) for x_s, _, levels in draws]
+        references = [None] * len(draws)
+        if config.nft.anchor > 0:
+            with base_model(transformer):
+                references = [
+                    self.velocities_of(trajectories, pieces, x_s, levels) for x_s, _, levels in draws
+                ]
+        points = [
+            (*draw, v_old, v_reference)
+            for draw, v_old, v_reference in zip(draws, old, references, strict=True)
+        ]
         total = 0.0
         self.grad_norms = {"policy": 0.0, "anchor": 0.0}
         for x_s, target, levels, v_old, v_reference in points:
