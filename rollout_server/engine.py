@@ -44,7 +44,7 @@ from rollout_server.errors import (
     UpdateAbandoned,
     WeightSyncFailed,
 )
-from rollout_server.families.base import FamilyAdapter, MediaShape
+from rollout_server.families.base import FamilyAdapter, MediaShape, Sound
 from rollout_server.images import ConditionImage
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import (
@@ -604,6 +604,10 @@ class Engine:
             piece = next(rollout.pieces, None)
             if piece is None:
                 self._finish(rollout)
+                return
+            if isinstance(piece[1], Sound):
+                row, sound = piece
+                rollout.stream.on_audio(rollout.live[row], sound)
                 return
             row, first_frame, frames = piece
             for f, frame in enumerate(frames, start=first_frame):

@@ -19,6 +19,7 @@ The runner is all that the other sequence-parallel ranks run: given the same rol
 order, every rank forms the same forwards.
 """
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Iterator
@@ -29,10 +30,10 @@ import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, solvers, steps
-from rollout_core.transformer_call import apply_guidance, call_transformer, stack_envs
+from rollout_core.transformer_call import CallForm, apply_guidance, call_transformer, stack_envs
 from rollout_core.tree import Tree
 from rollout_server.errors import InvalidRequest
-from rollout_server.families.base import FamilyAdapter, MediaShape
+from rollout_server.families.base import FamilyAdapter, MediaShape, Sound
 from rollout_server.prompt_cache import Conditioning, PromptCache
 from rollout_server.sampler import SamplerPlan, SamplerState, init, regroup, stochastic_steps
 from rollout_server.validation import check_prompt_tokens, initial_latents
@@ -63,6 +64,7 @@ class Rollout:
     key: int  # the engine's id for it, the same on every rank
     request: rollout_pb2.RolloutRequest  # resolved
     plan: SamplerPlan
+    call_form: CallForm  # the family's, with the request's latent streams
     state: SamplerState
     timesteps: torch.Tensor  # float32 [T + 1], as fed (before the family's divisor)
     experts: list[str]  # [T]: the transformer (pipeline component) each step runs
@@ -211,6 +213,7 @@ class Runner:
             sigmas, timesteps = adapter.schedule(request.num_steps, shape)
         sampler_type = steps.SAMPLERS_BY_ENUM[request.sampler].name
         latent_shape = adapter.latent_shape(shape)
+        streams = adapter.latent_streams(shape)
         check_prompt_tokens(self.parallel.dims, adapter, conditioning.envs)
         noise_levels = [request.noise_level] * request.num_steps
         for branch in request.branches:
@@ -238,6 +241,7 @@ class Runner:
             latent_shape=latent_shape,
             device=adapter.device,
             initial=initial_latents(request.initial_latents) if request.initial_latents else None,
+            latent_streams=streams,
         )
         signatures: dict[int, tuple] = {}  # equal texts share one env dict: sign it once
         envs = {}
@@ -250,6 +254,7 @@ class Runner:
             key=key,
             request=request,
             plan=plan,
+            call_form=dataclasses.replace(adapter.call_form, streams=streams),
             state=init(plan),
             timesteps=timesteps,
             experts=[adapter.expert_for(t) for t in timesteps[:-1].tolist()],
@@ -275,7 +280,8 @@ class Runner:
         for rollout in rollouts:
             for row in rollout.rows:
                 expert = rollout.experts[rollout.state.step]
-                key = (expert, tuple(rollout.plan.latent_shape), row.signature)
+                # Several latent streams: equal joint sizes may cut into different streams.
+                key = (expert, tuple(rollout.plan.latent_shape), rollout.call_form, row.signature)
                 groups.setdefault(key, []).append((rollout, row))
         per_branch: dict[int, dict[str, torch.Tensor]] = {
             r.key: {branch: torch.empty_like(r.state.x) for branch in r.conditioning.envs} for r in rollouts
@@ -284,7 +290,7 @@ class Runner:
         shared: set[int] = set()
         cancelled: set[int] = set()
         stacked: dict[tuple, dict[str, Any]] = {}
-        for (expert, latent_shape, _), members in groups.items():
+        for (expert, latent_shape, _, _), members in groups.items():
             # The fewest forwards of at most max_batch_size rows, of even sizes (9 rows at 8: 5 + 4),
             # large rows fewer at a time.
             row_elements = math.prod(latent_shape)
@@ -339,17 +345,22 @@ class Runner:
             adapter.dtype,
             adapter.timestep_divisor,
             adapter.conditioning,
-            adapter.call_form,
+            batch[0][0].call_form,
             adapter.batched_env_keys,
         )
 
     @torch.inference_mode()
-    def decode_pieces(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[tuple[int, int, list]]:
+    def decode_pieces(
+        self, latents: torch.Tensor, shape: MediaShape
+    ) -> Iterator[tuple[int, int, list] | tuple[int, Sound]]:
         """Final latents [B, ...] decoded a piece at a time, sample by sample: (sample, index of the
-        piece's first frame, its frames). A piece is what the adapter decodes at once: one image, or
-        one chunk of a video's frames."""
+        piece's first frame, its frames), then, for a family that generates sound, (sample, its
+        Sound). A piece is what the adapter decodes at once: one image, one chunk of a video's
+        frames, or a sample's sound."""
         for k in range(latents.shape[0]):
             first = 0
             for frames in self.adapter.decode_frames(latents[k : k + 1], shape):
                 yield k, first, frames
                 first += len(frames)
+            if self.adapter.decodes_audio:
+                yield k, self.adapter.decode_audio(latents[k : k + 1], shape)

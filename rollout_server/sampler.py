@@ -22,11 +22,15 @@ round(x_{i+1}) - mean, the bytes the trainer will score.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout_core import noise, solvers, steps
 from rollout_server.errors import NonFiniteStep
+
+if TYPE_CHECKING:
+    from rollout_core.latent_streams import LatentStream
 
 
 def check_finite(what: str, i: int, tensor: torch.Tensor) -> None:
@@ -54,6 +58,8 @@ class SamplerPlan:
     latent_shape: Sequence[int]  # one sample's latent as the transformer consumes it
     device: torch.device
     initial: torch.Tensor | None = None  # a trainer's x_0 [B, ...] (float32), else the seeds'
+    # Several latent streams per sample (LTX-2), whose joint latent latent_shape is; empty for one.
+    latent_streams: tuple["LatentStream", ...] = ()
 
     @property
     def num_steps(self) -> int:
@@ -74,6 +80,7 @@ class StepRecord:
     order: int  # of the step's rule: 1 for a stochastic step
     x_next: torch.Tensor
     log_probs: torch.Tensor | None  # [B] when stochastic
+    stream_log_probs: dict[str, torch.Tensor]  # each latent stream's own [B], when there are several
     sd: torch.Tensor  # 0-d; 0 when not stochastic
     eps: torch.Tensor | None
     mean: torch.Tensor
@@ -110,7 +117,9 @@ class SamplerState:
 def init(plan: SamplerPlan) -> SamplerState:
     """x_0 from the per-sample seeds (or the plan's own), rounded to the latent dtype, on the plan's
     device."""
-    x0 = plan.initial if plan.initial is not None else noise.initial_noise(plan.seeds, plan.latent_shape)
+    x0 = plan.initial
+    if x0 is None:
+        x0 = noise.initial_noise(plan.seeds, plan.latent_shape, plan.latent_streams)
     x0 = _round(x0, plan.latent_dtype).to(plan.device)
     return SamplerState(x0, list(plan.seeds))
 
@@ -132,15 +141,18 @@ def advance(plan: SamplerPlan, state: SamplerState, v: torch.Tensor) -> StepReco
     check_finite("velocity", i, v)
     stochastic = plan.stochastic[i]
     eps = log_probs = None
+    per_stream = {}
     if stochastic:
         level = plan.noise_levels[i]
         mean = steps.transition_mean(plan.sampler_type, x, v, plan.sigmas, i, level)
         sd = steps.noise_std(plan.sampler_type, plan.sigmas, i, level)
-        eps = noise.step_noise(state.seeds, i, plan.latent_shape).to(plan.device)
+        eps = noise.step_noise(state.seeds, i, plan.latent_shape, plan.latent_streams).to(plan.device)
         scaled_noise = sd.to(plan.device) * eps
         x_next = _round(mean + scaled_noise, plan.latent_dtype)
         residual = scaled_noise if plan.latent_dtype == torch.float32 else x_next - mean
         log_probs = steps.log_prob(residual, sd, plan.log_prob_constants)
+        if plan.latent_streams:
+            per_stream = steps.stream_log_probs(residual, sd, plan.log_prob_constants, plan.latent_streams)
         history, order = solvers.History(), 1  # the noise ends the solver's history
     else:
         solved = solvers.solver_step(plan.solver, x, v, plan.sigmas, i, state.history)
@@ -148,4 +160,4 @@ def advance(plan: SamplerPlan, state: SamplerState, v: torch.Tensor) -> StepReco
         x_next = _round(mean, plan.latent_dtype)
     check_finite("next latent", i, x_next)
     state.x, state.step, state.history = x_next, i + 1, history
-    return StepRecord(i, stochastic, order, x_next, log_probs, sd, eps, mean, v)
+    return StepRecord(i, stochastic, order, x_next, log_probs, per_stream, sd, eps, mean, v)

@@ -109,6 +109,10 @@ def features(adapter: families.base.FamilyAdapter, weights_root: Path | None) ->
         names.append(wire.FEATURE_EXPERTS)
     if adapter.takes_images:
         names.append(wire.FEATURE_CONDITION_IMAGES)
+    if adapter.latent_stream_names:
+        names.append(wire.FEATURE_LATENT_STREAMS)
+    if adapter.decodes_audio:
+        names.append(wire.FEATURE_AUDIO)
     return names
 
 

@@ -9,6 +9,7 @@ server's message limit.
 
 import hashlib
 import io
+import wave
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ from rollout.v1 import rollout_pb2
 from rollout_core import codec, dtypes, noise, solvers, wire
 
 if TYPE_CHECKING:
-    from rollout_server.families.base import FamilyAdapter
+    from rollout_server.families.base import FamilyAdapter, Sound
     from rollout_server.parallel import SequenceParallel
     from rollout_server.runner import Rollout
     from rollout_server.sampler import StepRecord
@@ -93,7 +94,7 @@ def started_event(
             branches=list(rollout.conditioning.envs),
             batched_env_keys=rollout.conditioning.batched_keys,
             conditioning=adapter.conditioning.to_proto(),
-            **adapter.call_form.proto_fields(),
+            **rollout.call_form.proto_fields(),
         ),
         model=model_name,
         family=adapter.family,
@@ -101,7 +102,7 @@ def started_event(
         sp_degree=parallel.degree,
         attention_split=parallel.attention_split,
         env_json=env_json,
-        noise_rule=noise.NOISE_RULE,
+        noise_rule=noise.NOISE_RULE + (noise.STREAMS_RULE if plan.latent_streams else ""),
         tree=rollout.tree.to_proto() if request.branches else [],
         noise_levels=plan.noise_levels,
         condition_images=rollout.condition_images,
@@ -112,6 +113,19 @@ def started_event(
 def png_bytes(image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def wav_bytes(sound: "Sound") -> bytes:
+    """A WAV file of 16-bit PCM: the waveform clipped to [-1, 1], scaled by 32767 and rounded."""
+    channels = sound.waveform.shape[0]
+    pcm = (sound.waveform.float().clamp(-1, 1) * 32767).round().to(torch.int16)
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as writer:
+        writer.setnchannels(channels)
+        writer.setsampwidth(2)
+        writer.setframerate(sound.sample_rate)
+        writer.writeframes(pcm.t().contiguous().numpy().tobytes())  # interleaved, little-endian
     return buffer.getvalue()
 
 
@@ -176,6 +190,10 @@ class StreamEncoder:
         )
         if record.log_probs is not None:
             step.log_probs.extend(record.log_probs.tolist())
+            step.stream_log_probs.extend(
+                rollout_pb2.StreamLogProbs(stream=name, log_probs=values.tolist())
+                for name, values in record.stream_log_probs.items()
+            )
         tensors = {}
         if self.sent[record.index + 1]:
             tensors[wire.X_NEXT] = record.x_next.to(self._latent_dtype)
@@ -201,6 +219,13 @@ class StreamEncoder:
         )
         response = rollout_pb2.RolloutResponse(image=image_event)
         self._send(response, response.image, "png", png_bytes(image))
+
+    def on_audio(self, sample_index: int, sound: "Sound") -> None:
+        audio = rollout_pb2.RolloutAudio(
+            sample_index=sample_index, sample_rate=sound.sample_rate, channels=sound.waveform.shape[0]
+        )
+        response = rollout_pb2.RolloutResponse(audio=audio)
+        self._send(response, response.audio, "wav", wav_bytes(sound))
 
     def on_finish(self, finished: rollout_pb2.RolloutFinished) -> None:
         finished.tensor_bytes = self.tensor_bytes

@@ -10,6 +10,7 @@ import importlib
 
 # Each exported name and the module that defines it.
 _EXPORTS = {
+    "Audio": "events",
     "Collector": "trajectory",
     "Finished": "events",
     "Image": "events",

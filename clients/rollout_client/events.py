@@ -33,6 +33,8 @@ class Step:
     x_next: torch.Tensor | None
     debug: dict[str, torch.Tensor] = field(default_factory=dict)
     nodes: list[int] = field(default_factory=list)  # a tree rollout's: the node of each row
+    # Several latent streams (LTX-2): each stream's own log-probs, float32 [B], when stochastic.
+    stream_log_probs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -55,6 +57,17 @@ class Image:
 
 
 @dataclass
+class Audio:
+    """The decoded sound of one sample, a WAV file (families that generate audio: LTX-2)."""
+
+    request_id: str
+    sample_index: int
+    wav: bytes
+    sample_rate: int
+    channels: int
+
+
+@dataclass
 class Finished:
     """Timings and memory."""
 
@@ -62,7 +75,7 @@ class Finished:
     message: rollout_pb2.RolloutFinished
 
 
-Event = Started | Step | Pruned | Image | Finished
+Event = Started | Step | Pruned | Image | Audio | Finished
 
 
 def _read_payload(first: bytes, following: int, responses: Iterator[rollout_pb2.RolloutResponse]) -> bytes:
@@ -116,12 +129,21 @@ def decode_stream(responses: Iterable[rollout_pb2.RolloutResponse]) -> Iterator[
             tensors = _tensors(step.tensors, responses)
             log_probs = torch.tensor(list(step.log_probs), dtype=torch.float32) if step.stochastic else None
             x_next = tensors.pop(wire.X_NEXT, None)
-            yield Step(rid, step, step.index, step.stochastic, log_probs, x_next, tensors, list(step.nodes))
+            per_stream = {
+                entry.stream: torch.tensor(list(entry.log_probs), dtype=torch.float32)
+                for entry in step.stream_log_probs
+            }
+            nodes = list(step.nodes)
+            yield Step(rid, step, step.index, step.stochastic, log_probs, x_next, tensors, nodes, per_stream)
         elif kind == "pruned":
             yield Pruned(rid, list(response.pruned.nodes), response.pruned.step)
         elif kind == "image":
             png = _read_payload(response.image.png, response.image.following_chunks, responses)
             yield Image(rid, response.image.sample_index, png, response.image.frame_index)
+        elif kind == "audio":
+            audio = response.audio
+            wav = _read_payload(audio.wav, audio.following_chunks, responses)
+            yield Audio(rid, audio.sample_index, wav, audio.sample_rate, audio.channels)
         elif kind == "finished":
             yield Finished(rid, response.finished)
         else:

@@ -17,8 +17,8 @@ from PIL import Image as PILImage
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rollout_client.events import Event, Finished, Image, Pruned, Started, Step
-from rollout_core import wire
+from rollout_client.events import Audio, Event, Finished, Image, Pruned, Started, Step
+from rollout_core import latent_streams, wire
 from rollout_core.solvers import FALLBACK_SOLVER, SOLVERS, SOLVERS_BY_ENUM
 from rollout_core.steps import SAMPLERS_BY_ENUM
 from rollout_core.transformer_call import TransformerCall
@@ -92,6 +92,22 @@ class Trajectory:
     # each step's order (empty from such a server).
     solver: str = FALLBACK_SOLVER
     step_orders: list[int] = field(default_factory=list)
+    # Several latent streams (LTX-2): each stream's own log-probs, float32 [T] (NaN where not
+    # stochastic); ``log_probs`` is their joint. And the sample's sound, a WAV file, where it has one.
+    stream_log_probs: dict[str, torch.Tensor] = field(default_factory=dict)
+    audio_wav: bytes | None = None
+
+    @property
+    def streams(self) -> tuple[latent_streams.LatentStream, ...]:
+        """The latent streams of the sample, in order; empty for a family with one latent tensor."""
+        return self.transformer_call.form.streams
+
+    def stream_latents(self, name: str) -> torch.Tensor:
+        """The latents of stream ``name``, [T + 1, *its shape]: a view of the joint ``latents``."""
+        latents = self.latents.stack() if isinstance(self.latents, PathLatents) else self.latents
+        streams = self.streams
+        index = [stream.name for stream in streams].index(name)
+        return latent_streams.split(latents, streams)[index]
 
     def noise_level_at(self, i: int) -> float:
         """The noise level step i used (a tree's branch step may have its own)."""
@@ -131,6 +147,10 @@ class Trajectory:
             tensors[wire.frame_name(j)] = torch.frombuffer(bytearray(png), dtype=torch.uint8)
         if self.condition_png:
             tensors[wire.CONDITION_IMAGE] = torch.frombuffer(bytearray(self.condition_png), dtype=torch.uint8)
+        if self.audio_wav:
+            tensors[wire.AUDIO_WAV] = torch.frombuffer(bytearray(self.audio_wav), dtype=torch.uint8)
+        for name, values in self.stream_log_probs.items():
+            tensors[wire.stream_log_probs_name(name)] = values
         scalars = {
             k: getattr(self, k)
             for k in (
@@ -186,6 +206,8 @@ class Trajectory:
             condition_png=tensors[wire.CONDITION_IMAGE].numpy().tobytes()
             if wire.CONDITION_IMAGE in tensors
             else None,
+            stream_log_probs=wire.stream_log_probs_of(tensors),
+            audio_wav=tensors[wire.AUDIO_WAV].numpy().tobytes() if wire.AUDIO_WAV in tensors else None,
         )
 
 
@@ -213,6 +235,8 @@ class Collector:
         self.log_probs = torch.zeros(0)
         self.scored = torch.zeros(0, dtype=torch.bool)
         self.images: dict[int, dict[int, bytes]] = {}  # sample -> frame -> PNG
+        self.audio: dict[int, bytes] = {}  # sample -> WAV
+        self.stream_log_probs: dict[str, torch.Tensor] = {}  # stream -> [B, T]
 
     def add(self, event: Event) -> None:
         if isinstance(event, Started):
@@ -236,18 +260,28 @@ class Collector:
             if event.x_next is not None:
                 self._store(event.index + 1, event.x_next, event.nodes)
             if event.log_probs is not None:
-                if self.tree is None:
-                    self.log_probs[:, event.index] = event.log_probs
-                else:
-                    for node, log_prob in zip(event.nodes, event.log_probs.tolist(), strict=True):
-                        self.log_probs[self._rows_under[node], event.index] = log_prob
+                self._store_log_probs(self.log_probs, event.index, event.log_probs, event.nodes)
+                for name, values in event.stream_log_probs.items():
+                    if name not in self.stream_log_probs:
+                        self.stream_log_probs[name] = torch.full_like(self.log_probs, float("nan"))
+                    self._store_log_probs(self.stream_log_probs[name], event.index, values, event.nodes)
                 self.scored[event.index] = True
         elif isinstance(event, Pruned):
             self.pruned.update(event.nodes)
         elif isinstance(event, Image):
             self.images.setdefault(event.sample_index, {})[event.frame_index] = event.png
+        elif isinstance(event, Audio):
+            self.audio[event.sample_index] = event.wav
         elif isinstance(event, Finished):
             self.finished = event
+
+    def _store_log_probs(self, table: torch.Tensor, i: int, values: torch.Tensor, nodes: list[int]) -> None:
+        """Step i's log-probs into ``table`` [rows, T]: by row, or a tree's by each node's leaves."""
+        if self.tree is None:
+            table[:, i] = values
+            return
+        for node, log_prob in zip(nodes, values.tolist(), strict=True):
+            table[self._rows_under[node], i] = log_prob
 
     def _store(self, j: int, x: torch.Tensor, nodes: list[int]) -> None:
         self.mask[j] = True
@@ -297,23 +331,13 @@ class Collector:
         if self.tree is not None:
             leaves = [leaf for leaf in self.tree.leaves if leaf.id not in self.pruned]
             latents = [self._leaf_latents(leaf.id) for leaf in leaves]
-            log_probs = [self.log_probs[self._leaf_rows[leaf.id]] for leaf in leaves]
-            return _trajectories(
-                self.started,
-                latents,
-                self.mask,
-                log_probs,
-                self.images,
-                self.condition_images,
-                self.tree,
-                leaves,
-            )
-        latents = self.latents
-        if latents is None:
-            latents = torch.zeros(len(message.seeds), 0, *message.layout.shape)
-        return _trajectories(
-            self.started, latents, self.mask, self.log_probs, self.images, self.condition_images
-        )
+            rows = [self._leaf_rows[leaf.id] for leaf in leaves]
+        else:
+            latents = self.latents
+            if latents is None:
+                latents = torch.zeros(len(message.seeds), 0, *message.layout.shape)
+            leaves, rows = (), range(len(message.seeds))
+        return _trajectories(self, latents, rows, leaves)
 
 
 def _frames(frames: list[bytes]) -> dict[str, Any]:
@@ -332,10 +356,10 @@ def collect(events: Iterable[Event], condition_images: Sequence[bytes] = ()) -> 
     return collector.trajectories()
 
 
-def _trajectories(
-    started: Started, latents, mask, log_probs, images, condition_images, tree=None, leaves=()
-) -> list[Trajectory]:
-    """Row k of ``latents`` and ``log_probs`` is sample k, or a tree's k-th of ``leaves``."""
+def _trajectories(collector: Collector, latents, rows, leaves) -> list[Trajectory]:
+    """Trajectory k: ``latents[k]``, and row ``rows[k]`` of the collector's log-prob tables; the
+    collector's samples, or its tree's ``leaves``."""
+    started, tree = collector.started, collector.tree
     message = started.message
     condition_infos = [
         json_format.MessageToDict(info, preserving_proto_field_name=True) for info in message.condition_images
@@ -355,7 +379,7 @@ def _trajectories(
             (leaf.id, leaf.seed, leaf.prompt_index, [n.id for n in tree.path(leaf.id)]) for leaf in leaves
         ]
     trajectories = []
-    for row, (k, seed, p, node_path) in enumerate(samples):
+    for position, (row, (k, seed, p, node_path)) in enumerate(zip(rows, samples, strict=True)):
         trajectories.append(
             Trajectory(
                 request_id=started.request_id,
@@ -369,21 +393,23 @@ def _trajectories(
                 sigmas=sigmas,
                 timesteps=timesteps,
                 stochastic=stochastic,
-                latents=latents[row],
-                latent_mask=mask,
-                log_probs=log_probs[row],
+                latents=latents[position],
+                latent_mask=collector.mask,
+                log_probs=collector.log_probs[row],
                 env={branch: per_prompt[p] for branch, per_prompt in started.env.items()},
                 transformer_call=transformer_call,
                 policy_version=message.policy_version,
                 step_transformers=list(message.step_transformers),
-                **_frames([png for _, png in sorted(images.get(k, {}).items())]),
+                **_frames([png for _, png in sorted(collector.images.get(k, {}).items())]),
                 noise_levels=list(message.noise_levels),
                 node_path=node_path,
                 tree=tree,
-                condition_png=condition_images[p] if condition_images else None,
+                condition_png=collector.condition_images[p] if collector.condition_images else None,
                 condition_image=condition_infos[p] if condition_infos else {},
                 solver=SOLVERS_BY_ENUM.get(resolved.solver, SOLVERS[FALLBACK_SOLVER]).name,
                 step_orders=list(message.step_orders),
+                stream_log_probs={name: table[row] for name, table in collector.stream_log_probs.items()},
+                audio_wav=collector.audio.get(k),
             )
         )
     return trajectories

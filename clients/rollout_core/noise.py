@@ -10,6 +10,12 @@ The server owns the noise, and every draw is reproducible from a sample's 64-bit
 * each draw is ``torch.randn(latent_shape, generator=g, dtype=torch.float32)`` at the full
   (unsharded) shape of one sample's latent, on the CPU, then moved to the device.
 
+Several latent streams per sample (``rollout_core.latent_streams``; LTX-2: video, then audio): latent
+stream ``k`` draws noise stream ``j`` at its own shape from
+``noise_seed(seed, j + k * 2**32) = splitmix64(seed ^ splitmix64(j + k * 2**32))``, and the joint draw
+is the streams' draws flattened and concatenated in stream order. Stream 0's rule is the one above, so
+a family with one stream draws what it always did.
+
 Tree rollouts: at a branch step ``b``, child ``c`` of a node with seed ``S`` draws its eps of step b
 and later from its own seed ``child_seed(S, b, c)``: ``S`` itself for ``c = 0`` (so a tree whose
 factors are all 1 is the flat rollout, bitwise), else ``splitmix64(S ^ splitmix64(2**63 + b * 2**32 + c))``
@@ -20,8 +26,12 @@ device, nor the sequence-parallel degree; a trainer can regenerate any eps with 
 """
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rollout_core.latent_streams import LatentStream
 
 MASK64 = (1 << 64) - 1
 NOISE_RULE = (
@@ -29,6 +39,12 @@ NOISE_RULE = (
     "torch.randn(latent_shape, float32) from torch.Generator('cpu').manual_seed("
     "splitmix64(seed ^ splitmix64(j))); tree child c at branch step b: seed = child_seed(parent seed, b, c) "
     "= parent seed if c == 0 else splitmix64(parent seed ^ splitmix64(2**63 + b * 2**32 + c))"
+)
+# The started event's rule when a sample has several latent streams.
+STREAMS_RULE = (
+    "; several latent streams (transformer_call.streams): latent stream k draws noise stream j at its own "
+    "shape from torch.Generator('cpu').manual_seed(splitmix64(seed ^ splitmix64(j + k * 2**32))), and the "
+    "joint draw is the streams' draws flattened and concatenated in stream order"
 )
 
 
@@ -57,21 +73,35 @@ def child_seed(parent_seed: int, step: int, child: int) -> int:
     return splitmix64(parent_seed ^ splitmix64((1 << 63) + (step << 32) + child))
 
 
-def draw(seeds: Sequence[int], stream: int, latent_shape: Sequence[int]) -> torch.Tensor:
-    """Stack one float32 draw of ``latent_shape`` per sample seed: shape [len(seeds), *latent_shape]."""
+def draw(
+    seeds: Sequence[int], stream: int, latent_shape: Sequence[int], streams: Sequence["LatentStream"] = ()
+) -> torch.Tensor:
+    """Stack one float32 draw of ``latent_shape`` per sample seed: shape [len(seeds), *latent_shape].
+    With several latent ``streams``, each row is their joint draw and ``latent_shape`` its [N]."""
     generator = torch.Generator("cpu")
     draws = []
     for seed in seeds:
-        generator.manual_seed(noise_seed(seed, stream))
-        draws.append(torch.randn(tuple(latent_shape), generator=generator, dtype=torch.float32))
+        if len(streams) < 2:
+            generator.manual_seed(noise_seed(seed, stream))
+            draws.append(torch.randn(tuple(latent_shape), generator=generator, dtype=torch.float32))
+            continue
+        parts = []
+        for k, latent_stream in enumerate(streams):
+            generator.manual_seed(noise_seed(seed, stream + (k << 32)))
+            parts.append(torch.randn(latent_stream.shape, generator=generator, dtype=torch.float32).flatten())
+        draws.append(torch.cat(parts))
     return torch.stack(draws)
 
 
-def initial_noise(seeds: Sequence[int], latent_shape: Sequence[int]) -> torch.Tensor:
+def initial_noise(
+    seeds: Sequence[int], latent_shape: Sequence[int], streams: Sequence["LatentStream"] = ()
+) -> torch.Tensor:
     """x_0 of each sample, float32 [B, *latent_shape] on the CPU."""
-    return draw(seeds, 0, latent_shape)
+    return draw(seeds, 0, latent_shape, streams)
 
 
-def step_noise(seeds: Sequence[int], step: int, latent_shape: Sequence[int]) -> torch.Tensor:
+def step_noise(
+    seeds: Sequence[int], step: int, latent_shape: Sequence[int], streams: Sequence["LatentStream"] = ()
+) -> torch.Tensor:
     """eps of step ``step`` of each sample, float32 [B, *latent_shape] on the CPU."""
-    return draw(seeds, step + 1, latent_shape)
+    return draw(seeds, step + 1, latent_shape, streams)

@@ -25,17 +25,26 @@ the mean over all non-batch elements of::
     -(x' - mean)^2 / (2 sd^2) - log(sd) - log(sqrt(2 pi))      (with constants)
     -(x' - mean)^2                                             (without: FlowGRPO's CPS convention)
 
+A sample with several latent streams (``rollout_core.latent_streams``) is one joint vector: its
+log-probability is the mean over all elements of all streams, and ``stream_log_probs`` gives each
+stream's own mean beside it.
+
 A step whose sd is 0 (ODE, or CPS into s_T = 0), and a step left out of the request's stochastic
 steps, is deterministic, has no log-probability, and takes the request's solver.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.v1 import rollout_pb2
+from rollout_core import latent_streams
+
+if TYPE_CHECKING:
+    from rollout_core.latent_streams import LatentStream
 
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 
@@ -191,3 +200,14 @@ def log_prob(residual: torch.Tensor, sd: torch.Tensor, include_constants: bool) 
     else:
         elementwise = -(residual**2)
     return elementwise.mean(dim=tuple(range(1, residual.ndim)))
+
+
+def stream_log_probs(
+    residual: torch.Tensor, sd: torch.Tensor, include_constants: bool, streams: Sequence["LatentStream"]
+) -> dict[str, torch.Tensor]:
+    """Each latent stream's own log-probability [B] of a joint step: the mean over its elements alone."""
+    parts = latent_streams.split(residual, streams)
+    return {
+        stream.name: log_prob(part, sd, include_constants)
+        for stream, part in zip(streams, parts, strict=True)
+    }

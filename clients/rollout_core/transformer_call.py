@@ -24,11 +24,19 @@ The form ``f.inputs`` says how the batch is handed over: BATCHED (every family b
 tensors as they are; PER_SAMPLE_FRAMES (Z-Image) passes a list of the B samples' latents, each with a
 frame axis inserted at dim 1 ([C, H, W] becomes [C, 1, H, W]), every batched env tensor as the list
 of its B rows, and reads the prediction back as a list of B [C, 1, H, W] tensors, stacked and the
-frame axis dropped. The defaults (offset 0, the timestep cast, no negation, ``hidden_states`` and
-``timestep``) are the rule of the servers before these fields, exactly: ``t - 0`` is ``t``. Z-Image's
-pipeline feeds ``(1000 - t) / 1000``: offset 1000, reversed, divisor 1000, the same float32
-operations. (``(t - 1000) / -1000`` would be the same number but for the sign of zero at t = 1000:
-``t - t`` is +0 in either order.)
+frame axis dropped.
+
+A family whose samples carry several latent streams (``f.streams``; LTX-2's video and audio) has x as
+the joint latent [B, N] (``rollout_core.latent_streams``): the call passes each stream's part, viewed
+at its shape, under its own argument instead of ``f.latents_argument``, and the velocity is the joint
+of the transformer's outputs 0, 1, ... in stream order. ``f.timestep_copies`` names more arguments fed
+the same timestep (LTX-2's ``sigma``).
+
+The defaults (offset 0, the timestep cast, no negation, ``hidden_states`` and ``timestep``) are the
+rule of the servers before these fields, exactly: ``t - 0`` is ``t``. Z-Image's pipeline feeds
+``(1000 - t) / 1000``: offset 1000, reversed, divisor 1000, the same float32 operations. (``(t -
+1000) / -1000`` would be the same number but for the sign of zero at t = 1000: ``t - t`` is +0 in
+either order.)
 
 then the guidance rule combines the branches in float32:
 
@@ -51,6 +59,8 @@ import torch
 from google.protobuf import json_format
 
 from rollout.v1 import rollout_pb2
+from rollout_core import latent_streams
+from rollout_core.latent_streams import LatentStream
 
 GUIDANCE_RULES = ("none", "true_cfg", "true_cfg_norm_rescale", "cfg_from_positive")
 _CONCATENATED = (rollout_pb2.CONDITIONING_CONCAT_SEQUENCE, rollout_pb2.CONDITIONING_CONCAT_CHANNELS)
@@ -90,6 +100,9 @@ class CallForm:
     timestep_reversed: bool = False  # fed: (offset - timestep) / divisor
     timestep_float32: bool = False  # the fed timestep is not cast to the model dtype
     negated_prediction: bool = False  # the velocity is minus the prediction
+    # Several latent streams per sample (LTX-2), in order: x is their joint latent (latent_streams).
+    streams: tuple[LatentStream, ...] = ()
+    timestep_copies: tuple[str, ...] = ()  # more arguments fed the same timestep (LTX-2's sigma)
 
     @classmethod
     def from_proto(cls, message: rollout_pb2.TransformerCall) -> "CallForm":
@@ -102,11 +115,15 @@ class CallForm:
             timestep_reversed=message.timestep_reversed,
             timestep_float32=message.timestep_float32,
             negated_prediction=message.negated_prediction,
+            streams=tuple(LatentStream.from_proto(stream) for stream in message.streams),
+            timestep_copies=tuple(message.timestep_copies),
         )
 
     def proto_fields(self) -> dict[str, Any]:
         """Its TransformerCall fields."""
-        return dataclasses.asdict(self)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["streams"] = [stream.to_proto() for stream in self.streams]
+        return fields
 
 
 BATCHED_CALL = CallForm()
@@ -195,6 +212,8 @@ def call_transformer(
     per_sample = form.inputs == rollout_pb2.TRANSFORMER_INPUTS_PER_SAMPLE_FRAMES
     if per_sample and conditioning.concat in _CONCATENATED:
         raise ValueError("per-sample inputs take no conditioning latents")
+    if form.streams and (per_sample or conditioning.concat in _CONCATENATED):
+        raise ValueError("latent streams take neither per-sample inputs nor conditioning latents")
     fed_timestep = torch.as_tensor(timestep, dtype=torch.float32, device=x.device).expand(x.shape[0])
     if form.timestep_reversed:
         fed_timestep = (form.timestep_offset - fed_timestep) / timestep_divisor
@@ -215,7 +234,14 @@ def call_transformer(
             key: list(value.unbind(0)) if key in batched and isinstance(value, torch.Tensor) else value
             for key, value in env.items()
         }
-    output = transformer(**{form.latents_argument: latents, form.timestep_argument: fed_timestep}, **env)
+    timesteps = dict.fromkeys((form.timestep_argument, *form.timestep_copies), fed_timestep)
+    if form.streams:
+        parts = latent_streams.split(latents, form.streams)
+        inputs = {stream.argument: part for stream, part in zip(form.streams, parts, strict=True)}
+        output = transformer(**inputs, **timesteps, **env)
+        velocity = latent_streams.join(output[: len(form.streams)]).float()
+        return -velocity if form.negated_prediction else velocity
+    output = transformer(**{form.latents_argument: latents}, **timesteps, **env)
     prediction = output[0] if isinstance(output, tuple) else output.sample
     if per_sample:
         prediction = torch.stack(prediction).squeeze(2)

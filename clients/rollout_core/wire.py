@@ -15,8 +15,10 @@ tensor sent once for several entries.
 
 A saved trajectory (one safetensors file per sample) holds ``sigmas``, ``timesteps``, ``stochastic``,
 ``latents``, ``latent_mask`` and ``log_probs``, its env (under its own prompt index) and its frames as
-``frame_png/<j>``. Files written before the prompt index was part of env names hold
-``env/<branch>/<kwarg>``, and before frames, ``image_png``; both still load.
+``frame_png/<j>``; with several latent streams (LTX-2), ``latents`` are the joint latents (their
+streams are in the saved transformer call), each stream's own log-probs are
+``stream_log_probs/<stream>``, and its sound is ``audio_wav``. Files written before the prompt index
+was part of env names hold ``env/<branch>/<kwarg>``, and before frames, ``image_png``; both still load.
 """
 
 import json
@@ -52,6 +54,8 @@ LOG_PROBS = "log_probs"
 _FRAME_PREFIX = "frame_png/"
 LEGACY_IMAGE_PNG = "image_png"  # the one image of files written before frames
 CONDITION_IMAGE = "condition_image"  # the conditioning image file, as the client sent it
+AUDIO_WAV = "audio_wav"  # the sample's sound, a WAV file
+_STREAM_LOG_PROBS_PREFIX = "stream_log_probs/"
 
 # GetServerInfo.features: the optional capabilities of a server, which a client checks for before it
 # asks for one. Later servers add names; what a name means never changes.
@@ -68,6 +72,10 @@ FEATURE_PRUNE_POINTS = "prune_points"
 # Requests take a trainer's schedule (sigmas) and x_0 (initial_latents); started echoes both.
 FEATURE_SIGMAS = "sigmas"
 FEATURE_INITIAL_LATENTS = "initial_latents"
+# Samples carry several latent streams (transformer_call.streams; step events' stream_log_probs).
+FEATURE_LATENT_STREAMS = "latent_streams"
+# The stream sends each sample's sound (RolloutAudio events, WAV).
+FEATURE_AUDIO = "audio"
 
 _ENV_PREFIX = "env/"
 # An env JSON entry that stands for a tensor of the buffer: {"tensor": "<name>"}.
@@ -109,6 +117,16 @@ def frame_name(frame: int) -> str:
 
 def frame_count(names) -> int:
     return sum(name.startswith(_FRAME_PREFIX) for name in names)
+
+
+def stream_log_probs_name(stream: str) -> str:
+    return f"{_STREAM_LOG_PROBS_PREFIX}{stream}"
+
+
+def stream_log_probs_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A saved trajectory's per-stream log-probs by stream name."""
+    prefix = _STREAM_LOG_PROBS_PREFIX
+    return {name[len(prefix) :]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
 
 
 def encode_env(envs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> tuple[dict[str, torch.Tensor], str]:

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from PIL import Image
 
 from rollout_core import solvers
 from rollout_core.transformer_call import BATCHED_CALL, NO_CONDITIONING, CallForm, LatentConditioning
+
+if TYPE_CHECKING:
+    from rollout_core.latent_streams import LatentStream
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,14 @@ class MediaShape:
     def of(cls, request) -> "MediaShape":
         """The shape a resolved RolloutRequest asks for."""
         return cls(request.num_frames, request.height, request.width)
+
+
+@dataclass(frozen=True)
+class Sound:
+    """A sample's decoded sound: float32 [channels, samples] in [-1, 1] at ``sample_rate`` per second."""
+
+    waveform: torch.Tensor
+    sample_rate: int
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,11 @@ class FamilyAdapter(ABC):
     image_encoding: ClassVar[str] = ""
     # Whether a sample's decode keeps state between its pieces (a causal video VAE's cache).
     decode_keeps_state: ClassVar[bool] = False
+    # Several latent streams per sample (LTX-2: "video", "audio"), as ``latent_streams`` lays them out;
+    # empty for a family with one latent tensor.
+    latent_stream_names: ClassVar[tuple[str, ...]] = ()
+    # Whether a sample also decodes to sound (``decode_audio``), streamed as a WAV after its frames.
+    decodes_audio: ClassVar[bool] = False
     # The transformer inputs that carry the generated (image or video) tokens, whose count
     # ``generated_tokens`` gives: the sequence-parallel split checks them when a request arrives.
     generated_inputs: ClassVar[tuple[str, ...]] = ("hidden_states",)
@@ -186,7 +202,13 @@ class FamilyAdapter(ABC):
 
     @abstractmethod
     def latent_shape(self, shape: MediaShape) -> tuple[int, ...]:
-        """One sample's latent shape as the transformer consumes it."""
+        """One sample's latent shape as the transformer consumes it: with several latent streams, their
+        joint latent's [N] (``rollout_core.latent_streams.joint_shape``)."""
+
+    def latent_streams(self, shape: MediaShape) -> tuple["LatentStream", ...]:
+        """The latent streams of one sample, in order, when it carries several (LTX-2: video, then
+        audio); empty for a family with one latent tensor."""
+        return ()
 
     @abstractmethod
     def generated_tokens(self, shape: MediaShape) -> int:
@@ -268,6 +290,11 @@ class FamilyAdapter(ABC):
         at a time: an image family yields its one image [1, 3, H, W] once; a video family yields
         consecutive chunks of frames [1, 3, frames, H, W], as small as its VAE decodes them. The
         caller may stop between pieces."""
+
+    def decode_audio(self, latents: torch.Tensor, shape: MediaShape) -> Sound:
+        """The sound of one sample's final latents [1, ...], as the pipeline decodes it (families with
+        ``decodes_audio``)."""
+        raise NotImplementedError(f"{type(self).__name__} generates no sound")
 
     def frames_of(self, piece: torch.Tensor) -> list[Image.Image]:
         """A decoded piece's frames as images, the pipeline's own postprocessing."""
