@@ -55,8 +55,24 @@ def bare_velocity(model, x, timestep, env, call) -> np.ndarray:
     """One branch's float64 velocity from a bare forward, as rollout.proto's TransformerCall states the
     rule: the conditioning latents (SEQUENCE, CHANNELS) appended to x on dim 1 and the prediction cut
     back to x's part; per-sample inputs (Z-Image) as lists, each sample with a frame axis at dim 1 and
-    the batched env tensors row by row; the prediction negated where the call says so."""
+    the batched env tensors row by row; several latent streams (LTX-2) as consecutive pieces of each
+    row, each under its own argument, and the outputs put back in the same order; the timestep also
+    under each of ``timestep_copies``; the prediction negated where the call says so."""
     env = dict(env)
+    timesteps = {name: timestep for name in (call.form.timestep_argument, *call.form.timestep_copies)}
+    if call.form.streams:
+        inputs, offset = {}, 0
+        for stream in call.form.streams:
+            size = math.prod(stream.shape)
+            inputs[stream.argument] = x[:, offset : offset + size].reshape(len(x), *stream.shape)
+            offset += size
+        assert offset == x.shape[1]
+        outputs = model(**inputs, **timesteps, **env)
+        v = np.concatenate(
+            [output.double().numpy().reshape(len(x), -1) for output in outputs[: len(call.form.streams)]],
+            axis=1,
+        )
+        return -v if call.form.negated_prediction else v
     latents = x
     if call.conditioning.env_key:
         latents = torch.cat([x, env.pop(call.conditioning.env_key)], dim=1)
@@ -64,8 +80,7 @@ def bare_velocity(model, x, timestep, env, call) -> np.ndarray:
     if per_sample:
         latents = [sample[:, None] for sample in latents]
         env = {key: list(value) if key in call.batched_env_keys else value for key, value in env.items()}
-    inputs = {call.form.latents_argument: latents, call.form.timestep_argument: timestep}
-    prediction = model(**inputs, **env)[0]
+    prediction = model(**{call.form.latents_argument: latents}, **timesteps, **env)[0]
     if per_sample:
         prediction = torch.stack([sample[:, 0] for sample in prediction])
     v = prediction[:, : x.shape[1]].double().numpy()
