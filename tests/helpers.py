@@ -411,6 +411,44 @@ FAMILIES = {
         text_width="text_embed_dim",
         conditioning=("CONDITIONING_CONCAT_CHANNELS", "condition"),
     ),
+    # LTX-2: two latent streams per sample (packed video tokens, then packed audio tokens) in one joint
+    # latent, the connectors' video and audio text states with one mask, the raw float32 timestep also
+    # fed as sigma, classic CFG on guidance_scale for both streams.
+    "ltx2": Family(
+        preset="tiny-ltx2",
+        transformer="LTX2VideoTransformer3DModel",
+        pipeline="LTX2Pipeline",
+        prompts=("a drum and a bell", "rain on a tin roof at night"),
+        base_seed=121,
+        cfg_on={"guidance_scale": 3.0, "negative_prompt": "silence"},
+        cfg_off={"guidance_scale": 1.0},
+        timestep_divisor=1.0,
+        cfg_rule=("true_cfg", 3.0),
+        env_keys=frozenset(
+            {
+                "encoder_hidden_states",
+                "audio_encoder_hidden_states",
+                "encoder_attention_mask",
+                "audio_encoder_attention_mask",
+                "video_coords",
+                "audio_coords",
+                "num_frames",
+                "height",
+                "width",
+                "fps",
+                "audio_num_frames",
+                "isolate_modalities",
+                "spatio_temporal_guidance_blocks",
+                "perturbation_mask",
+                "use_cross_timestep",
+                "attention_kwargs",
+                "return_dict",
+            }
+        ),
+        # The preset's 9 frames: video 2 x 2 x 2 tokens of 128 channels, then audio 9 tokens of 8 x 4.
+        latent_shape=(8 * 128 + 9 * 32,),
+        text_width="caption_channels",
+    ),
     # Z-Image: per-sample latents with a frame axis under x, (1000 - t) / 1000 in float32 under t, the
     # negated prediction, prompts of their own lengths, and CFG around the positive branch, on with
     # guidance_scale > 0.

@@ -84,6 +84,8 @@ def summary(started: Started, finished: Finished, trajectories: list[Trajectory]
                 "image": f"sample-{t.sample_index}.png" if t.image_png else None,
                 "frames": len(t.frames_png),
                 "preview": f"sample-{t.sample_index}.gif" if len(t.frames_png) > 1 else None,
+                "audio": f"sample-{t.sample_index}.wav" if t.audio_wav else None,
+                "stream_log_probs": {name: _finite_or_none(v) for name, v in t.stream_log_probs.items()},
                 "trajectory": f"sample-{t.sample_index}.safetensors",
             }
             for t in trajectories
@@ -96,9 +98,10 @@ def summary(started: Started, finished: Finished, trajectories: list[Trajectory]
 
 
 def save_rollout(out: Path, events: list[Event], condition_images: Sequence[bytes] = ()) -> list[Trajectory]:
-    """Write images (a video's first frame), animated previews of videos, trajectories, the contact
-    sheet (a row per prompt, labelled with it; the prompt's conditioning image first when the request
-    had ``condition_images``) and rollout.json into ``out``."""
+    """Write images (a video's first frame), animated previews of videos, each sample's sound (a WAV,
+    for families that generate it), trajectories, the contact sheet (a row per prompt, labelled with
+    it; the prompt's conditioning image first when the request had ``condition_images``) and
+    rollout.json into ``out``."""
     trajectories = collect(events, condition_images)
     started = next(e for e in events if isinstance(e, Started))
     finished = next(e for e in events if isinstance(e, Finished))
@@ -115,6 +118,8 @@ def save_rollout(out: Path, events: list[Event], condition_images: Sequence[byte
             frames[0].save(
                 preview, save_all=True, append_images=frames[1:], duration=PREVIEW_FRAME_MS, loop=0
             )
+        if t.audio_wav:
+            (out / f"sample-{t.sample_index}.wav").write_bytes(t.audio_wav)
     if images:
         resolved = started.message.resolved
         columns = resolved.samples_per_prompt

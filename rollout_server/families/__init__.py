@@ -10,6 +10,7 @@ from rollout_server.errors import UnsupportedModel
 from rollout_server.families.flux import FluxAdapter, FluxKontextAdapter
 from rollout_server.families.flux2 import Flux2Adapter, Flux2KleinAdapter
 from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter
+from rollout_server.families.ltx2 import LTX2Adapter
 from rollout_server.families.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from rollout_server.families.sd3 import SD3Adapter
 from rollout_server.families.wan import WanAdapter
@@ -32,6 +33,7 @@ ADAPTERS: dict[str, type["FamilyAdapter"]] = {
         WanAdapter,
         WanImageToVideoAdapter,
         HunyuanVideo15Adapter,
+        LTX2Adapter,
         ZImageAdapter,
     )
 }

@@ -8,13 +8,20 @@ across builds.
 
 import io
 import json
+import re
 from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 
 import sentencepiece as spm
 from tokenizers.pre_tokenizers import ByteLevel
-from transformers import CLIPTokenizer, PreTrainedTokenizerFast, Qwen2Tokenizer, T5TokenizerFast
+from transformers import (
+    CLIPTokenizer,
+    GemmaTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen2Tokenizer,
+    T5TokenizerFast,
+)
 
 CORPUS = """\
 A photo of a red fox sitting in the snow, 4k, highly detailed.
@@ -310,4 +317,74 @@ def write_mistral_tokenizer(folder: Path, extra_text: str, model_max_length: int
         model_max_length=model_max_length,
     )
     tokenizer.chat_template = MISTRAL3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+
+
+# Gemma 3's control tokens (its vocabulary numbers the first five first), chat-turn markers and image markers.
+GEMMA3_SPECIAL_TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+)
+GEMMA_SPACE = "\u2581"  # SentencePiece's word marker, which Gemma's normaliser writes for every space
+# Gemma 3's chat template for text turns (images left out): the beginning of text, a system message folded
+# into the first user turn, each turn between <start_of_turn> and <end_of_turn> with the assistant called
+# "model", then the generation prompt.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' %}{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set first_user_prefix = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{- message['content'] | trim }}{{- '<end_of_turn>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
+
+def write_gemma_tokenizer(
+    folder: Path, vocab_size: int, corpus: str = CORPUS, model_max_length: int = 128
+) -> None:
+    """Writes a SentencePiece-style BPE tokenizer with byte fallback (tokenizer.json) like Gemma 3's, with
+    its chat template, trained on `corpus`; `model_max_length` is the text length a pipeline that reads it
+    pads prompts to.
+
+    As Gemma's, every space is normalised to `▁` (no dummy prefix) and pieces start at a `▁`, so no merge
+    spans two words; it adds `<bos>` and pads with `<pad>` on the left. The vocabulary: the special tokens
+    (the first five numbered as Gemma 3's), Gemma's 256 byte-fallback tokens `<0x00>`..`<0xFF>` (a character
+    outside the vocabulary is spelled in bytes, never unknown), the characters of the corpus and of
+    printable ASCII, then one token per merge, up to `vocab_size` tokens.
+    """
+    counts: Counter[tuple[str, ...]] = Counter()
+    for line in corpus.splitlines():
+        text = line.replace(" ", GEMMA_SPACE)
+        for word in re.findall(f"{GEMMA_SPACE}*[^{GEMMA_SPACE}]+", text):
+            counts[tuple(word)] += 1
+    printable = set(map(chr, range(33, 127)))  # all printable ASCII, even if unseen in the corpus
+    alphabet = sorted({char for word in counts for char in word} | printable | {GEMMA_SPACE})
+    byte_tokens = [f"<0x{byte:02X}>" for byte in range(256)]
+    base = [*GEMMA3_SPECIAL_TOKENS, *byte_tokens, *alphabet]
+    merges = _train_bpe_merges(counts, vocab_size - len(base))
+    # Two merges can spell the same piece: number each piece once, so that the ids have no gaps.
+    vocab = {token: i for i, token in enumerate(dict.fromkeys(base + ["".join(m) for m in merges]))}
+
+    tokenizer = GemmaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        add_bos_token=True,
+        add_eos_token=False,
+        additional_special_tokens=list(GEMMA3_SPECIAL_TOKENS[5:]),
+        model_max_length=model_max_length,
+        padding_side="left",
+    )
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
