@@ -269,6 +269,23 @@ def test_wan_sp2_splits_video_tokens_and_matches_sp1(family_resources, cache_dir
     assert_replays(family_resources.transformer("wan"), runs[2].trajectories())
 
 
+def test_ltx2_sp2_splits_video_tokens_and_matches_sp1(family_resources, cache_dir, tmp_path):
+    """LTX-2's context-parallel plan splits the video tokens (3 x 2 x 2 at 17 frames) and the text
+    tokens; the audio stream runs whole on every rank. Noise and log-probs, joint and per stream,
+    bitwise as at SP=1, with CFG."""
+    video = request(num_frames=17, guidance_scale=3.0, negative_prompt="silence")
+    runs = {1: split_events(family_resources.client("ltx2").stream(video))}
+    runs[2] = stream_at_sp2(cache_dir, tmp_path / "ltx2-sp2.log", "tiny-ltx2", video)
+    streams = runs[2].started.message.transformer_call.streams
+    assert [tuple(stream.shape) for stream in streams] == [(12, 128), (18, 32)]
+    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True)
+    for one, two in zip(runs[1].steps, runs[2].steps, strict=True):
+        assert one.stream_log_probs.keys() == two.stream_log_probs.keys() == {"video", "audio"}
+        for name, values in one.stream_log_probs.items():
+            assert torch.equal(values, two.stream_log_probs[name])
+    assert_replays(family_resources.transformer("ltx2"), runs[2].trajectories())
+
+
 def test_shapes_sp2_matches_sp1(family_resources, cache_dir, tmp_path):
     """The pretrained shapes preset (4 heads, 64 image and 24 text tokens, no guidance embedding) at
     SP=2 with true CFG: bitwise the noise and log-probs of the SP=1 server, and replayable."""

@@ -17,20 +17,24 @@ float32, as the pipeline passes it) as ``timestep`` and as ``sigma``, and the en
 - ``encoder_hidden_states`` / ``audio_encoder_hidden_states`` / ``encoder_attention_mask`` /
   ``audio_encoder_attention_mask``: the text connectors' video and audio embeddings and their mask, of
   the Gemma 3 hidden states (every layer, stacked) of one text padded on the left to the pipeline's
-  ``max_sequence_length`` (1024);
+  ``max_sequence_length`` (1024). The connectors fill the padding with their learned registers and the
+  mask is all ones, an additive 0 on every attention score: it is sent as None (the same numbers but
+  for the attention kernel's rounding), which context parallelism needs (below);
 - ``video_coords`` / ``audio_coords``: the rotary positions the pipeline prepares once (at its
   ``frame_rate``, 24 fps);
 - ``num_frames``, ``height``, ``width``, ``fps``, ``audio_num_frames``, ``isolate_modalities``
   (False), ``spatio_temporal_guidance_blocks`` and ``perturbation_mask`` (None), ``use_cross_timestep``
   (True, the pipeline's default), ``attention_kwargs`` (None) and ``return_dict`` (False).
 
-Guidance: classifier-free guidance on ``guidance_scale`` for both streams (the pipeline's
-``audio_guidance_scale`` left to follow it), off at 1. The pipeline combines the branches in x0 space,
+Guidance: classifier-free guidance on ``guidance_scale`` for both streams, off at 1: the pipeline
+called with ``audio_guidance_scale=None``, which then follows ``guidance_scale`` (its own default for
+the audio is 7, the video's 3; the server has one scale). The pipeline combines the branches in x0 space,
 x0 = x - sigma v: x0_pos + (s - 1)(x0_pos - x0_neg), which is v_neg + s (v_pos - v_neg) (``true_cfg``)
 in exact arithmetic; the server combines the velocities in float32. Its other guidance terms, each a
 further forward per step (spatio-temporal guidance through a perturbed block, modality isolation
-without the cross-modal attention) and its rescale, are not served: a rollout runs the pipeline with
-``stg_scale=0``, ``modality_scale=1`` and ``guidance_rescale=0``.
+without the cross-modal attention) and its rescale, are not served: a rollout is the pipeline called
+with ``stg_scale=0``, ``modality_scale=1``, ``guidance_rescale=0`` and their audio twins None (which
+then follow them; their defaults, 1, 3 and 0.7, would turn them on for the audio alone).
 
 The schedule is the pipeline's: linspace(1, 1/N, N) shifted by ``mu`` of the video token count
 (``base_image_seq_len`` 1024 .. ``max_image_seq_len`` 4096, shifts 0.95 .. 2.05 unless the scheduler
@@ -39,8 +43,17 @@ denormalised and decoded at timestep 0 (its ``decode_timestep``, with no decode 
 denormalised, unpacked, decoded to a mel spectrogram by the audio VAE and to a waveform by the vocoder
 at its ``output_sampling_rate``.
 
-Sequence parallelism: the transformer's own context-parallel plan splits the video tokens (and the
-text tokens); the audio stream runs whole on every rank.
+Sequence parallelism: diffusers' context-parallel plan for ``LTX2VideoTransformer3DModel`` splits the
+video tokens, the text tokens and the video's rotary embeddings as the "interleaved" RoPE lays them
+out ([B, T, D]), and misses the video's cross-modal rotary embeddings (``cross_attn_rope``), which the
+audio-video attention reads per video token too. The adapter gives the transformer a plan of its own
+(``context_parallel_plan``) that splits both RoPEs' outputs along their token axis in either layout
+("split" RoPE, LTX-2.0's: [B, heads, T, D / 2]). diffusers views a text attention mask per head,
+which Ulysses splits: only the all-ones mask the connectors give (sent as None) splits. The audio
+stream is not split: every rank holds all
+its tokens, and where Ulysses gathers them with the video's (the audio's own attention, the
+cross-modal ones) each rank's copy arrives once per rank, so every key appears as many times with its
+value, which leaves each softmax-weighted mean as it is, but for rounding.
 """
 
 from collections.abc import Iterator
@@ -48,6 +61,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from diffusers import LTX2Pipeline
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 from PIL import Image
 
@@ -69,6 +83,26 @@ SHIFT_DEFAULTS = {
 }
 
 
+def context_parallel_plan(transformer: torch.nn.Module) -> dict:
+    """A diffusers context-parallel plan for ``LTX2VideoTransformer3DModel`` (see the module docstring):
+    its own plan's inputs and output, with the video RoPE and the video's cross-modal RoPE split along
+    their token axis in the layout of the transformer's ``rope_type``."""
+    split_rope = transformer.config.rope_type == "split"  # [B, heads, T, D / 2], else [B, T, D]
+    rope = ContextParallelInput(
+        split_dim=2 if split_rope else 1, expected_dims=4 if split_rope else 3, split_output=True
+    )
+    return {
+        "": {
+            "hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
+            "encoder_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
+            "encoder_attention_mask": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False),
+        },
+        "rope": {0: rope, 1: rope},
+        "cross_attn_rope": {0: rope, 1: rope},
+        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    }
+
+
 class LTX2Adapter(FamilyAdapter):
     family = "ltx2"
     pipeline_type = LTX2Pipeline
@@ -88,6 +122,10 @@ class LTX2Adapter(FamilyAdapter):
     latent_stream_names = ("video", "audio")
     decodes_audio = True
     max_frames = 2 * DEFAULT_FRAMES - 1  # about twice the default (8k + 1) bounds one request's work
+
+    def __init__(self, pipe, device, dtype, folder=None):
+        super().__init__(pipe, device, dtype, folder)
+        self.pipe.transformer._cp_plan = context_parallel_plan(self.pipe.transformer)
 
     @property
     def side_multiple(self) -> int:
@@ -185,14 +223,19 @@ class LTX2Adapter(FamilyAdapter):
         video_embeds, audio_embeds, connector_mask = pipe.connectors(
             embeds, mask, padding_side=pipe.tokenizer.padding_side
         )
+        # The connectors fill a text's padding with their learned registers and give an all-ones mask,
+        # which adds exactly 0 to every attention score: it is passed as None, the same numbers but for
+        # the attention kernel's rounding. Under --sp it must be: diffusers views the mask per head,
+        # and Ulysses gives each rank a part of the heads.
+        mask = None if bool(connector_mask.all()) else connector_mask
         frames, rows, cols = self._video_grid(shape)
         audio_frames = self._audio_frames(shape)
         rope, audio_rope = pipe.transformer.rope, pipe.transformer.audio_rope
         return {
             "encoder_hidden_states": video_embeds,
             "audio_encoder_hidden_states": audio_embeds,
-            "encoder_attention_mask": connector_mask,
-            "audio_encoder_attention_mask": connector_mask,
+            "encoder_attention_mask": mask,
+            "audio_encoder_attention_mask": mask,
             "video_coords": rope.prepare_video_coords(1, frames, rows, cols, self.device, fps=FRAME_RATE),
             "audio_coords": audio_rope.prepare_audio_coords(1, audio_frames, self.device),
             "num_frames": frames,

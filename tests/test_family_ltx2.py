@@ -1,0 +1,185 @@
+"""LTX-2 text-to-video with sound on the tiny-ltx2 preset: a sample's video and audio latents are two
+streams of one joint latent; each stream's noise comes from the sample's seed by the documented rule;
+every stochastic step's joint log-prob is the mean over both streams' elements, each stream's own
+streamed beside it; the ODE is LTX2Pipeline's own from the same noise, video and audio; the frames
+and the sound are decoded as the pipeline decodes them, the sound into a WAV a person can play.
+Replay parity (client and bare reference) is in test_replay.py with the other families, SP=2 in
+test_sp.py."""
+
+import io
+import math
+import wave
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from helpers import TOLERANCE, family_request, field_violations
+from test_latent_streams import documented_draw
+
+from rollout.v1 import rollout_pb2
+from rollout_client.commands import save_rollout
+from rollout_core import latent_streams, noise, wire
+
+EPS, MEAN = rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_MEAN
+FRAMES = 9  # the preset's: 2 latent frames of 2 x 2 tokens, 9 latent audio frames
+
+
+@pytest.fixture
+def family() -> str:
+    return "ltx2"
+
+
+def video_and_audio(pipe, joint: torch.Tensor, streams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pipeline's output_type="latent" forms of joint latents [B, N]: the video unpacked and
+    denormalised [B, C, F', H', W'], the audio denormalised and unpacked [B, C, L, M']."""
+    video, audio = latent_streams.split(joint, streams)
+    video = pipe._unpack_latents(video, 2, 2, 2)
+    video = pipe._denormalize_latents(
+        video, pipe.vae.latents_mean, pipe.vae.latents_std, pipe.vae.config.scaling_factor
+    )
+    audio = pipe._denormalize_audio_latents(audio, pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std)
+    mel_bins = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
+    return video, pipe._unpack_audio_latents(audio, streams[1].shape[0], num_mel_bins=mel_bins)
+
+
+def test_server_info(family_client):
+    info = family_client.server_info()
+    assert (info.family, info.pipeline_class) == ("ltx2", "LTX2Pipeline")
+    assert (info.cfg_scale_field, info.cfg_rule) == ("guidance_scale", "true_cfg")
+    assert {wire.FEATURE_LATENT_STREAMS, wire.FEATURE_AUDIO, wire.FEATURE_VIDEO} <= set(info.features)
+    defaults = info.defaults
+    assert (defaults.height, defaults.width, defaults.num_frames) == (64, 64, FRAMES)
+    limits = info.limits
+    assert (limits.side_multiple, limits.frame_step, limits.max_frames) == (32, 8, 241)
+
+
+@pytest.mark.parametrize("frames", [2, 5, 16, 249])
+def test_frames_must_be_8k_plus_1_and_bounded(family_client, frames):
+    with pytest.raises(grpc.RpcError) as refused:
+        family_client.rollout(family_request("ltx2", "ODE", cfg=False, num_frames=frames))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [violation.field for violation in field_violations(refused.value)] == ["num_frames"]
+
+
+def test_a_side_off_the_32_pixel_grid_is_refused(family_client):
+    with pytest.raises(grpc.RpcError) as refused:
+        family_client.rollout(family_request("ltx2", "ODE", cfg=False, height=48))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [violation.field for violation in field_violations(refused.value)] == ["height"]
+
+
+def test_both_streams_noise_and_the_joint_log_prob_follow_the_documented_rules(family_client):
+    """x_0 and each step's eps: video and audio each drawn at its own shape from the seed by the
+    rule's words (test_latent_streams.documented_draw, latent stream 1 for the audio), x' = mean +
+    sd eps, and the step's joint log-prob the mean over all 1312 elements in float64 of the streamed
+    bytes: 4e-5 covers float32 means of 1312 terms of magnitude ~1 (1312 ulp(1) ~ 1.6e-4 worst case,
+    ~sqrt(1312) ulp(1) ~ 4e-6 as rounding errors add at random), and each stream's own log-prob the
+    same over its elements, their element-weighted mean the joint one."""
+    request = family_request("ltx2", "FLOW_SDE", cfg=True, debug_tensors=[EPS, MEAN])
+    events = list(family_client.stream(request))
+    started = events[0]
+    streams = [(s.name, tuple(s.shape), s.argument) for s in started.message.transformer_call.streams]
+    assert streams == [("video", (8, 128), "hidden_states"), ("audio", (9, 32), "audio_hidden_states")]
+    assert list(started.message.transformer_call.timestep_copies) == ["sigma"]
+    assert started.message.noise_rule == noise.NOISE_RULE + noise.STREAMS_RULE
+    seeds = list(started.message.seeds)
+    for j, x in [(0, started.x0)] + [(step.index + 1, step.debug["eps"]) for step in events[1:5]]:
+        for row, seed in enumerate(seeds):
+            video = documented_draw(seed, j, 0, (8, 128))
+            audio = documented_draw(seed, j, 1, (9, 32))
+            assert torch.equal(x[row], torch.cat([video.flatten(), audio.flatten()]))
+    x_i = started.x0
+    for step in events[1:5]:
+        sd = step.message.noise_std
+        assert torch.allclose(step.x_next, step.debug["mean"] + sd * step.debug["eps"], atol=0, rtol=0)
+        residual = (step.x_next.double() - step.debug["mean"].double()).numpy()
+        density = -(residual**2) / (2 * sd**2) - math.log(sd) - math.log(math.sqrt(2 * math.pi))
+        np.testing.assert_allclose(step.log_probs.numpy(), density.mean(1), atol=4e-5, rtol=0)
+        per_stream = step.stream_log_probs
+        assert per_stream.keys() == {"video", "audio"}
+        np.testing.assert_allclose(per_stream["video"].numpy(), density[:, :1024].mean(1), atol=4e-5, rtol=0)
+        np.testing.assert_allclose(per_stream["audio"].numpy(), density[:, 1024:].mean(1), atol=4e-5, rtol=0)
+        weighted = (1024 * per_stream["video"].double() + 288 * per_stream["audio"].double()) / 1312
+        np.testing.assert_allclose(step.log_probs.numpy(), weighted.numpy(), atol=4e-5, rtol=0)
+        assert not torch.equal(step.x_next, x_i)
+        x_i = step.x_next
+
+
+@pytest.mark.parametrize("cfg", [True, False])
+def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, cfg):
+    """Schedule (linspace(1, 1/N, N) shifted by mu of the video tokens, shift_terminal), the Gemma 3
+    encoding through the connectors, the rotary coordinates, the raw timestep as timestep and sigma and
+    CFG on both streams: from the same x_0, LTX2Pipeline's own ``__call__`` (its other guidance terms
+    off, the audio scale following the video one) reaches the streamed final latents of both streams.
+    The pipeline guides in x0 space (x - sigma v) and the server on velocities: the same number up to
+    float32 rounding of the conversions, TOLERANCE in v, times up to 2s - 1 = 5 at scale 3 with CFG."""
+    request = family_request("ltx2", "ODE", cfg=cfg, samples_per_prompt=1)
+    trajectories = family_client.rollout(request)
+    pipe, streams = family_pipeline, trajectories[0].streams
+    x0 = latent_streams.split(torch.stack([t.latents[0] for t in trajectories]), streams)
+    video, audio = pipe(
+        prompt=list(request.prompts),
+        negative_prompt=[request.negative_prompt] * len(request.prompts) if cfg else None,
+        latents=x0[0],
+        # The pipeline normalises given audio latents: the preset's audio mean 0 and std 1 keep them.
+        audio_latents=x0[1],
+        height=64,
+        width=64,
+        num_frames=FRAMES,
+        num_inference_steps=4,
+        # The audio scales follow the video ones where None (the pipeline's ``audio_x or x``).
+        guidance_scale=request.guidance_scale,
+        audio_guidance_scale=None,
+        stg_scale=0.0,
+        audio_stg_scale=None,
+        modality_scale=1.0,
+        audio_modality_scale=None,
+        guidance_rescale=0.0,
+        audio_guidance_rescale=None,
+        output_type="latent",
+        return_dict=False,
+    )
+    assert torch.equal(pipe.audio_vae.latents_mean, torch.zeros(32))
+    assert torch.equal(pipe.audio_vae.latents_std, torch.ones(32))
+    np.testing.assert_array_equal(trajectories[0].sigmas[:-1].numpy(), pipe.scheduler.sigmas[:-1].numpy())
+    served_video, served_audio = video_and_audio(
+        pipe, torch.stack([t.latents[-1] for t in trajectories]), streams
+    )
+    bound = (2 * request.guidance_scale - 1) * TOLERANCE if cfg else TOLERANCE
+    torch.testing.assert_close(video, served_video, atol=bound, rtol=bound)
+    torch.testing.assert_close(audio, served_audio, atol=bound, rtol=bound)
+
+
+def test_frames_and_a_playable_wav_per_sample_as_the_pipeline_decodes_them(
+    family_client, family_pipeline, tmp_path
+):
+    request = family_request("ltx2", "FLOW_SDE", cfg=False, images=True)
+    events = list(family_client.stream(request))
+    trajectories = save_rollout(tmp_path, events)
+    pipe = family_pipeline
+    final = torch.stack([t.latents[-1] for t in trajectories])
+    video, audio = video_and_audio(pipe, final, trajectories[0].streams)
+    with torch.no_grad():
+        pixels = pipe.vae.decode(video, None, return_dict=False)[0]
+        waveforms = pipe.vocoder(pipe.audio_vae.decode(audio, return_dict=False)[0])
+    expected_frames = pipe.video_processor.postprocess_video(pixels, output_type="np")  # [B, F, H, W, 3]
+    rate = pipe.vocoder.config.output_sampling_rate
+    for k, trajectory in enumerate(trajectories):
+        frames = np.stack(
+            [np.asarray(frame.convert("RGB"), dtype=np.float64) for frame in trajectory.frames()]
+        )
+        assert frames.shape == (FRAMES, 64, 64, 3)
+        np.testing.assert_allclose(frames, np.round(expected_frames[k] * 255), atol=1)
+        wav_file = tmp_path / f"sample-{trajectory.sample_index}.wav"
+        assert wav_file.read_bytes() == trajectory.audio_wav
+        with wave.open(io.BytesIO(trajectory.audio_wav)) as reader:
+            assert (reader.getframerate(), reader.getnchannels(), reader.getsampwidth()) == (rate, 2, 2)
+            samples = reader.getnframes()
+            pcm = np.frombuffer(reader.readframes(samples), dtype="<i2").reshape(samples, 2)
+        # The vocoder's 240 samples per mel frame of the audio VAE's 4 L - 3: 33 frames, 0.33 s of sound
+        # beside 9 / 24 = 0.375 s of video at 24 kHz.
+        assert samples == waveforms.shape[-1] == (4 * 9 - 3) * 240
+        expected_pcm = np.round(np.clip(waveforms[k].numpy().T, -1, 1) * 32767)
+        np.testing.assert_allclose(pcm, expected_pcm, atol=1)  # the same decode: one rounding step apart
+        assert pcm.std() > 0  # not silence
