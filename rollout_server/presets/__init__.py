@@ -38,6 +38,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "tiny-wan2.2": ("wan", "build_wan_preset", "tiny-2.2"),
     "tiny-wan-i2v": ("wan_i2v", "build_wan_i2v_preset", "tiny"),
     "tiny-hunyuan-video15": ("hunyuan_video15", "build_hunyuan_video15_preset", "tiny"),
+    "tiny-cosmos3": ("cosmos3", "build_cosmos3_preset", "tiny"),
     "tiny-z-image": ("z_image", "build_z_image_preset", "tiny"),
     "shapes": ("shapes", "build_shapes_preset", "pretrained"),
 }
@@ -50,6 +51,7 @@ _BUILDER_SOURCES = (
     "wan.py",
     "wan_i2v.py",
     "hunyuan_video15.py",
+    "cosmos3.py",
     "z_image.py",
     "shapes.py",
     "tokenizers.py",
@@ -156,6 +158,7 @@ PRESET_DEFAULTS: dict[str, dict[str, int | float]] = {
     "tiny-wan2.2": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
     "tiny-wan-i2v": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
     "tiny-hunyuan-video15": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
+    "tiny-cosmos3": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
     "tiny-z-image": {"height": 128, "width": 128, "num_steps": 10},
     # The size it was pretrained at, and true CFG against the empty caption it was also trained on.
     "shapes": {"height": 64, "width": 64, "num_steps": 20, "true_cfg_scale": 3.0},
