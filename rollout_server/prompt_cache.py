@@ -4,7 +4,8 @@ GRPO asks for every prompt K times per group and again in later epochs, and the 
 for Flux and SD3, Qwen2.5-VL for Qwen-Image) are a large share of a rollout. Each distinct text is
 encoded on its own, as a batch of one: its conditioning then depends on nothing but the text and the
 encoding parameters (never on the other prompts of a request), so a cached entry is bitwise what
-encoding would give. The negative prompt is one more text: one entry, shared by every prompt.
+encoding would give. The negative prompt is one more text: one entry, shared by every prompt (keyed
+apart from the same text as a prompt where the family encodes a negative prompt otherwise: Cosmos3).
 
 A key is (family, text, guidance scale, media shape): every parameter an adapter's encoding reads.
 Image-conditioned families add entries per conditioning image, keyed by its SHA-256 and the media
@@ -74,13 +75,13 @@ class PromptCache:
         counts = {"hits": 0, "misses": 0}
         reads_image = self.adapter.text_reads_image
 
-        def env(text: str, image: "ConditionImage | None") -> dict[str, Any]:
+        def env(text: str, image: "ConditionImage | None", negative: bool = False) -> dict[str, Any]:
             digest = image.sha256 if image is not None and reads_image else None
+            apart = negative and self.adapter.negative_encoded_apart
+            encode = self.adapter.encode_negative_text if apart else self.adapter.encode_text
             text_env = self._get(
-                (self.adapter.family, "text", text, digest, guidance_scale, shape),
-                lambda: self.adapter.encode_text(
-                    text, guidance_scale, shape, image.image if digest is not None else None
-                ),
+                (self.adapter.family, "negative" if apart else "text", text, digest, guidance_scale, shape),
+                lambda: encode(text, guidance_scale, shape, image.image if digest is not None else None),
                 seen,
                 counts,
             )
@@ -96,7 +97,7 @@ class PromptCache:
 
         branches = {"positive": [env(text, image) for text, image in zip(prompts, per_prompt, strict=True)]}
         if negative_prompt is not None:
-            branches["negative"] = [env(negative_prompt, image) for image in per_prompt]
+            branches["negative"] = [env(negative_prompt, image, negative=True) for image in per_prompt]
         conditioning = Conditioning(envs=branches, batched_keys=self.adapter.batched_env_keys)
         return Encoded(conditioning, hits=counts["hits"], misses=counts["misses"])
 

@@ -182,7 +182,8 @@ class Family:
     replay_latent_dtypes: tuple[str | None, ...] = (None,)
     # The CFG settings it covers: off and on, or off alone for a family without CFG (cfg_on unused).
     replay_cfg: tuple[bool, ...] = (False, True)
-    text_key: str = "encoder_hidden_states"  # the env entry of the text states [1, tokens, width]
+    # The env entry of the text states [1, tokens, width]; "" for a transformer fed token ids (Cosmos3).
+    text_key: str = "encoder_hidden_states"
     text_width: str = "joint_attention_dim"  # the transformer config entry of the text states' width
     # The pipeline's denoising transformers; a trainer replays with all of them by name when several.
     experts: tuple[str, ...] = ("transformer",)
@@ -419,7 +420,7 @@ FAMILIES = {
         transformer="LTX2VideoTransformer3DModel",
         pipeline="LTX2Pipeline",
         prompts=("a drum and a bell", "rain on a tin roof at night"),
-        base_seed=121,
+        base_seed=131,
         cfg_on={"guidance_scale": 3.0, "negative_prompt": "silence"},
         cfg_off={"guidance_scale": 1.0},
         timestep_divisor=1.0,
@@ -448,6 +449,36 @@ FAMILIES = {
         # The preset's 9 frames: video 2 x 2 x 2 tokens of 128 channels, then audio 9 tokens of 8 x 4.
         latent_shape=(8 * 128 + 9 * 32,),
         text_width="caption_channels",
+    ),
+    # Cosmos3: one sample per call, its text as token ids packed before its video latent patches, the
+    # raw timestep in float32 once per noisy vision token, classic CFG on guidance_scale with the
+    # negative prompt's own (inverse) templates.
+    "cosmos3": Family(
+        preset="tiny-cosmos3",
+        transformer="Cosmos3OmniTransformer",
+        pipeline="Cosmos3OmniPipeline",
+        prompts=(SHORT_PROMPT, LONG_PROMPT),  # two text lengths: two packed sequences of their own
+        base_seed=121,
+        cfg_on={"guidance_scale": 6.0, "negative_prompt": "blurry"},
+        cfg_off={"guidance_scale": 1.0},
+        timestep_divisor=1.0,
+        cfg_rule=("true_cfg", 6.0),
+        env_keys=frozenset(
+            {
+                "input_ids",
+                "text_indexes",
+                "position_ids",
+                "und_len",
+                "sequence_length",
+                "vision_token_shapes",
+                "vision_sequence_indexes",
+                "vision_mse_loss_indexes",
+                "vision_noisy_frame_indexes",
+                "return_dict",
+            }
+        ),
+        latent_shape=(48, 2, 4, 4),  # the preset's 5 frames: 2 latent frames of 4 x 4 (16x VAE)
+        text_key="",  # token ids, no text states
     ),
     # Z-Image: per-sample latents with a frame axis under x, (1000 - t) / 1000 in float32 under t, the
     # negated prediction, prompts of their own lengths, and CFG around the positive branch, on with

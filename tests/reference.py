@@ -55,9 +55,18 @@ def bare_velocity(model, x, timestep, env, call) -> np.ndarray:
     """One branch's float64 velocity from a bare forward, as rollout.proto's TransformerCall states the
     rule: the conditioning latents (SEQUENCE, CHANNELS) appended to x on dim 1 and the prediction cut
     back to x's part; per-sample inputs (Z-Image) as lists, each sample with a frame axis at dim 1 and
-    the batched env tensors row by row; several latent streams (LTX-2) as consecutive pieces of each
-    row, each under its own argument, and the outputs put back in the same order; the timestep also
-    under each of ``timestep_copies``; the prediction negated where the call says so."""
+    the batched env tensors row by row; a packed sample (Cosmos3) one call per sample, with its rows of
+    the batched env tensors and a timestep per token; several latent streams (LTX-2) as consecutive
+    pieces of each row, each under its own argument, and the outputs put back in the same order; the
+    timestep also under each of ``timestep_copies``; the prediction negated where the call says so."""
+    if call.form.inputs == rollout_pb2.TRANSFORMER_INPUTS_PACKED_SAMPLE:
+        rows = [
+            {key: value[b] if key in call.batched_env_keys else value for key, value in env.items()}
+            for b in range(len(x))
+        ]
+        return np.concatenate(
+            [packed_sample_velocity(model, x[b : b + 1], timestep, rows[b], call) for b in range(len(x))]
+        )
     env = dict(env)
     timesteps = {name: timestep for name in (call.form.timestep_argument, *call.form.timestep_copies)}
     if call.form.streams:
@@ -84,6 +93,18 @@ def bare_velocity(model, x, timestep, env, call) -> np.ndarray:
     if per_sample:
         prediction = torch.stack([sample[:, 0] for sample in prediction])
     v = prediction[:, : x.shape[1]].double().numpy()
+    return -v if call.form.negated_prediction else v
+
+
+def packed_sample_velocity(model, x, timestep, row, call) -> np.ndarray:
+    """One sample's float64 velocity through a transformer that packs its text and latents into one
+    sequence: ``row``, the sample's env (its rows of the batched tensors), its latents as a list of
+    one, the timestep once per element of row[timestep_tokens_key], the prediction the list's one
+    tensor."""
+    tokens = row[call.form.timestep_tokens_key].numel()
+    timestep = torch.full((tokens,), float(timestep.reshape(-1)[0]), dtype=torch.float32)
+    inputs = {call.form.latents_argument: [x], call.form.timestep_argument: timestep}
+    v = model(**inputs, **row)[0][0].double().numpy()
     return -v if call.form.negated_prediction else v
 
 

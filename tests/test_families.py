@@ -6,6 +6,7 @@ import pytest
 from helpers import command_line_exit
 
 from rollout_server import errors, families
+from rollout_server.families.cosmos3 import Cosmos3Adapter
 from rollout_server.families.flux import FluxAdapter, FluxKontextAdapter
 from rollout_server.families.flux2 import Flux2Adapter, Flux2KleinAdapter
 from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter
@@ -28,6 +29,7 @@ from rollout_server.families.z_image import ZImageAdapter
         ("wan-i2v", WanImageToVideoAdapter),
         ("z-image", ZImageAdapter),
         ("hunyuan-video15", HunyuanVideo15Adapter),
+        ("cosmos3", Cosmos3Adapter),
     ],
 )
 def test_preset_folder_is_detected(family_folder, family, adapter):

@@ -9,7 +9,7 @@ published values:
 
 - the adapter's latent shape, generated tokens and forward size at the family's default request size
   (1024 x 1024 pixels; 480 x 832 pixels x 81 frames for video, HunyuanVideo 1.5's own 480 x 848
-  x 121), and the tokens the real transformer's input layer makes of that latent;
+  x 121, Cosmos3's 720 x 1280 x 189), and the tokens the real transformer's input layer makes of that latent;
 - the sequence-parallel split at 2, 4 and 8 ranks: the attention heads Ulysses divides, and the
   tokens of a default request;
 - the memory estimate: a forward row against tokens x width, the rows the runner puts in one forward,
@@ -38,6 +38,7 @@ from diffusers import (
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     ClassifierFreeGuidance,
+    Cosmos3OmniPipeline,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
@@ -60,6 +61,7 @@ from diffusers import (
     ZImagePipeline,
     ZImageTransformer2DModel,
 )
+from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 from helpers import FAMILIES
 from peft import LoraConfig
 from PIL import Image
@@ -97,6 +99,7 @@ from rollout_server.errors import InvalidRequest, ParallelismUnsupported
 from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.limits import Limits
 from rollout_server.parallel import ParallelDims, check_splittable
+from rollout_server.presets.cosmos3 import SCHEDULER_CONFIG as COSMOS3_SCHEDULER_CONFIG
 from rollout_server.presets.flux import FLUX_SCHEDULER_CONFIG
 from rollout_server.presets.flux2 import FLUX2_SCHEDULER_CONFIG
 from rollout_server.presets.hunyuan_video15 import GUIDANCE_SCALE as HUNYUAN_VIDEO15_GUIDANCE_SCALE
@@ -104,6 +107,8 @@ from rollout_server.presets.hunyuan_video15 import SCHEDULER_CONFIG as HUNYUAN_V
 from rollout_server.presets.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, _prompt_template
 from rollout_server.presets.sd3 import SD3_SCHEDULER_CONFIG
 from rollout_server.presets.tokenizers import (
+    QWEN3_CHAT_TEMPLATE,
+    QWEN3_SPECIAL_TOKENS,
     write_mistral_tokenizer,
     write_qwen2_tokenizer,
     write_t5_tokenizer,
@@ -452,6 +457,54 @@ BYT5_SMALL = {
     "vocab_size": 384,
 }
 
+# nvidia/Cosmos3-Nano transformer/config.json, the arguments Cosmos3OmniTransformer takes (the file
+# also carries the source model's, e.g. "model_type": "qwen3_vl_text" and "use_moe", which diffusers
+# ignores): Qwen3-VL-8B's text model (36 layers of 4096, 32 query and 8 key/value heads of 128) with
+# a second, generation pathway in every layer, and its action and sound heads.
+COSMOS3_NANO = {
+    "action_dim": 64,
+    "action_gen": True,
+    "base_fps": 24,
+    "enable_fps_modulation": True,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "latent_channel": 48,
+    "latent_patch_size": 2,
+    "num_attention_heads": 32,
+    "num_embodiment_domains": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "patch_latent_dim": 192,
+    "qk_norm_for_text": True,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+    "rope_theta": 5000000,
+    "sound_dim": 64,
+    "sound_gen": True,
+    "sound_latent_fps": 25,
+    "timestep_scale": 0.001,
+    "unified_3d_mrope_reset_spatial_ids": True,
+    "unified_3d_mrope_temporal_modality_margin": 15000,
+    "vocab_size": 151936,
+}
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json, the VAE diffusers' convert_cosmos3_to_diffusers.py
+# saves with Cosmos3 (its 48 latents_mean and latents_std values change no size: zeros and ones here).
+WAN_2_2_VAE = {
+    "base_dim": 160,
+    "decoder_base_dim": 256,
+    "z_dim": 48,
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "scale_factor_temporal": 4,
+    "latents_mean": [0.0] * 48,
+    "latents_std": [1.0] * 48,
+}
+
 
 def on_meta(model_class, *args, **kwargs) -> torch.nn.Module:
     """``model_class(*args, **kwargs)`` on the meta device, in the served dtype."""
@@ -591,6 +644,21 @@ def hunyuan_video15_pipeline(folder: Path) -> HunyuanVideo15Pipeline:
         text_encoder_2=on_meta(T5EncoderModel, T5Config(**BYT5_SMALL)),
         tokenizer_2=None,
         guider=ClassifierFreeGuidance(guidance_scale=HUNYUAN_VIDEO15_GUIDANCE_SCALE),
+    )
+
+
+def cosmos3_pipeline(folder: Path) -> Cosmos3OmniPipeline:
+    """Cosmos3's text tokenizer is Qwen3-VL's (a Qwen2 tokenizer with ``<|vision_start|>``, which the
+    pipeline looks up): a locally trained one, as the adapter reads no size of it. No safety checker."""
+    write_qwen2_tokenizer(
+        folder / "text_tokenizer", "", special_tokens=QWEN3_SPECIAL_TOKENS, chat_template=QWEN3_CHAT_TEMPLATE
+    )
+    return Cosmos3OmniPipeline(
+        transformer=on_meta(Cosmos3OmniTransformer, **COSMOS3_NANO),
+        text_tokenizer=Qwen2Tokenizer.from_pretrained(folder / "text_tokenizer"),
+        vae=on_meta(AutoencoderKLWan, **WAN_2_2_VAE),
+        scheduler=UniPCMultistepScheduler(**COSMOS3_SCHEDULER_CONFIG),
+        enable_safety_checker=False,
     )
 
 
@@ -782,6 +850,24 @@ CHECKPOINTS = (
         forward_rows=5,
         ulysses_refused=frozenset(SPLITS),  # no context-parallel plan in diffusers
     ),
+    Checkpoint(
+        "nvidia/Cosmos3-Nano",
+        "cosmos3",
+        cosmos3_pipeline,
+        # The pipeline's default: 189 frames of 1280 x 720; 16x VAE of 48 channels, 4x in time:
+        # 1 + 188 / 4 latent frames of 720 / 16 x 1280 / 16.
+        default_media=(189, 720, 1280),
+        latent_shape=(48, 48, 45, 80),
+        generated_tokens=48 * 23 * 40,  # 2 x 2 patches, the odd 45 rows padded to 46
+        # One packed sequence: the vision tokens after at most 4096 text tokens (the adapter's
+        # bound); the gated feed-forward's 12288, wider than q, k and v ((32 + 2 x 8) x 128).
+        forward=(48 * 23 * 40 + 4096, 12288),
+        text_elements=5 * 4096,  # input_ids, text_indexes and three mRoPE rows of the longest text
+        # CFG doubles the group's rows to 16; the 8,294,400-element latent fits once in the default
+        # max_latent_elements (8 Mi), so 1 row a forward (the transformer takes one sample anyway).
+        forward_rows=1,
+        ulysses_refused=frozenset(SPLITS),  # no context-parallel plan in diffusers
+    ),
 )
 
 
@@ -917,19 +1003,23 @@ def test_the_adapter_sizes_the_default_request_as_the_published_values_say(adapt
     for expert in adapter.experts.values():
         layer_name = next(
             n
-            for n in ("x_embedder", "img_in", "pos_embed", "patch_embedding", "all_x_embedder")
+            for n in ("x_embedder", "img_in", "pos_embed", "patch_embedding", "all_x_embedder", "proj_in")
             if hasattr(expert, n)
         )
         latent = list(checkpoint.latent_shape)
         channels = -1 if len(latent) == 2 else 0
+        in_channels = getattr(expert.config, "in_channels", None) or expert.config.latent_channel  # Cosmos3's
         if adapter.conditioning.concat != rollout_pb2.CONDITIONING_CONCAT_CHANNELS:
-            assert latent[channels] == expert.config.in_channels
-        latent[channels] = expert.config.in_channels
+            assert latent[channels] == in_channels
+        latent[channels] = in_channels
         with torch.no_grad():
             sample = torch.empty(1, *latent, device=META, dtype=DTYPE)
             if layer_name == "all_x_embedder":  # Z-Image patchifies each sample [C, 1, H, W] itself
                 patches, _, _ = expert._patchify_image(sample[0].unsqueeze(1), 2, 1)
                 embedded = expert.all_x_embedder["2-1"](patches).unsqueeze(0)
+            elif layer_name == "proj_in":  # Cosmos3 patchifies and packs its list of samples itself
+                patches, _ = expert._patchify_and_pack_latents([sample])
+                embedded = expert.proj_in(patches).unsqueeze(0)
             else:
                 embedded = getattr(expert, layer_name)(sample)
         tokens = embedded.shape[1] if embedded.dim() == 3 else math.prod(embedded.shape[2:])

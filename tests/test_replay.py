@@ -69,7 +69,8 @@ def test_streamed_log_probs_replay(
         assert set(trajectory.env) == ({"positive", "negative"} if cfg else {"positive"})
         for env in trajectory.env.values():
             assert set(env) == spec.env_keys
-            assert env[spec.text_key].shape[::2] == (1, config[spec.text_width])
+            if spec.text_key:
+                assert env[spec.text_key].shape[::2] == (1, config[spec.text_width])
             if "pooled_projections" in env:
                 assert env["pooled_projections"].shape == (1, config.pooled_projection_dim)
         assert trajectory.latents.shape == (5, *spec.latent_shape)

@@ -522,6 +522,7 @@ def test_help_is_quiet_and_lists_every_preset():
         "tiny-wan-i2v",
         "tiny-z-image",
         "tiny-hunyuan-video15",
+        "tiny-cosmos3",
     }
 
 

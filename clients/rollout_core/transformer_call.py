@@ -24,7 +24,12 @@ The form ``f.inputs`` says how the batch is handed over: BATCHED (every family b
 tensors as they are; PER_SAMPLE_FRAMES (Z-Image) passes a list of the B samples' latents, each with a
 frame axis inserted at dim 1 ([C, H, W] becomes [C, 1, H, W]), every batched env tensor as the list
 of its B rows, and reads the prediction back as a list of B [C, 1, H, W] tensors, stacked and the
-frame axis dropped.
+frame axis dropped. PACKED_SAMPLE (Cosmos3, whose transformer packs one sample's text tokens and
+latents into a single sequence) calls the transformer once per sample b: the latents as the list
+``[x[b:b+1]]``, every batched env entry as its row b (the batch dimension dropped), the other entries
+as they are, the row's fed timestep repeated once per element of the row of
+``env[f.timestep_tokens_key]`` (a timestep per token), and the prediction ``output[0][0]`` ([1, ...]);
+the B predictions are concatenated.
 
 A family whose samples carry several latent streams (``f.streams``; LTX-2's video and audio) has x as
 the joint latent [B, N] (``rollout_core.latent_streams``): the call passes each stream's part, viewed
@@ -64,7 +69,11 @@ from rollout_core.latent_streams import LatentStream
 
 GUIDANCE_RULES = ("none", "true_cfg", "true_cfg_norm_rescale", "cfg_from_positive")
 _CONCATENATED = (rollout_pb2.CONDITIONING_CONCAT_SEQUENCE, rollout_pb2.CONDITIONING_CONCAT_CHANNELS)
-_INPUT_FORMS = (rollout_pb2.TRANSFORMER_INPUTS_BATCHED, rollout_pb2.TRANSFORMER_INPUTS_PER_SAMPLE_FRAMES)
+_INPUT_FORMS = (
+    rollout_pb2.TRANSFORMER_INPUTS_BATCHED,
+    rollout_pb2.TRANSFORMER_INPUTS_PER_SAMPLE_FRAMES,
+    rollout_pb2.TRANSFORMER_INPUTS_PACKED_SAMPLE,
+)
 
 
 @dataclass(frozen=True)
@@ -90,8 +99,8 @@ NO_CONDITIONING = LatentConditioning()
 @dataclass(frozen=True)
 class CallForm:
     """How the latents and the timestep are handed to the transformer and its prediction read back
-    (rollout.v1 TransformerCall fields 10 to 16). The defaults are the call of every family before
-    Z-Image, and what a record from before the fields means."""
+    (rollout.v1 TransformerCall fields 10 to 16 and 20). The defaults are the call of every family
+    before Z-Image, and what a record from before the fields means."""
 
     inputs: int = rollout_pb2.TRANSFORMER_INPUTS_BATCHED  # a rollout.v1 TransformerInputs
     latents_argument: str = "hidden_states"
@@ -103,6 +112,9 @@ class CallForm:
     # Several latent streams per sample (LTX-2), in order: x is their joint latent (latent_streams).
     streams: tuple[LatentStream, ...] = ()
     timestep_copies: tuple[str, ...] = ()  # more arguments fed the same timestep (LTX-2's sigma)
+    # PACKED_SAMPLE: the env entry with one element per token fed a timestep (Cosmos3's noisy vision
+    # tokens); the fed timestep is repeated to that many.
+    timestep_tokens_key: str = ""
 
     @classmethod
     def from_proto(cls, message: rollout_pb2.TransformerCall) -> "CallForm":
@@ -117,6 +129,7 @@ class CallForm:
             negated_prediction=message.negated_prediction,
             streams=tuple(LatentStream.from_proto(stream) for stream in message.streams),
             timestep_copies=tuple(message.timestep_copies),
+            timestep_tokens_key=message.timestep_tokens_key,
         )
 
     def proto_fields(self) -> dict[str, Any]:
@@ -210,9 +223,10 @@ def call_transformer(
     if form.inputs not in _INPUT_FORMS:
         raise ValueError(f"unknown transformer inputs {form.inputs}: a rule newer than this client")
     per_sample = form.inputs == rollout_pb2.TRANSFORMER_INPUTS_PER_SAMPLE_FRAMES
-    if per_sample and conditioning.concat in _CONCATENATED:
+    packed = form.inputs == rollout_pb2.TRANSFORMER_INPUTS_PACKED_SAMPLE
+    if (per_sample or packed) and conditioning.concat in _CONCATENATED:
         raise ValueError("per-sample inputs take no conditioning latents")
-    if form.streams and (per_sample or conditioning.concat in _CONCATENATED):
+    if form.streams and (per_sample or packed or conditioning.concat in _CONCATENATED):
         raise ValueError("latent streams take neither per-sample inputs nor conditioning latents")
     fed_timestep = torch.as_tensor(timestep, dtype=torch.float32, device=x.device).expand(x.shape[0])
     if form.timestep_reversed:
@@ -227,6 +241,9 @@ def call_transformer(
         latents = torch.cat([latents, env.pop(conditioning.env_key).to(model_dtype)], dim=1)
     elif conditioning.concat != rollout_pb2.CONDITIONING_CONCAT_NONE:
         raise ValueError(f"unknown conditioning concat {conditioning.concat}: a rule newer than this client")
+    if packed:
+        width = x.shape[1]
+        return _packed_sample_call(transformer, latents, fed_timestep, env, form, batched_env_keys, width)
     if per_sample:
         batched = set(batched_env_keys)
         latents = list(latents.unsqueeze(2).unbind(0))
@@ -246,6 +263,32 @@ def call_transformer(
     if per_sample:
         prediction = torch.stack(prediction).squeeze(2)
     velocity = prediction[:, : x.shape[1]].float()
+    return -velocity if form.negated_prediction else velocity
+
+
+def _packed_sample_call(
+    transformer: torch.nn.Module,
+    latents: torch.Tensor,
+    fed_timestep: torch.Tensor,
+    env: Mapping[str, Any],
+    form: CallForm,
+    batched_env_keys: Iterable[str],
+    width: int,
+) -> torch.Tensor:
+    """The PACKED_SAMPLE form: one transformer call per sample (see the module docstring)."""
+    batched = set(batched_env_keys)
+    predictions = []
+    for b in range(latents.shape[0]):
+        row = {
+            key: value[b] if key in batched and isinstance(value, torch.Tensor) else value
+            for key, value in env.items()
+        }
+        timestep = fed_timestep[b].repeat(row[form.timestep_tokens_key].numel())
+        output = transformer(
+            **{form.latents_argument: [latents[b : b + 1]], form.timestep_argument: timestep}, **row
+        )
+        predictions.append((output[0] if isinstance(output, tuple) else output.sample)[0])
+    velocity = torch.cat(predictions)[:, :width].float()
     return -velocity if form.negated_prediction else velocity
 
 

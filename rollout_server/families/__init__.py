@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout_server.errors import UnsupportedModel
+from rollout_server.families.cosmos3 import Cosmos3Adapter
 from rollout_server.families.flux import FluxAdapter, FluxKontextAdapter
 from rollout_server.families.flux2 import Flux2Adapter, Flux2KleinAdapter
 from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter
@@ -34,6 +35,7 @@ ADAPTERS: dict[str, type["FamilyAdapter"]] = {
         WanImageToVideoAdapter,
         HunyuanVideo15Adapter,
         LTX2Adapter,
+        Cosmos3Adapter,
         ZImageAdapter,
     )
 }

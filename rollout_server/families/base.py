@@ -102,6 +102,9 @@ class FamilyAdapter(ABC):
     # Whether the text encoding reads the conditioning image (a vision-language encoder): then a
     # text's env is encoded, and cached, per (text, image).
     text_reads_image: ClassVar[bool] = False
+    # Whether the negative prompt has an encoding of its own (``encode_negative_text``; Cosmos3 appends
+    # inverse templates to it), which the prompt cache then keys apart from the same text as a prompt.
+    negative_encoded_apart: ClassVar[bool] = False
     # How ``encode_image`` turns the image into env entries, in words (the started event says it).
     image_encoding: ClassVar[str] = ""
     # Whether a sample's decode keeps state between its pieces (a causal video VAE's cache).
@@ -227,6 +230,12 @@ class FamilyAdapter(ABC):
         ``timestep``, those named in ``batched_env_keys`` with a leading batch dimension of 1. ``image``
         (the prompt's conditioning image, as ``encode_image`` gets it) is given only to a family whose
         ``text_reads_image``."""
+
+    def encode_negative_text(
+        self, text: str, guidance_scale: float, shape: MediaShape, image: Image.Image | None = None
+    ) -> dict[str, Any]:
+        """The env of the negative prompt: ``encode_text``'s, unless ``negative_encoded_apart``."""
+        return self.encode_text(text, guidance_scale, shape, image)
 
     def encode_image(self, image: Image.Image, shape: MediaShape) -> dict[str, Any]:
         """The env entries of one conditioning image, an RGB image of exactly ``shape``'s width x

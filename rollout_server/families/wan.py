@@ -135,17 +135,21 @@ class WanAdapter(FamilyAdapter):
 
     @torch.no_grad()
     def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
-        # AutoencoderKLWan.decode's own loop, one latent frame at a time (the first gives one frame,
-        # each later one vae_scale_factor_temporal frames), with the causal convolutions' cache kept
-        # between pieces: the same numbers, without holding the whole video.
-        vae = self.pipe.vae
-        x = vae.post_quant_conv(denormalized(vae, latents))
-        cache = [None] * sum(isinstance(module, WanCausalConv3d) for module in vae.decoder.modules())
-        for i in range(x.shape[2]):
-            frames = vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=i == 0)
-            if vae.config.patch_size is not None:
-                frames = unpatchify(frames, patch_size=vae.config.patch_size)
-            yield torch.clamp(frames, min=-1.0, max=1.0)
+        yield from wan_vae_frames(self.pipe.vae, latents)
 
     def frames_of(self, piece: torch.Tensor) -> list[Image.Image]:
         return self.pipe.video_processor.postprocess_video(piece, output_type="pil")[0]
+
+
+def wan_vae_frames(vae, latents: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Normalised latents [1, C, F', H', W'] decoded by ``AutoencoderKLWan.decode``'s own loop, one
+    latent frame at a time (the first gives one frame, each later one ``scale_factor_temporal`` frames),
+    with the causal convolutions' cache kept between pieces: the same numbers, without holding the
+    whole video. The VAEs of Wan 2.1 and of Wan 2.2 (patchified, residual: Cosmos3's) alike."""
+    x = vae.post_quant_conv(denormalized(vae, latents))
+    cache = [None] * sum(isinstance(module, WanCausalConv3d) for module in vae.decoder.modules())
+    for i in range(x.shape[2]):
+        frames = vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=i == 0)
+        if vae.config.patch_size is not None:
+            frames = unpatchify(frames, patch_size=vae.config.patch_size)
+        yield torch.clamp(frames, min=-1.0, max=1.0)

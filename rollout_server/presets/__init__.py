@@ -39,6 +39,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "tiny-wan-i2v": ("wan_i2v", "build_wan_i2v_preset", "tiny"),
     "tiny-hunyuan-video15": ("hunyuan_video15", "build_hunyuan_video15_preset", "tiny"),
     "tiny-ltx2": ("ltx2", "build_ltx2_preset", "tiny"),
+    "tiny-cosmos3": ("cosmos3", "build_cosmos3_preset", "tiny"),
     "tiny-z-image": ("z_image", "build_z_image_preset", "tiny"),
     "shapes": ("shapes", "build_shapes_preset", "pretrained"),
 }
@@ -52,6 +53,7 @@ _BUILDER_SOURCES = (
     "wan_i2v.py",
     "hunyuan_video15.py",
     "ltx2.py",
+    "cosmos3.py",
     "z_image.py",
     "shapes.py",
     "tokenizers.py",
@@ -160,6 +162,7 @@ PRESET_DEFAULTS: dict[str, dict[str, int | float]] = {
     "tiny-hunyuan-video15": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
     # 64: the VAE's decoder needs 2x2 latents (32x); 9 = 1 + 8 frames, two latent frames (8x, causal).
     "tiny-ltx2": {"height": 64, "width": 64, "frames": 9, "num_steps": 10},
+    "tiny-cosmos3": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
     "tiny-z-image": {"height": 128, "width": 128, "num_steps": 10},
     # The size it was pretrained at, and true CFG against the empty caption it was also trained on.
     "shapes": {"height": 64, "width": 64, "num_steps": 20, "true_cfg_scale": 3.0},

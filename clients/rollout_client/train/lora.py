@@ -63,6 +63,18 @@ HUNYUAN_VIDEO15_TARGETS = (
     "ff_context.net.0.proj",
     "ff_context.net.2",
 )
+# Cosmos3's: the generation pathway of every mixture-of-transformers layer (the attention projections
+# its vision tokens use, and its feed-forward); the understanding (text) pathway is the vision-language
+# model's, left as it is. Cosmos3-Edge's relu2 feed-forward has no gate_proj, which then matches nothing.
+COSMOS3_TARGETS = (
+    "self_attn.add_q_proj",
+    "self_attn.add_k_proj",
+    "self_attn.add_v_proj",
+    "self_attn.to_add_out",
+    "mlp_moe_gen.gate_proj",
+    "mlp_moe_gen.up_proj",
+    "mlp_moe_gen.down_proj",
+)
 # --lora-targets' default, by the server's family.
 LORA_TARGETS = {
     "flux": FLUX_TARGETS,
@@ -75,5 +87,6 @@ LORA_TARGETS = {
     "wan": WAN_TARGETS,
     "wan-i2v": WAN_TARGETS,
     "hunyuan-video15": HUNYUAN_VIDEO15_TARGETS,
+    "cosmos3": COSMOS3_TARGETS,
     "z-image": Z_IMAGE_TARGETS,
 }

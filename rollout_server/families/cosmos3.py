@@ -1,0 +1,236 @@
+"""NVIDIA Cosmos3 text-to-video (``Cosmos3OmniPipeline``, its plain text path): one packed sequence of
+text tokens and video latent patches per sample, UniPC, classic CFG.
+
+How the transformer is called. ``Cosmos3OmniTransformer`` has no text encoder in front of it: its own
+embedding reads the prompt's token ids, and its dual-pathway (mixture-of-transformers) layers run the
+text causally (the "understanding" pathway) and the vision tokens with full attention over the text
+and themselves (the "generation" pathway). Text and latents of one sample are packed into a single
+sequence, so a call takes one sample: batching two would let each attend to the other. The pipeline
+runs one sample per call (``prompt`` lists collapse to their first entry). The call form is therefore
+``PACKED_SAMPLE`` (``rollout_core.transformer_call``), one call per sample, exactly as
+``Cosmos3OmniPipeline.__call__`` makes it::
+
+    transformer(vision_tokens=[x_b], vision_timesteps=full((N,), t), **env)[0][0]
+
+with ``x_b`` the sample's latent [1, C, F', H/16, W/16] in the transformer's dtype, and ``t`` the raw
+timestep (the scheduler's integer timestep, fed in float32: the transformer scales it by its
+``timestep_scale``, 0.001, and the pipeline's int64 ``full`` becomes the same float32 there), one per
+noisy vision token (N = F' x ceil(H/32) x ceil(W/32), the transformer patchifying 2 x 2 and padding
+an odd grid). The env of a text is what ``__call__`` builds once per prompt before its loop:
+
+- ``input_ids``, ``text_indexes``: the token ids of the chat template (the pipeline's system prompt
+  for video, or for an image when ``num_frames`` is 1), the prompt with the pipeline's duration and
+  resolution sentences (``tokenize_prompt``, at the request's frames, size and the pipeline's 24 fps),
+  then ``<|im_end|>`` and ``<|vision_start|>``; and their positions 0 .. L - 1;
+- ``position_ids``: the 3D mRoPE ids of the text and of the vision grid (``_prepare_text_segment``
+  and ``_prepare_vision_segment``), [3, L + N];
+- ``und_len`` (L), ``sequence_length`` (L + N), ``vision_token_shapes`` ([[F', h, w]] patches),
+  ``vision_sequence_indexes`` and ``vision_mse_loss_indexes`` (L .. L + N - 1: every frame is noisy
+  in text-to-video), ``vision_noisy_frame_indexes`` (0 .. F' - 1, held as [1, F']: the transformer
+  reads it as the list of the sample's one item), and ``return_dict`` (False).
+
+The tensors but ``vision_noisy_frame_indexes`` carry a batch dimension of 1 (``batched_env_keys``),
+which the call drops per sample. The prediction is the velocity of the whole latent; the pipeline's
+mask of conditioned frames is all ones in text-to-video (a multiplication by 1, exact).
+
+CFG is the pipeline's, on ``guidance_scale`` (default 6): v_neg + s (v_pos - v_neg) in float32
+(``true_cfg``), off at 1. Its negative branch is not the negative prompt encoded like a prompt: the
+pipeline appends the *inverse* templates to it ("The video is not ... seconds long ..."), so the
+adapter encodes it apart (``encode_negative_text``), and the prompt cache keys it apart.
+
+The schedule is the pipeline's scheduler's own: ``set_timesteps(N)`` on its
+``UniPCMultistepScheduler`` (the released checkpoints: Karras sigmas on flow sigmas, ``sigma_max``
+200 and ``sigma_min`` 0.147, so sigma_0 is 200 / 201 and the last one before 0 about 0.128; the
+model card's ``flow_shift`` 10 is a scheduler one saves into the folder), or with the pipeline's
+``use_native_flow_schedule``, linspace(1 - 1 / 1000, 0, N + 1)[:-1]. The deterministic steps take
+the pipeline's solver, UniPC-2 bh2 with its corrector (``rollout_core.solvers``), so an ODE rollout
+is what ``__call__`` produces from the same x_0. The stochastic steps are the samplers' first-order
+Gaussian transitions on the same sigmas (``rollout_core.steps``): FLOW_SDE takes sigma_1 in place of
+sigma_0 in std_t at the first step, whatever sigma_0 is (FlowGRPO's rule at sigma_0 = 1, Wan's at
+1 - 1e-6); Cosmos3's sigma_0 = 0.995 would be finite, and the rule keeps the first step's noise what
+every family's is. A stochastic step ends UniPC's history: the deterministic steps after it restart
+at first order, and the corrector runs only between two deterministic steps (docs/protocol.md).
+
+Latents are [C, (F - 1) / 4 + 1, H / 16, W / 16] (Wan 2.2's 48-channel VAE), normalised by the
+VAE's ``latents_mean`` and ``latents_std`` as the pipeline does; they are float32 between steps, as
+the pipeline keeps them. The decode is ``AutoencoderKLWan``'s, one latent frame a piece with the
+causal cache (bitwise ``vae.decode``).
+
+Served: text-to-video and text-to-image (``num_frames`` 1). Not served: sound and action generation,
+image- and video-conditioned generation (a clean conditioning frame is masked out of the step, which
+is not a Gaussian transition of the whole latent), the safety checker (``cosmos_guardrail``; a folder
+whose pipeline enables it loads only where it is installed, and the server runs no check), and the
+pipeline's mixed-precision schedule (``mixed_precision_format``; the server runs the loaded dtype).
+
+Sequence parallelism: ``Cosmos3OmniTransformer`` has no context-parallel plan (``_cp_plan``) in
+diffusers 0.41, by design (its packed dual-pathway attention with GQA and ragged lengths is split by
+an external helper through ``_cp_shard_fn``), so ``--sp`` is refused at start-up.
+"""
+
+import inspect
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from diffusers import Cosmos3OmniPipeline
+from PIL import Image
+
+from rollout.v1 import rollout_pb2
+from rollout_core.transformer_call import CallForm
+from rollout_server.errors import UnsupportedModel
+from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape, set_up_schedule
+from rollout_server.families.wan import wan_vae_frames
+
+# Cosmos3OmniPipeline.__call__'s defaults: 189 frames of 1280 x 720 at 24 fps, 35 steps, CFG 6.
+_CALL_DEFAULTS = inspect.signature(Cosmos3OmniPipeline.__call__).parameters
+DEFAULT_FRAMES, DEFAULT_HEIGHT, DEFAULT_WIDTH = 189, 720, 1280  # __call__ fills these in when None
+DEFAULT_STEPS = _CALL_DEFAULTS["num_inference_steps"].default
+DEFAULT_GUIDANCE = _CALL_DEFAULTS["guidance_scale"].default
+FPS = _CALL_DEFAULTS["fps"].default
+# The most text tokens one prompt's env holds, for the memory estimate: the chat template, the
+# templates and a prompt of the server's longest (a JSON-upsampled Cosmos prompt is about 1000).
+TEXT_TOKENS = 4096
+# The env entries with a batch dimension of 1, one row per sample of a call.
+BATCHED_ENV_KEYS = (
+    "input_ids",
+    "text_indexes",
+    "position_ids",
+    "vision_sequence_indexes",
+    "vision_mse_loss_indexes",
+)
+
+
+class Cosmos3Adapter(FamilyAdapter):
+    family = "cosmos3"
+    pipeline_type = Cosmos3OmniPipeline
+    timestep_divisor = 1.0
+    timestep_rule = "timestep, float32, one per noisy vision token"
+    call_form = CallForm(
+        inputs=rollout_pb2.TRANSFORMER_INPUTS_PACKED_SAMPLE,
+        latents_argument="vision_tokens",
+        timestep_argument="vision_timesteps",
+        timestep_float32=True,
+        timestep_tokens_key="vision_mse_loss_indexes",
+    )
+    cfg_scale_field = "guidance_scale"
+    cfg_rule = "true_cfg"
+    batched_env_keys = BATCHED_ENV_KEYS
+    negative_encoded_apart = True
+    decode_keeps_state = True  # the causal convolutions' cache, between latent frames
+    generated_inputs = ("vision_tokens",)
+    max_frames = 2 * DEFAULT_FRAMES - 1  # about twice the default (4k + 1) bounds one request's work
+
+    def __init__(self, pipe, device, dtype, folder=None):
+        super().__init__(pipe, device, dtype, folder)
+        if type(self.pipe.scheduler).__name__ != "UniPCMultistepScheduler":
+            raise UnsupportedModel(
+                f"{self.source}: a {type(self.pipe.scheduler).__name__} scheduler; Cosmos3OmniPipeline "
+                "steps with UniPCMultistepScheduler"
+            )
+
+    @property
+    def side_multiple(self) -> int:
+        # The pipeline's check: multiples of the VAE's 16 (the transformer pads an odd patch grid).
+        return self.pipe.vae_scale_factor_spatial
+
+    @property
+    def frame_step(self) -> int:
+        return self.pipe.vae_scale_factor_temporal
+
+    def defaults(self) -> FamilyDefaults:
+        return FamilyDefaults(
+            height=DEFAULT_HEIGHT,
+            width=DEFAULT_WIDTH,
+            frames=DEFAULT_FRAMES,
+            num_steps=DEFAULT_STEPS,
+            guidance_scale=DEFAULT_GUIDANCE,
+            true_cfg_scale=1.0,
+            noise_level=0.7,
+        )
+
+    def schedule(self, num_steps: int, shape: MediaShape) -> tuple[torch.Tensor, torch.Tensor]:
+        scheduler = self.pipe.scheduler
+        if not self.pipe.config.use_native_flow_schedule:
+            return set_up_schedule(scheduler, num_steps)
+        sigmas = np.linspace(1.0 - 1.0 / scheduler.config.num_train_timesteps, 0.0, num_steps + 1)[:-1]
+        return set_up_schedule(scheduler, num_steps, sigmas=sigmas)
+
+    def latent_shape(self, shape: MediaShape) -> tuple[int, ...]:
+        spatial = self.pipe.vae_scale_factor_spatial
+        latent_frames = (shape.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
+        return (self.pipe.vae.config.z_dim, latent_frames, shape.height // spatial, shape.width // spatial)
+
+    def _patch_grid(self, shape: MediaShape) -> tuple[int, int, int]:
+        _, frames, rows, cols = self.latent_shape(shape)
+        patch = self.pipe.transformer.config.latent_patch_size
+        return frames, -(-rows // patch), -(-cols // patch)
+
+    def generated_tokens(self, shape: MediaShape) -> int:
+        frames, rows, cols = self._patch_grid(shape)
+        return frames * rows * cols
+
+    def latent_packing(self) -> str:
+        return (
+            "video: [vae_z_dim, (F - 1)/4 + 1, H/16, W/16], one sample per call, packed after its text "
+            "tokens (the transformer patchifies 2x2 itself)"
+        )
+
+    def text_elements(self) -> int:
+        # input_ids, text_indexes and the text's three mRoPE rows; the vision entries are per shape.
+        return 5 * TEXT_TOKENS
+
+    def forward_activation(self, shape: MediaShape) -> tuple[int, int]:
+        # One sequence of the text and the vision tokens, each through its pathway's layers: the
+        # gated feed-forward's hidden width, or the q, k and v projections (grouped keys and values).
+        config = self.pipe.transformer.config
+        qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+        return self.generated_tokens(shape) + TEXT_TOKENS, max(config.intermediate_size, qkv)
+
+    def _env(self, input_ids: list[int], shape: MediaShape) -> dict:
+        """The env of a text's token ids at ``shape``, as ``__call__`` packs it before its loop."""
+        pipe = self.pipe
+        text = pipe._prepare_text_segment(input_ids, device=self.device)
+        latents = torch.empty(1, *self.latent_shape(shape), device="meta")  # read for its shape only
+        vision = pipe._prepare_vision_segment(
+            input_vision_tokens=latents,
+            has_image_condition=False,
+            mrope_offset=text["vision_start_temporal_offset"],
+            vision_fps=FPS,
+            curr=text["und_len"],
+            device=self.device,
+            condition_frame_indexes=[],
+        )
+        position_ids = torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1)
+        return {
+            "input_ids": text["input_ids"].unsqueeze(0),
+            "text_indexes": text["text_indexes"].unsqueeze(0),
+            "position_ids": position_ids.unsqueeze(0),
+            "und_len": text["und_len"],
+            "sequence_length": text["und_len"] + vision["num_vision_tokens"],
+            "vision_token_shapes": [list(grid) for grid in vision["vision_token_shapes"]],
+            "vision_sequence_indexes": vision["vision_sequence_indexes"].unsqueeze(0),
+            "vision_mse_loss_indexes": vision["vision_mse_loss_indexes"].unsqueeze(0),
+            "vision_noisy_frame_indexes": torch.stack(vision["vision_noisy_frame_indexes"]),
+            "return_dict": False,
+        }
+
+    def _token_ids(self, prompt: str, negative: str, shape: MediaShape) -> tuple[list[int], list[int]]:
+        return self.pipe.tokenize_prompt(
+            prompt, negative, num_frames=shape.frames, height=shape.height, width=shape.width, fps=FPS
+        )
+
+    @torch.no_grad()
+    def encode_text(self, text: str, guidance_scale: float, shape: MediaShape, image=None) -> dict:
+        # guidance_scale is the CFG scale, applied when the branches are combined.
+        return self._env(self._token_ids(text, "", shape)[0], shape)
+
+    @torch.no_grad()
+    def encode_negative_text(self, text: str, guidance_scale: float, shape: MediaShape, image=None) -> dict:
+        return self._env(self._token_ids("", text, shape)[1], shape)
+
+    @torch.no_grad()
+    def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:
+        yield from wan_vae_frames(self.pipe.vae, latents)
+
+    def frames_of(self, piece: torch.Tensor) -> list[Image.Image]:
+        return self.pipe.video_processor.postprocess_video(piece, output_type="pil")[0]

@@ -1,0 +1,129 @@
+"""Cosmos3 text-to-video on the tiny-cosmos3 preset: the server's schedule (the pipeline's UniPC,
+Karras sigmas on flow sigmas), env (the prompt's token ids with the pipeline's templates, the negative
+prompt's with the inverse ones, and the packed sequence's indexes and mRoPE ids), transformer call (one
+packed sample per call, a float32 timestep per noisy vision token), CFG, UniPC steps and decoding are
+Cosmos3OmniPipeline's own; frames are validated as 4k + 1 and bounded; --sp is refused (no
+context-parallel plan). Replay parity is in test_replay.py with the other families."""
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from helpers import FAMILIES, TOLERANCE, family_request, field_violations
+
+from rollout.v1 import rollout_pb2
+from rollout_core.transformer_call import TransformerCall
+from rollout_server.errors import ParallelismUnsupported
+from rollout_server.families.base import MediaShape
+from rollout_server.parallel import ParallelDims, SequenceParallel
+from rollout_server.prompt_cache import PromptCache
+
+SPEC = FAMILIES["cosmos3"]
+SHAPE = MediaShape(5, 64, 64)
+
+
+@pytest.fixture
+def family() -> str:
+    return "cosmos3"
+
+
+def test_server_info(family_client):
+    info = family_client.server_info()
+    assert (info.family, info.pipeline_class) == ("cosmos3", "Cosmos3OmniPipeline")
+    assert (info.cfg_scale_field, info.cfg_rule, info.cfg_off_scale) == ("guidance_scale", "true_cfg", 1.0)
+    defaults = info.defaults
+    assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)
+    assert defaults.guidance_scale == 6.0  # Cosmos3OmniPipeline.__call__'s
+    assert defaults.solver == rollout_pb2.SOLVER_UNIPC  # the pipeline's scheduler
+    limits = info.limits
+    # The VAE's 16 (the transformer pads an odd patch grid), 4x in time, about twice the 189 frames.
+    assert (limits.side_multiple, limits.frame_step, limits.max_frames) == (16, 4, 377)
+
+
+@pytest.mark.parametrize("frames", [2, 4, 6, 381])
+def test_frames_must_be_4k_plus_1_and_bounded(family_client, frames):
+    with pytest.raises(grpc.RpcError) as refused:
+        family_client.rollout(family_request("cosmos3", "ODE", cfg=False, num_frames=frames))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [violation.field for violation in field_violations(refused.value)] == ["num_frames"]
+
+
+@pytest.mark.parametrize("cfg", [True, False])
+def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family_resources, cfg):
+    """Schedule (the pipeline's UniPC set_timesteps: Karras flow sigmas, integer timesteps), env (the
+    token ids with the templates, the negative prompt's with the inverse templates), the call (one
+    packed sample, the raw timestep per noisy vision token), CFG and the UniPC steps all as
+    Cosmos3OmniPipeline: from the same x_0, its own ``__call__`` (one sample per call) reaches each
+    streamed final latent. Both call the transformer on one sample per forward with the same inputs,
+    in two processes: Batch and split rounding (docs/testing.md), TOLERANCE in v, times up to
+    2s - 1 = 11 at scale 6 with CFG; the UniPC steps are diffusers' float32 arithmetic against
+    rollout_core's, the same operations."""
+    request = family_request("cosmos3", "ODE", cfg=cfg, samples_per_prompt=1)
+    trajectories = family_client.rollout(request)
+    pipe = family_pipeline
+    pipe.scheduler.set_timesteps(4)
+    np.testing.assert_array_equal(trajectories[0].sigmas.numpy(), pipe.scheduler.sigmas.numpy())
+    np.testing.assert_array_equal(
+        trajectories[0].timesteps[:-1].numpy(), pipe.scheduler.timesteps.float().numpy()
+    )
+    adapter = family_resources.adapter("cosmos3")
+    for trajectory in trajectories:
+        assert trajectory.transformer_call.form == adapter.call_form
+        call = trajectory.transformer_call
+        assert TransformerCall.from_json(call.to_json()) == call  # field 20 survives a saved file
+        final = pipe(
+            prompt=request.prompts[trajectory.prompt_index],
+            negative_prompt=request.negative_prompt if cfg else None,
+            latents=trajectory.latents[:1],
+            height=64,
+            width=64,
+            num_frames=5,
+            num_inference_steps=4,
+            guidance_scale=request.guidance_scale,
+            output_type="latent",
+        ).video
+        bound = (2 * request.guidance_scale - 1) * TOLERANCE if cfg else TOLERANCE
+        torch.testing.assert_close(final[0], trajectory.latents[-1], atol=bound, rtol=bound)
+
+
+def test_the_negative_prompt_takes_the_inverse_templates(family_resources):
+    """The pipeline appends "The video is not ..." to the negative prompt: the env of a text as the
+    negative prompt is not its env as a prompt, and the prompt cache keeps the two apart."""
+    adapter = family_resources.adapter("cosmos3")
+    cache = PromptCache(adapter, max_entries=8)
+    text = SPEC.prompts[0]
+    encoded = cache.encode([text], text, 6.0, SHAPE)
+    positive, negative = (encoded.conditioning.envs[branch][0] for branch in ("positive", "negative"))
+    assert encoded.misses == 2 and len(cache) == 2
+    cond, uncond = adapter.pipe.tokenize_prompt(text, text, num_frames=5, height=64, width=64)
+    assert positive["input_ids"][0].tolist() == cond and negative["input_ids"][0].tolist() == uncond
+    rendered = adapter.pipe.text_tokenizer.decode(uncond)
+    assert "The video is not 0.2 seconds long" in rendered and "not of 64x64 resolution" in rendered
+    # Only the text's tokens differ: the vision grid's shapes are the request's.
+    assert positive["vision_token_shapes"] == negative["vision_token_shapes"] == [[2, 2, 2]]
+
+
+def test_each_sample_streams_its_frames_as_the_pipeline_decodes_them(family_client, family_pipeline):
+    trajectories = family_client.rollout(
+        family_request("cosmos3", "FLOW_SDE", cfg=False, images=True, num_frames=9)
+    )
+    pipe = family_pipeline
+    for trajectory in trajectories:
+        latents = trajectory.latents[-1:]
+        assert latents.shape[2] == 3  # 9 frames: 3 latent frames
+        # The pipeline's decode: the VAE's normalisation undone, vae.decode, its video processor.
+        mean = pipe._vae_latents_mean.view(1, -1, 1, 1, 1)
+        inv_std = pipe._vae_latents_inv_std.view(1, -1, 1, 1, 1)
+        with torch.no_grad():
+            video = pipe.vae.decode(latents / inv_std + mean).sample
+        expected = pipe.video_processor.postprocess_video(video, output_type="np")[0]  # [F, H, W, 3]
+        frames = trajectory.frames()
+        assert len(frames) == 9 and all(frame.size == (64, 64) for frame in frames)
+        got = np.stack([np.asarray(frame.convert("RGB"), dtype=np.float64) for frame in frames])
+        np.testing.assert_allclose(got, np.round(expected * 255), atol=1)
+
+
+def test_sp_is_refused_without_a_context_parallel_plan(family_resources):
+    two_ranks = SequenceParallel(ParallelDims(sp=2, world_size=2))
+    with pytest.raises(ParallelismUnsupported, match="Cosmos3OmniTransformer has no context-parallel plan"):
+        two_ranks.split_transformer(family_resources.transformer("cosmos3"))
