@@ -19,7 +19,6 @@ The runner is all that the other sequence-parallel ranks run: given the same rol
 order, every rank forms the same forwards.
 """
 
-import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Iterator
@@ -254,7 +253,7 @@ class Runner:
             key=key,
             request=request,
             plan=plan,
-            call_form=dataclasses.replace(adapter.call_form, streams=streams),
+            call_form=adapter.call_form_for(shape),
             state=init(plan),
             timesteps=timesteps,
             experts=[adapter.expert_for(t) for t in timesteps[:-1].tolist()],

@@ -183,3 +183,27 @@ def test_frames_and_a_playable_wav_per_sample_as_the_pipeline_decodes_them(
         expected_pcm = np.round(np.clip(waveforms[k].numpy().T, -1, 1) * 32767)
         np.testing.assert_allclose(pcm, expected_pcm, atol=1)  # the same decode: one rounding step apart
         assert pcm.std() > 0  # not silence
+
+
+def test_a_trainers_x0_is_the_joint_latent_and_anything_else_is_refused(family_client):
+    """``initial_latents`` holds the joint latents [B, N]: a rollout from the x_0 another one streamed
+    streams the same x_0 and, with the same seeds, the same steps bitwise; the video stream alone, the
+    streams side by side or a joint latent of another frame count are INVALID_ARGUMENT naming it."""
+    first = family_client.rollout(family_request("ltx2", "FLOW_SDE", cfg=False))
+    x0 = torch.stack([t.latents[0] for t in first])
+    again = family_client.rollout(
+        family_request("ltx2", "FLOW_SDE", cfg=False, initial_latents=wire.initial_latents_bytes(x0))
+    )
+    for one, two in zip(first, again, strict=True):
+        assert torch.equal(one.latents, two.latents) and torch.equal(
+            one.log_probs.nan_to_num(), two.log_probs.nan_to_num()
+        )
+    video = latent_streams.split(x0, first[0].streams)[0]
+    for wrong in (video, torch.stack([x0, x0], dim=1), torch.zeros(4, 8 * 128 * 2 + 9 * 32)):
+        request = family_request(
+            "ltx2", "FLOW_SDE", cfg=False, initial_latents=wire.initial_latents_bytes(wrong)
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            family_client.rollout(request)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [violation.field for violation in field_violations(refused.value)] == ["initial_latents"]

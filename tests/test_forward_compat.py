@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from google.protobuf.unknown_fields import UnknownFieldSet
-from helpers import ROOT, assert_same_kwargs, make_request
+from helpers import ROOT, assert_same_kwargs, family_request, make_request
 
 from rollout.v1 import rollout_pb2
 from rollout_client.client import varint
@@ -159,3 +159,67 @@ def test_protocol_errors_still_raise(captured):
     cut.started.tensors.following_chunks = 2
     with pytest.raises(ValueError, match="expected payload chunk 1"):
         list(decode_stream([cut, *captured[1:]]))
+
+
+# The schema as it was before several latent streams: what a client pinned to it reads.
+STREAM_FIELDS = {"TransformerCall": {"streams", "timestep_copies"}, "RolloutStep": {"stream_log_probs"}}
+STREAM_EVENTS = {"audio"}
+STREAM_MESSAGES = {"LatentStream", "StreamLogProbs", "RolloutAudio"}
+
+
+def schema_before_streams() -> type:
+    """RolloutResponse of the rollout.v1 schema without the latent-stream fields, events and messages."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    file = descriptor_pb2.FileDescriptorProto()
+    rollout_pb2.DESCRIPTOR.CopyToProto(file)
+    kept = [message for message in file.message_type if message.name not in STREAM_MESSAGES]
+    del file.message_type[:]
+    file.message_type.extend(kept)
+    for message in file.message_type:
+        dropped = STREAM_FIELDS.get(message.name, set()) | (
+            STREAM_EVENTS if message.name == "RolloutResponse" else set()
+        )
+        fields = [field for field in message.field if field.name not in dropped]
+        del message.field[:]
+        message.field.extend(fields)
+    pool = descriptor_pool.DescriptorPool()
+    for dependency in rollout_pb2.DESCRIPTOR.dependencies:
+        dependency_file = descriptor_pb2.FileDescriptorProto()
+        dependency.CopyToProto(dependency_file)
+        pool.Add(dependency_file)
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("rollout.v1.RolloutResponse"))
+
+
+def unknown_fields(message, path: str = "") -> list[str]:
+    """Where ``message`` and the messages in it hold fields their schema does not know."""
+    found = [f"{path}{message.DESCRIPTOR.name}.{field.field_number}" for field in UnknownFieldSet(message)]
+    for field, value in message.ListFields():
+        if field.message_type is None or field.message_type.GetOptions().map_entry:
+            continue
+        for item in value if field.is_repeated else [value]:
+            found += unknown_fields(item, f"{path}{field.name}.")
+    return found
+
+
+def test_a_client_from_before_latent_streams_reads_a_one_stream_video_as_before(family_resources):
+    """A Wan stream (video, one latent tensor) holds nothing the schema before streams lacks: an old
+    client parses every message whole, as it did. An LTX-2 stream (video and audio) holds the new
+    fields and events, which that client keeps as unknown fields and skips."""
+    old_response = schema_before_streams()
+    assert "audio" not in old_response.DESCRIPTOR.fields_by_name
+    for family, one_stream in [("wan", True), ("ltx2", False)]:
+        request = family_request(family, "FLOW_SDE", cfg=True, images=True, samples_per_prompt=1)
+        messages = list(family_resources.client(family).stub.Rollout(request, timeout=120))
+        unknown = [
+            place
+            for message in messages
+            for place in unknown_fields(old_response.FromString(message.SerializeToString()))
+        ]
+        if one_stream:
+            assert unknown == []
+            continue
+        assert any(place.endswith("RolloutResponse.8") for place in unknown)  # the audio events
+        assert any(place.endswith("TransformerCall.17") for place in unknown)  # the streams
+        assert any(place.endswith("RolloutStep.10") for place in unknown)  # the per-stream log-probs

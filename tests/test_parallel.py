@@ -148,6 +148,7 @@ def adapters(family_resources):
         ("flux2-klein", MediaShape(1, 48, 80)),
         ("qwen-image", MediaShape(1, 48, 80)),
         ("wan", MediaShape(9, 48, 80)),
+        ("ltx2", MediaShape(17, 64, 96)),
     ],
 )
 def test_generated_tokens_are_the_length_the_transformer_splits(adapters, family, shape):
@@ -177,7 +178,15 @@ def test_generated_tokens_are_the_length_the_transformer_splits(adapters, family
         env = adapter.encode_text(FAMILIES[family].prompts[0], 1.0, shape)
         x = torch.zeros(1, *adapter.latent_shape(shape))
         with torch.no_grad():
-            call_transformer(transformer, x, 500.0, env, torch.float32, adapter.timestep_divisor)
+            call_transformer(
+                transformer,
+                x,
+                500.0,
+                env,
+                torch.float32,
+                adapter.timestep_divisor,
+                form=adapter.call_form_for(shape),
+            )
     finally:
         for hook in hooks:
             hook.remove()

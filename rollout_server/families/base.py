@@ -6,6 +6,7 @@ the server never import a model class.
 """
 
 import copy
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -207,6 +208,10 @@ class FamilyAdapter(ABC):
     def latent_shape(self, shape: MediaShape) -> tuple[int, ...]:
         """One sample's latent shape as the transformer consumes it: with several latent streams, their
         joint latent's [N] (``rollout_core.latent_streams.joint_shape``)."""
+
+    def call_form_for(self, shape: MediaShape) -> CallForm:
+        """The call form of a request of ``shape``: ``call_form`` with the latent streams at it."""
+        return dataclasses.replace(self.call_form, streams=self.latent_streams(shape))
 
     def latent_streams(self, shape: MediaShape) -> tuple["LatentStream", ...]:
         """The latent streams of one sample, in order, when it carries several (LTX-2: video, then
