@@ -6,6 +6,7 @@ and the sound are decoded as the pipeline decodes them, the sound into a WAV a p
 Replay parity (client and bare reference) is in test_replay.py with the other families, SP=2 in
 test_sp.py."""
 
+import csv
 import io
 import math
 import wave
@@ -14,10 +15,12 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from helpers import TOLERANCE, family_request, field_violations
+from helpers import TOLERANCE, family_request, field_violations, run_example, start_server
+from safetensors.torch import load_file
 from test_latent_streams import documented_draw
 
 from rollout.v1 import rollout_pb2
+from rollout_client import RolloutClient
 from rollout_client.commands import save_rollout
 from rollout_core import latent_streams, noise, wire
 
@@ -207,3 +210,35 @@ def test_a_trainers_x0_is_the_joint_latent_and_anything_else_is_refused(family_c
             family_client.rollout(request)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert [violation.field for violation in field_violations(refused.value)] == ["initial_latents"]
+
+
+def test_flowgrpo_and_nft_train_on_the_joint_latents_on_policy(cache_dir, tmp_path):
+    """The trainer on LTX-2 (a server of its own: the runs push their policy): FlowGRPO replays each
+    step's joint log-prob through its LoRA policy with a ratio of 1 up to fp32 replay error at the first
+    inner update (TOLERANCE), the LoRA it pushes changes both streams of the next rollouts; DiffusionNFT
+    trains its velocity loss on the joint latents."""
+    server = start_server(cache_dir, tmp_path / "server.log", "--model", "tiny-ltx2")
+    try:
+        common = ["--server", server.address, "--iterations", "2", "--prompts", "2", "--group-size", "2"]
+        common += ["--steps", "3", "--size", "64", "--lora-targets", "to_q,to_k,to_v,to_out.0"]
+        with RolloutClient(server.address, timeout=120) as client:
+            probe = family_request("ltx2", "FLOW_SDE", cfg=False, samples_per_prompt=1, num_steps=3)
+            before = client.rollout(probe)
+            run_example("train_grpo", *common, "--out", tmp_path / "grpo")
+            after = client.rollout(probe)
+            run_example("train_grpo", *common, "--algorithm", "nft", "--out", tmp_path / "nft")
+    finally:
+        server.stop()
+    for run in ("grpo", "nft"):
+        with open(tmp_path / run / "metrics.csv") as file:
+            rows = list(csv.DictReader(file))
+        assert [int(row["iteration"]) for row in rows] == [0, 1]
+        if run == "grpo":
+            assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)
+        adapter = load_file(tmp_path / run / "lora" / "adapter_model.safetensors")
+        assert any(tensor.abs().max() > 0 for name, tensor in adapter.items() if "lora_B" in name)
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(old.latents[0], new.latents[0])  # the same noise
+        for stream in old.streams:
+            moved = old.stream_latents(stream.name)[-1] - new.stream_latents(stream.name)[-1]
+            assert moved.abs().max() > 1e-4, stream.name
