@@ -47,7 +47,7 @@ of the heads, over the unsplit sequence in its own order (all video tokens, then
 the unsplit context mask it is given whole (the plan does not split it). It masks keys only
 (mask[j], not mask[i] & mask[j]) and zeroes the rows of masked context tokens, which is what the
 dense mask gives them (no key to attend to): the same attention in every row, without an S x S mask
-(on the CPU, SP = 2 gives SP = 1's velocities bitwise at one thread). At SP = 1 it is diffusers'
+(on the CPU, in float32 on one thread, SP = 2 gives SP = 1's velocities bitwise). At SP = 1 it is diffusers'
 processor. Ring attention is refused at start-up (``_cp_ulysses_only``): the exchange is
 Ulysses'. The video tokens are exchanged in equal parts: validation checks that they divide.
 """
