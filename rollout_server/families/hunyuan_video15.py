@@ -47,8 +47,8 @@ of the heads, over the unsplit sequence in its own order (all video tokens, then
 the unsplit context mask it is given whole (the plan does not split it). It masks keys only
 (mask[j], not mask[i] & mask[j]) and zeroes the rows of masked context tokens, which is what the
 dense mask gives them (no key to attend to): the same attention in every row, without an S x S mask
-(on the CPU, in float32 on one thread, SP = 2 gives SP = 1's velocities bitwise). At SP = 1 it is diffusers'
-processor. Ring attention is refused at start-up (``_cp_ulysses_only``): the exchange is
+(on the CPU, in float32 on one thread, SP = 2 gives SP = 1's velocities bitwise). At SP = 1 it is
+diffusers' processor. Ring attention is refused at start-up (``_cp_ulysses_only``): the exchange is
 Ulysses'. The video tokens are exchanged in equal parts: validation checks that they divide.
 """
 
@@ -214,7 +214,7 @@ class HunyuanVideo15Adapter(FamilyAdapter):
             self.cfg_rule, self.cfg_off_scale = "true_cfg", 1.0
         transformer = self.pipe.transformer
         transformer._cp_plan = context_parallel_plan()
-        transformer._cp_ulysses_only = True  # the processor's mask is laid out for Ulysses' gather
+        transformer._cp_ulysses_only = True  # the processor's exchange is Ulysses' all-to-all
         for block in transformer.transformer_blocks:
             block.attn.set_processor(UlyssesAttnProcessor())
 
