@@ -110,11 +110,17 @@ def split_inputs(transformer: torch.nn.Module) -> dict[str, int]:
 
 def check_splittable(transformer: torch.nn.Module, dims: ParallelDims) -> None:
     """ParallelismUnsupported unless diffusers can split ``transformer`` as ``dims`` say: it needs a
-    context-parallel plan, and Ulysses splits its attention heads, so they must divide by its degree."""
+    context-parallel plan (and one whose attention takes a ring split, under ring attention), and
+    Ulysses splits its attention heads, so they must divide by its degree."""
     name = type(transformer).__name__
     if getattr(transformer, "_cp_plan", None) is None:
         raise ParallelismUnsupported(
             f"{name} has no context-parallel plan in diffusers: --sp {dims.sp} is not supported"
+        )
+    # A plan of ours whose attention is written for Ulysses' gather alone (HunyuanVideo 1.5's) says so.
+    if dims.ring > 1 and getattr(transformer, "_cp_ulysses_only", False):
+        raise ParallelismUnsupported(
+            f"{name}'s split attention runs on Ulysses alone: use --attention-split ulysses"
         )
     # Read off the attention modules: the config's name for it differs between models.
     heads = {m.heads for m in transformer.modules() if hasattr(m, "processor") and hasattr(m, "heads")}

@@ -1,8 +1,8 @@
 """HunyuanVideo 1.5 text-to-video on the tiny-hunyuan-video15 preset: the server's schedule, env
 (both text encoders, the zero image embeddings and conditioning channels), transformer call, CFG and
 decoding are HunyuanVideo15Pipeline's own; frames are validated as 4k + 1 and bounded; a guider the
-server cannot serve is refused, and so is --sp (no context-parallel plan). Replay parity is in
-test_replay.py with the other families."""
+server cannot serve is refused; --sp splits over Ulysses (our plan), never ring attention. Replay
+parity is in test_replay.py, SP=2 against SP=1 in test_sp.py, with the other families."""
 
 import grpc
 import numpy as np
@@ -18,7 +18,7 @@ from helpers import TOLERANCE, family_request, field_violations
 from rollout_core.transformer_call import apply_guidance
 from rollout_server.errors import ParallelismUnsupported, UnsupportedModel
 from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter
-from rollout_server.parallel import ParallelDims, SequenceParallel
+from rollout_server.parallel import ParallelDims, check_splittable
 
 
 @pytest.fixture
@@ -157,9 +157,13 @@ def test_the_guiders_original_formulation_is_cfg_around_the_positive_branch(fami
     )
 
 
-def test_sp_is_refused_without_a_context_parallel_plan(family_resources):
-    two_ranks = SequenceParallel(ParallelDims(sp=2, world_size=2))
-    with pytest.raises(
-        ParallelismUnsupported, match="HunyuanVideo15Transformer3DModel has no context-parallel plan"
-    ):
-        two_ranks.split_transformer(family_resources.transformer("hunyuan-video15"))
+def test_sp_splits_over_ulysses_and_refuses_ring_attention(adapter):
+    """Our plan and attention processor take a Ulysses split (the heads divide); ring attention, which
+    would need the processor's mask of the gathered sequence cut per ring step, is refused at start-up
+    with the split to use."""
+    check_splittable(adapter.transformer, ParallelDims(sp=2, world_size=2))
+    for split in ("ring", "ulysses+ring"):
+        with pytest.raises(
+            ParallelismUnsupported, match="runs on Ulysses alone: use --attention-split ulysses"
+        ):
+            check_splittable(adapter.transformer, ParallelDims(sp=4, attention_split=split, world_size=4))

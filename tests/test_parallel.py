@@ -148,6 +148,7 @@ def adapters(family_resources):
         ("flux2-klein", MediaShape(1, 48, 80)),
         ("qwen-image", MediaShape(1, 48, 80)),
         ("wan", MediaShape(9, 48, 80)),
+        ("hunyuan-video15", MediaShape(9, 48, 80)),  # our plan
         ("ltx2", MediaShape(17, 64, 96)),
     ],
 )
@@ -185,6 +186,7 @@ def test_generated_tokens_are_the_length_the_transformer_splits(adapters, family
                 env,
                 torch.float32,
                 adapter.timestep_divisor,
+                adapter.conditioning,
                 form=adapter.call_form_for(shape),
             )
     finally:
@@ -194,11 +196,13 @@ def test_generated_tokens_are_the_length_the_transformer_splits(adapters, family
     assert set(lengths.values()) == {adapter.generated_tokens(shape)}
 
 
-def test_validation_refuses_tokens_the_ranks_cannot_split(adapters):
-    """Wan at 2 ranks: 9 frames of 48 x 48 pixels are 3 x 3 x 3 = 27 tokens, refused naming height;
-    at 64 x 64 pixels they are 48 tokens, which split."""
-    adapter = adapters("wan")
-    defaults = defaults_for(FAMILIES["wan"].preset, adapter.defaults())
+@pytest.mark.parametrize("family", ["wan", "hunyuan-video15"])
+def test_validation_refuses_tokens_the_ranks_cannot_split(adapters, family):
+    """At 2 ranks, 9 frames of 48 x 48 pixels are 3 x 3 x 3 = 27 tokens (Wan: 8x VAE and 2 x 2
+    patches; HunyuanVideo 1.5: 16x VAE and 1 x 1 patches), refused naming height; at 64 x 64 pixels
+    they are 48 tokens, which split."""
+    adapter = adapters(family)
+    defaults = defaults_for(FAMILIES[family].preset, adapter.defaults())
     serving = ServingContext.of(adapter, defaults, Limits(), seq_len_divisor=2)
     request = {"prompts": ["a fox"], "num_frames": 9, "num_steps": 2}
     with pytest.raises(InvalidRequest) as raised:

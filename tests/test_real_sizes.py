@@ -675,6 +675,9 @@ class Checkpoint:
     text_elements: int  # one text's env at its longest
     forward_rows: int  # rows of one forward, for a group of GROUP samples (and their CFG branches)
     ulysses_refused: frozenset[int] = frozenset()  # the SP degrees a Ulysses split is refused at
+    # The SP degrees whose ranks the default request's generated tokens do not divide: validation
+    # refuses it there, naming height.
+    uneven_splits: frozenset[int] = frozenset()
     # (frames, height, width) of the default request: 1 x 1024 x 1024, or 81 x 480 x 832 for video,
     # unless given.
     default_media: tuple[int, int, int] | None = None
@@ -848,7 +851,10 @@ CHECKPOINTS = (
         # CFG doubles the group's rows to 16; the 1,577,280-element latent fits 5 times in the
         # default max_latent_elements (8 Mi), so 5 rows a forward.
         forward_rows=5,
-        ulysses_refused=frozenset(SPLITS),  # no context-parallel plan in diffusers
+        # Our plan (families/hunyuan_video15.py); its 16 heads divide by 2, 4 and 8. The default's
+        # 31 x 30 x 53 = 2 x 24645 tokens split across 2 ranks, not 4 or 8 (848 x 480 is the size
+        # the pipeline picks for 16:9; 832 x 480, 31 x 30 x 52 = 8 x 6045 tokens, splits across 8).
+        uneven_splits=frozenset({4, 8}),
     ),
     Checkpoint(
         "nvidia/Cosmos3-Nano",
@@ -930,6 +936,15 @@ def weight_bytes(pipe: DiffusionPipeline) -> int:
     return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
+def default_request_refused(adapter: FamilyAdapter, split: int) -> bool:
+    """Whether validation refuses the default request at ``split`` ranks (its tokens do not divide)."""
+    try:
+        group_request(adapter, split)
+    except InvalidRequest:
+        return True
+    return False
+
+
 def split_refusal(adapter: FamilyAdapter, split: int) -> str:
     """Why a Ulysses split across ``split`` ranks is refused at start-up ("" if it is not)."""
     try:
@@ -966,7 +981,7 @@ class Figures:
         peaks = {}
         for split in (1, *SPLITS):
             estimate = memory.estimate(adapter, profile, group_request(adapter, 1), BACKLOG, split)
-            refused = split > 1 and split_refusal(adapter, split)
+            refused = split > 1 and (split_refusal(adapter, split) or default_request_refused(adapter, split))
             peaks[split] = None if refused else weights + budget.peak([estimate])
         # The server's own checks: the spec it takes of a loaded transformer under --sp, and the
         # adapter laid out on it (without the split's modules to avoid, when it refuses the adapter).
@@ -1036,10 +1051,22 @@ def test_the_split_across_2_4_and_8_ranks(adapters, checkpoint):
     assert refused == checkpoint.ulysses_refused
     # A transformer without a plan is never split: its tokens need not cut evenly.
     no_plan = all("no context-parallel plan" in split_refusal(adapter, split) for split in SPLITS)
+    shape = default_shape(adapter)
+    tokens = adapter.generated_tokens(shape) + adapter.conditioning_tokens(shape)
     for split in () if no_plan else SPLITS:
-        request = group_request(adapter, split)
-        shape = MediaShape.of(request)
-        assert (adapter.generated_tokens(shape) + adapter.conditioning_tokens(shape)) % split == 0
+        if split in checkpoint.uneven_splits:
+            with pytest.raises(InvalidRequest) as raised:
+                group_request(adapter, split)
+            assert raised.value.violations == [
+                (
+                    "height",
+                    f"{shape.height} x {shape.width} pixels, {shape.frames} frame(s): {tokens} tokens, "
+                    f"which do not split evenly across {split} ranks",
+                )
+            ]
+            continue
+        assert MediaShape.of(group_request(adapter, split)) == shape
+        assert tokens % split == 0
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=lambda c: c.name)

@@ -32,8 +32,24 @@ transformer's dtype (bfloat16 for the released checkpoints), rounding after ever
 ``latent_dtype`` BFLOAT16 does; it also combines the CFG branches in that dtype, the server in
 float32. The decode is the pipeline's, ``vae.decode(latents / scaling_factor)``, a whole video at once.
 
-Sequence parallelism: ``HunyuanVideo15Transformer3DModel`` has no context-parallel plan in diffusers
-0.41 and this adapter gives it none, so ``--sp`` is refused at start-up.
+Sequence parallelism (Ulysses): ``HunyuanVideo15Transformer3DModel`` has no context-parallel plan in
+diffusers 0.41, so the adapter gives its transformer one (``context_parallel_plan``) and an attention
+processor for its dual-stream blocks (``UlyssesAttnProcessor``). The plan splits the video tokens at
+the first block, with their RoPE frequencies (``rope``'s output), and the context tokens too (the
+Qwen2.5-VL, ByT5 and image tokens the transformer concatenates: 1985, split unevenly, as diffusers'
+``ulysses_anything`` does); ``proj_out`` gathers the video tokens back, and the context's output is
+dropped as before. Both streams are split because each block's joint attention concatenates them: a
+whole context on every rank would be gathered once per rank. Diffusers' processor cannot run on the
+split: it builds a dense [B, 1, S, S] mask from the sequence it is given (the rank's part), and its
+Ulysses all-to-all would gather the ranks' parts in rank order (video, context, video, context, ...).
+Ours exchanges the video tokens and the context tokens apart, so every rank attends, for its share
+of the heads, over the unsplit sequence in its own order (all video tokens, then the context), with
+the unsplit context mask it is given whole (the plan does not split it). It masks keys only
+(mask[j], not mask[i] & mask[j]) and zeroes the rows of masked context tokens, which is what the
+dense mask gives them (no key to attend to): the same attention in every row, without an S x S mask
+(on the CPU, in float32 on one thread, SP = 2 gives SP = 1's velocities bitwise). At SP = 1 it is
+diffusers' processor. Ring attention is refused at start-up (``_cp_ulysses_only``): the exchange is
+Ulysses'. The video tokens are exchanged in equal parts: validation checks that they divide.
 """
 
 import inspect
@@ -41,7 +57,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from diffusers import HunyuanVideo15Pipeline
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 from PIL import Image
 
 from rollout.v1 import rollout_pb2
@@ -53,6 +75,111 @@ from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaSha
 _CALL_DEFAULTS = inspect.signature(HunyuanVideo15Pipeline.__call__).parameters
 DEFAULT_FRAMES = _CALL_DEFAULTS["num_frames"].default
 DEFAULT_STEPS = _CALL_DEFAULTS["num_inference_steps"].default
+
+
+def context_parallel_plan() -> dict:
+    """A diffusers context-parallel plan for ``HunyuanVideo15Transformer3DModel`` (see the module
+    docstring): the video tokens and their RoPE frequencies, and the context tokens, split into the
+    first block; the video tokens gathered at ``proj_out``."""
+    tokens = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    frequencies = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)  # [S, D / 2]
+    return {
+        "rope": {0: frequencies, 1: frequencies},  # cos and sin
+        "transformer_blocks.0": {"hidden_states": tokens, "encoder_hidden_states": tokens},
+        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    }
+
+
+def _to_heads(tokens: torch.Tensor, out: torch.Tensor, sizes: list[int], group) -> None:
+    """Ulysses' first all-to-all: ``tokens`` [3, B, s, H, d] (q, k and v of this rank's s tokens, every
+    head) into ``out`` [sum(sizes), 3, B, H / N, d] (every rank's tokens in rank order, this rank's
+    share of the heads); ``sizes``: each rank's token count."""
+    ranks = len(sizes)
+    three, batch, count, heads, dim = tokens.shape
+    send = tokens.reshape(three, batch, count, ranks, heads // ranks, dim).permute(3, 2, 0, 1, 4, 5)
+    send = send.contiguous().flatten(0, 1)  # rank r's heads of every token, for rank r, in rank order
+    dist.all_to_all_single(
+        out, send, output_split_sizes=sizes, input_split_sizes=[count] * ranks, group=group
+    )
+
+
+def _to_tokens(heads: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
+    """The all-to-all back: ``heads`` [B, sum(sizes), H / N, d] (every rank's tokens, this rank's heads)
+    to [B, sizes[rank], H, d] (this rank's tokens, every head)."""
+    ranks, count = len(sizes), sizes[rank]
+    batch, _, share, dim = heads.shape
+    received = heads.new_empty(ranks * count, batch, share, dim)
+    send = heads.transpose(0, 1).contiguous()
+    dist.all_to_all_single(
+        received, send, output_split_sizes=[count] * ranks, input_split_sizes=sizes, group=group
+    )
+    return (
+        received.view(ranks, count, batch, share, dim).permute(2, 1, 0, 3, 4).reshape(batch, count, -1, dim)
+    )
+
+
+class UlyssesAttnProcessor(HunyuanVideo15AttnProcessor2_0):
+    """The dual-stream blocks' joint attention under our plan's Ulysses split (inference: no autograd
+    through the exchange); diffusers' own processor when the transformer is not split. The
+    projections, norms and RoPE mirror ``HunyuanVideo15AttnProcessor2_0.__call__`` (diffusers 0.41)
+    line for line: its mask is built between them and the attention, from the sequence it is given."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
+        if self._parallel_config is None:
+            return super().__call__(
+                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+            )
+        query, key, value = (
+            projection(hidden_states).unflatten(2, (attn.heads, -1))
+            for projection in (attn.to_q, attn.to_k, attn.to_v)
+        )
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        context_query, context_key, context_value = (
+            projection(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            for projection in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        )
+        if attn.norm_added_q is not None:
+            context_query = attn.norm_added_q(context_query)
+        if attn.norm_added_k is not None:
+            context_key = attn.norm_added_k(context_key)
+
+        # Gather every rank's video tokens, then every rank's context tokens, for this rank's heads:
+        # the unsplit sequence in its own order. The context was cut as diffusers' sharder cuts it
+        # (tensor_split: ulysses_anything); attention_mask, not split, is the whole context's.
+        config = self._parallel_config.context_parallel_config
+        group, rank = config._ulysses_mesh.get_group(), config._ulysses_local_rank
+        video_sizes = [hidden_states.shape[1]] * config.ulysses_degree  # validation: an even split
+        context_sizes = [part.shape[1] for part in attention_mask.tensor_split(config.ulysses_degree, dim=1)]
+        if context_sizes[rank] != encoder_hidden_states.shape[1]:
+            raise RuntimeError(
+                f"rank {rank} holds {encoder_hidden_states.shape[1]} context tokens, not "
+                f"{context_sizes[rank]}: the transformer was not split by our plan"
+            )
+        video = sum(video_sizes)
+        batch, _, heads, dim = query.shape
+        gathered = query.new_empty(
+            video + attention_mask.shape[1], 3, batch, heads // config.ulysses_degree, dim
+        )
+        _to_heads(torch.stack([query, key, value]), gathered[:video], video_sizes, group)
+        _to_heads(
+            torch.stack([context_query, context_key, context_value]), gathered[video:], context_sizes, group
+        )
+        query, key, value = gathered.permute(1, 2, 0, 3, 4).unbind(0)
+
+        # The mask: diffusers builds mask[i] & mask[j] for all i, j (S x S); a key mask gives the
+        # unmasked queries the same attention, and a masked query, with no key in diffusers', its
+        # zero output.
+        mask = F.pad(attention_mask.bool(), (video, 0), value=True)
+        hidden_states = dispatch_attention_fn(
+            query, key, value, attn_mask=mask[:, None, None, :], backend=self._attention_backend
+        )
+        hidden_states = hidden_states.masked_fill(~mask[:, :, None, None], 0.0).to(query.dtype)
+        encoder_hidden_states = _to_tokens(hidden_states[:, video:], context_sizes, rank, group).flatten(2, 3)
+        hidden_states = _to_tokens(hidden_states[:, :video], video_sizes, rank, group).flatten(2, 3)
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+        return hidden_states, attn.to_add_out(encoder_hidden_states)
 
 
 class HunyuanVideo15Adapter(FamilyAdapter):
@@ -85,6 +212,11 @@ class HunyuanVideo15Adapter(FamilyAdapter):
             self.cfg_rule, self.cfg_off_scale = "cfg_from_positive", 0.0
         else:
             self.cfg_rule, self.cfg_off_scale = "true_cfg", 1.0
+        transformer = self.pipe.transformer
+        transformer._cp_plan = context_parallel_plan()
+        transformer._cp_ulysses_only = True  # the processor's exchange is Ulysses' all-to-all
+        for block in transformer.transformer_blocks:
+            block.attn.set_processor(UlyssesAttnProcessor())
 
     @property
     def side_multiple(self) -> int:
