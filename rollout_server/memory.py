@@ -6,10 +6,11 @@ the messages of its stream (an event's tensors, their safetensors buffer and the
 it, and the outbox's backlog) and its prompts' env. On top of that, one piece of work runs at a time
 on the worker: a transformer forward (at most ``max_batch_size`` rows of one shape, and no more latent
 elements than ``max_latent_elements`` allows, as the runner cuts them; under sequence parallelism each
-rank runs its share of the forward's tokens) or one decode piece (one image, or one chunk of a video's
-frames). The per-family sizes come from the adapter (``forward_activation``, ``text_elements``,
-``measure_decode``); the factors below, live tensors per widest activation, were measured on the tiny
-presets (docs/architecture.md has the table).
+rank runs its share of the forward's tokens) or one decode piece (one image, one chunk of a video's
+frames or a whole video, as the VAE decodes it, or a sample's sound). The per-family sizes come from
+the adapter (``forward_activation``, ``text_elements``, ``audio_values``, ``measure_decode``); the
+factors below, live tensors per widest activation, were measured on the tiny presets
+(docs/architecture.md has the table).
 
 The estimate is an upper bound on the memory above the loaded model. Rollouts run together only
 while the sum of what they hold plus the largest piece of work among them fits the budget; a
@@ -49,6 +50,15 @@ SAMPLER_TENSORS = 9
 EVENT_COPIES = 3
 # A decoded frame's bytes per pixel: the float32 RGB tensor, its numpy copy and the 8-bit image.
 FRAME_BYTES_PER_PIXEL = 3 * (4 + 4 + 1)
+# A PIL RGB image's bytes per pixel (it stores RGBX): a video's last piece of images, which the decode
+# loop still holds while the sample's sound decodes.
+IMAGE_BYTES_PER_PIXEL = 4
+# A decoded sound's bytes per value of its waveform (channels x samples): the float32 waveform and two
+# float32 temporaries of its conversion to 16-bit PCM, then four 16-bit copies (the PCM, its
+# interleaved bytes, the WAV buffer and its value; rollout_server.stream.wav_bytes).
+SOUND_BYTES_PER_VALUE = 3 * 4 + 4 * 2
+# A WAV file's bytes: a 44-byte header, then 16-bit PCM.
+WAV_HEADER_BYTES = 44
 # The default budget's share of the device memory left once the model is loaded: on a CPU host the
 # RAM is shared with other processes (a trainer, often); a GPU is the server's own, less room for the
 # caching allocator's fragmentation.
@@ -127,6 +137,20 @@ def sample_sizes(adapter: FamilyAdapter, request: rollout_pb2.RolloutRequest) ->
     )
 
 
+def sound_piece(adapter: FamilyAdapter, decode: DecodeProfile, shape: MediaShape, video_pixels: int) -> int:
+    """The bytes of one sample's sound decode at ``shape``, which runs after its frames, a decode piece
+    of its own (0 without sound): its decoder's activations, the waveform and its WAV, beside the last
+    video piece's images (``video_pixels``), which the decode loop still holds."""
+    values = adapter.audio_values(shape)
+    if not values:
+        return 0
+    return (
+        math.ceil(values * decode.sound_width * DECODE_LIVE_FACTOR)
+        + values * SOUND_BYTES_PER_VALUE
+        + video_pixels * IMAGE_BYTES_PER_PIXEL
+    )
+
+
 def estimate(
     adapter: FamilyAdapter,
     decode: DecodeProfile,
@@ -149,10 +173,10 @@ def estimate(
     tokens, width = adapter.forward_activation(shape)
     tokens = -(-tokens // sequence_split)  # this rank's share; the generated ones split evenly
     row_bytes = (tokens * width * FORWARD_LIVE_FACTOR + adapter.text_elements()) * model_bytes
-    decode_bytes = decode_state = 0
+    decode_bytes = decode_state = wav = 0
     frame_pixels = shape.height * shape.width
     if request.images:
-        piece_pixels = decode.frames_per_piece * frame_pixels
+        piece_pixels = decode.piece_frames(shape.frames) * frame_pixels
         vae_bytes = adapter.pipe.vae.dtype.itemsize
         activations = math.ceil(piece_pixels * decode.width * DECODE_LIVE_FACTOR) * vae_bytes
         decode_bytes = (
@@ -163,11 +187,14 @@ def estimate(
         # What a decode keeps between pieces (a few frames of each causal convolution's input) is
         # part of a piece's activations.
         decode_state = activations if adapter.decode_keeps_state else 0
+        decode_bytes = max(decode_bytes, sound_piece(adapter, decode, shape, piece_pixels))
+        if values := adapter.audio_values(shape):
+            wav = WAV_HEADER_BYTES + 2 * values  # 16-bit PCM
     debug = sum(d != rollout_pb2.DEBUG_TENSOR_SD for d in request.debug_tensors)
     step_event = latent * (dtypes.LATENT[request.latent_dtype].itemsize + 4 * debug)
     started_event = latent * dtypes.LATENT[request.latent_dtype].itemsize + env
     png = 3 * frame_pixels if request.images else 0  # an RGB image that does not compress
-    event = max(step_event, started_event, png)
+    event = max(step_event, started_event, png, wav)
     held = (
         latent * 4 * (SAMPLER_TENSORS + branches) + EVENT_COPIES * event + backlog_bytes + env + decode_state
     )

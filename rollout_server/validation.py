@@ -62,6 +62,7 @@ class ServingContext:
     defaults: FamilyDefaults
     side_multiple: int
     limits: Limits
+    min_side: int = 1  # height and width are at least this many pixels
     cfg_scale_field: str = "true_cfg_scale"
     cfg_off_scale: float = 1.0  # the CFG scale at and below which no negative branch runs
     scale_fields: tuple[str, ...] = SCALE_FIELDS  # the scales the model reads
@@ -95,6 +96,7 @@ class ServingContext:
             defaults=defaults,
             side_multiple=adapter.side_multiple,
             limits=limits,
+            min_side=adapter.min_side,
             cfg_scale_field=adapter.cfg_scale_field,
             cfg_off_scale=adapter.cfg_off_scale,
             scale_fields=adapter.scale_fields,
@@ -180,6 +182,8 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
             bad.append((field, f"must be in [1, {limits.max_side}] pixels, got {side}"))
         elif side % context.side_multiple:
             bad.append((field, f"must be a multiple of {context.side_multiple}, got {side}"))
+        elif side < context.min_side:
+            bad.append((field, f"must be at least {context.min_side} pixels, got {side}"))
 
     frames, step = resolved.num_frames, context.frame_step
     if not 0 < frames <= context.max_frames:

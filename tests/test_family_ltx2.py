@@ -65,11 +65,14 @@ def test_frames_must_be_8k_plus_1_and_bounded(family_client, frames):
     assert [violation.field for violation in field_violations(refused.value)] == ["num_frames"]
 
 
-def test_a_side_off_the_32_pixel_grid_is_refused(family_client):
+@pytest.mark.parametrize(("side", "message"), [(48, "a multiple of 32"), (32, "at least 64 pixels")])
+def test_a_side_off_the_32_pixel_grid_or_below_two_latents_is_refused(family_client, side, message):
+    """The video decoder's reflect padding needs 2 x 2 latents: 32 pixels would fail at the decode."""
     with pytest.raises(grpc.RpcError) as refused:
-        family_client.rollout(family_request("ltx2", "ODE", cfg=False, height=48))
+        family_client.rollout(family_request("ltx2", "ODE", cfg=False, height=side))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [violation.field for violation in field_violations(refused.value)] == ["height"]
+    assert message in field_violations(refused.value)[0].description
 
 
 def test_both_streams_noise_and_the_joint_log_prob_follow_the_documented_rules(family_client):
@@ -220,7 +223,7 @@ def test_flowgrpo_and_nft_train_on_the_joint_latents_on_policy(cache_dir, tmp_pa
     server = start_server(cache_dir, tmp_path / "server.log", "--model", "tiny-ltx2")
     try:
         common = ["--server", server.address, "--iterations", "2", "--prompts", "2", "--group-size", "2"]
-        common += ["--steps", "3", "--size", "64", "--lora-targets", "to_q,to_k,to_v,to_out.0"]
+        common += ["--steps", "3", "--size", "64"]  # the family's default LoRA targets
         with RolloutClient(server.address, timeout=120) as client:
             probe = family_request("ltx2", "FLOW_SDE", cfg=False, samples_per_prompt=1, num_steps=3)
             before = client.rollout(probe)

@@ -9,16 +9,20 @@ published values:
 
 - the adapter's latent shape, generated tokens and forward size at the family's default request size
   (1024 x 1024 pixels; 480 x 832 pixels x 81 frames for video, HunyuanVideo 1.5's own 480 x 848
-  x 121, Cosmos3's 720 x 1280 x 189), and the tokens the real transformer's input layer makes of that latent;
+  x 121, Cosmos3's 720 x 1280 x 189, LTX-2's 512 x 768 x 121), and the tokens the real transformer's
+  input layer makes of that latent (of each latent stream, for LTX-2's video and audio);
 - the sequence-parallel split at 2, 4 and 8 ranks: the attention heads Ulysses divides, and the
   tokens of a default request;
 - the memory estimate: a forward row against tokens x width, the rows the runner puts in one forward,
-  the text's env, and a component's parameters against its published safetensors' bytes;
+  the text's env, a decode piece (a whole video's, and a sound's), and a component's parameters
+  against its published safetensors' bytes or parameter count;
 - the family's default LoRA targets (the trainer's ``LORA_TARGETS``) against the real module tree,
   laid out by the server's own check, with and without sequence parallelism.
 
 ``python tests/test_real_sizes.py`` prints the table of docs/benchmarks.md ("Real checkpoint sizes");
-``test_the_table_in_the_docs_is_the_one_computed_here`` holds the docs to it.
+``test_the_table_in_the_docs_is_the_one_computed_here`` holds the docs to it. Last, on the tiny-ltx2
+preset (real weights, the CPU): the estimate's decode piece against the tensors a real decode of its
+longest sound makes.
 """
 
 import dataclasses
@@ -26,15 +30,19 @@ import functools
 import io
 import math
 import tempfile
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
     AutoencoderKLHunyuanVideo15,
+    AutoencoderKLLTX2Audio,
+    AutoencoderKLLTX2Video,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     ClassifierFreeGuidance,
@@ -49,6 +57,8 @@ from diffusers import (
     FluxTransformer2DModel,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
+    LTX2Pipeline,
+    LTX2VideoTransformer3DModel,
     QwenImageEditPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
@@ -62,15 +72,20 @@ from diffusers import (
     ZImageTransformer2DModel,
 )
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
+from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
 from helpers import FAMILIES
 from peft import LoraConfig
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPVisionConfig,
     CLIPVisionModelWithProjection,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
     Mistral3Config,
     Mistral3ForConditionalGeneration,
     PreTrainedTokenizerFast,
@@ -84,6 +99,7 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
+    SiglipVisionConfig,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -99,11 +115,13 @@ from rollout_server.errors import InvalidRequest, ParallelismUnsupported
 from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.limits import Limits
 from rollout_server.parallel import ParallelDims, check_splittable
+from rollout_server.presets import defaults_for
 from rollout_server.presets.cosmos3 import SCHEDULER_CONFIG as COSMOS3_SCHEDULER_CONFIG
 from rollout_server.presets.flux import FLUX_SCHEDULER_CONFIG
 from rollout_server.presets.flux2 import FLUX2_SCHEDULER_CONFIG
 from rollout_server.presets.hunyuan_video15 import GUIDANCE_SCALE as HUNYUAN_VIDEO15_GUIDANCE_SCALE
 from rollout_server.presets.hunyuan_video15 import SCHEDULER_CONFIG as HUNYUAN_VIDEO15_SCHEDULER_CONFIG
+from rollout_server.presets.ltx2 import SCHEDULER_CONFIG as LTX2_SCHEDULER_CONFIG
 from rollout_server.presets.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, _prompt_template
 from rollout_server.presets.sd3 import SD3_SCHEDULER_CONFIG
 from rollout_server.presets.tokenizers import (
@@ -116,6 +134,7 @@ from rollout_server.presets.tokenizers import (
 from rollout_server.presets.wan import WAN22_BOUNDARY_RATIO, WAN_SCHEDULER_CONFIG
 from rollout_server.presets.z_image import Z_IMAGE_SCHEDULER_CONFIG
 from rollout_server.scheduler import STREAM_BUFFER
+from rollout_server.stream import wav_bytes
 from rollout_server.validation import ServingContext, resolve
 from rollout_server.weights.spec import TransformerSpec, layout_bytes, lora_layout
 
@@ -505,6 +524,162 @@ WAN_2_2_VAE = {
     "latents_std": [1.0] * 48,
 }
 
+# Lightricks/LTX-2 (LTX-2.0, the 19B audio-video model): the "2.0" entries of diffusers'
+# scripts/convert_ltx2_to_diffusers.py (its transformer, video VAE, audio VAE, vocoder and connectors
+# getters), which Lightricks/LTX-2's vae/ and connectors/ config.json agree with. diffusers' classes
+# default to most of these values; they are all written out here, as a later LTX version's could
+# become the defaults. transformer/config.json:
+LTX_2 = {
+    "in_channels": 128,
+    "out_channels": 128,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "num_attention_heads": 32,
+    "attention_head_dim": 128,
+    "cross_attention_dim": 4096,
+    "vae_scale_factors": (8, 32, 32),
+    "pos_embed_max_pos": 20,
+    "base_height": 2048,
+    "base_width": 2048,
+    "audio_in_channels": 128,
+    "audio_out_channels": 128,
+    "audio_patch_size": 1,
+    "audio_patch_size_t": 1,
+    "audio_num_attention_heads": 32,
+    "audio_attention_head_dim": 64,
+    "audio_cross_attention_dim": 2048,
+    "audio_scale_factor": 4,
+    "audio_sampling_rate": 16000,
+    "audio_hop_length": 160,
+    "num_layers": 48,
+    "activation_fn": "gelu-approximate",
+    "qk_norm": "rms_norm_across_heads",
+    "norm_elementwise_affine": False,
+    "norm_eps": 1e-6,
+    "caption_channels": 3840,
+    "attention_bias": True,
+    "attention_out_bias": True,
+    "rope_theta": 10000.0,
+    "rope_double_precision": True,
+    "rope_type": "split",
+    "causal_offset": 1,
+    "timestep_scale_multiplier": 1000,
+    "cross_attn_timestep_scale_multiplier": 1000,
+    "use_prompt_embeddings": True,
+    "gated_attn": False,
+    "cross_attn_mod": False,
+    "perturbed_attn": False,
+}
+# connectors/config.json: one projection of Gemma 3's 48 layers and its embeddings (49 x 3840), then a
+# 1D transformer per modality with learnable registers in place of the padding.
+LTX_2_CONNECTORS = {
+    "caption_channels": 3840,
+    "text_proj_in_factor": 49,
+    "video_connector_num_attention_heads": 30,
+    "video_connector_attention_head_dim": 128,
+    "video_connector_num_layers": 2,
+    "video_connector_num_learnable_registers": 128,
+    "audio_connector_num_attention_heads": 30,
+    "audio_connector_attention_head_dim": 128,
+    "audio_connector_num_layers": 2,
+    "audio_connector_num_learnable_registers": 128,
+    "connector_rope_base_seq_len": 4096,
+    "rope_theta": 10000.0,
+    "rope_double_precision": True,
+    "rope_type": "split",
+    "per_modality_projections": False,
+    "proj_bias": False,
+}
+# vae/config.json: 4x4 patches and four 2x levels (32x in space), 8x in time; a causal encoder and a
+# non-causal decoder without timestep conditioning.
+LTX_2_VAE = {
+    "latent_channels": 128,
+    "block_out_channels": (256, 512, 1024, 2048),
+    "decoder_block_out_channels": (256, 512, 1024),
+    "layers_per_block": (4, 6, 6, 2, 2),
+    "decoder_layers_per_block": (5, 5, 5, 5),
+    "spatio_temporal_scaling": (True, True, True, True),
+    "decoder_spatio_temporal_scaling": (True, True, True),
+    "downsample_type": ("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+    "upsample_residual": (True, True, True),
+    "upsample_factor": (2, 2, 2),
+    "timestep_conditioning": False,
+    "patch_size": 4,
+    "patch_size_t": 1,
+    "encoder_causal": True,
+    "decoder_causal": False,
+    "encoder_spatial_padding_mode": "zeros",
+    "decoder_spatial_padding_mode": "reflect",
+    "spatial_compression_ratio": 32,
+    "temporal_compression_ratio": 8,
+    "scaling_factor": 1.0,
+}
+# audio_vae/config.json: 16 kHz stereo mel spectrograms (64 bins, hop 160) to 8 latent channels, 4x
+# in time and in mel bins, causal in time.
+LTX_2_AUDIO_VAE = {
+    "base_channels": 128,
+    "ch_mult": (1, 2, 4),
+    "num_res_blocks": 2,
+    "attn_resolutions": None,
+    "in_channels": 2,
+    "output_channels": 2,
+    "resolution": 256,
+    "latent_channels": 8,
+    "norm_type": "pixel",
+    "causality_axis": "height",
+    "sample_rate": 16000,
+    "mel_hop_length": 160,
+    "mel_bins": 64,
+    "double_z": True,
+}
+# vocoder/config.json: HiFi-GAN-style, the mel frames upsampled 6 x 5 x 2 x 2 x 2 = 240 times to 24 kHz.
+LTX_2_VOCODER = {
+    "in_channels": 128,
+    "hidden_channels": 1024,
+    "out_channels": 2,
+    "upsample_kernel_sizes": [16, 15, 8, 4, 4],
+    "upsample_factors": [6, 5, 2, 2, 2],
+    "resnet_kernel_sizes": [3, 7, 11],
+    "resnet_dilations": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+    "act_fn": "leaky_relu",
+    "leaky_relu_negative_slope": 0.1,
+    "antialias": False,
+    "final_act_fn": "tanh",
+    "output_sampling_rate": 24000,
+}
+# text_encoder/config.json: Gemma 3 12B's (Gemma3ForConditionalGeneration, its SigLIP tower included).
+# Not from the conversion script, which loads the encoder by its hub id: google/gemma-3-12b-it's
+# config.json as remembered here; transformers' Gemma 3 defaults fill the rest (the 5:1 pattern of
+# sliding-window to global layers, the norms' epsilon, the image tokens' ids). Its parameter count,
+# 12.19 B here, is not checked.
+GEMMA_3_12B = {
+    "text_config": {
+        "hidden_size": 3840,
+        "intermediate_size": 15360,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 1024,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        "vocab_size": 262208,
+    },
+    "vision_config": {
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "image_size": 896,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+    "mm_tokens_per_image": 256,
+}
+
 
 def on_meta(model_class, *args, **kwargs) -> torch.nn.Module:
     """``model_class(*args, **kwargs)`` on the meta device, in the served dtype."""
@@ -662,6 +837,27 @@ def cosmos3_pipeline(folder: Path) -> Cosmos3OmniPipeline:
     )
 
 
+def ltx2_pipeline(folder: Path) -> LTX2Pipeline:
+    """The adapter reads no tokenizer: its text length is the pipeline's 1024."""
+    return LTX2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER_CONFIG),
+        vae=on_meta(AutoencoderKLLTX2Video, **LTX_2_VAE),
+        audio_vae=on_meta(AutoencoderKLLTX2Audio, **LTX_2_AUDIO_VAE),
+        text_encoder=on_meta(
+            Gemma3ForConditionalGeneration,
+            Gemma3Config(
+                text_config=Gemma3TextConfig(**GEMMA_3_12B["text_config"]),
+                vision_config=SiglipVisionConfig(**GEMMA_3_12B["vision_config"]),
+                mm_tokens_per_image=GEMMA_3_12B["mm_tokens_per_image"],
+            ),
+        ),
+        tokenizer=None,
+        connectors=on_meta(LTX2TextConnectors, **LTX_2_CONNECTORS),
+        transformer=on_meta(LTX2VideoTransformer3DModel, **LTX_2),
+        vocoder=on_meta(LTX2Vocoder, **LTX_2_VOCODER),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """A published checkpoint, and its figures at the family's default request size, by hand."""
@@ -683,6 +879,14 @@ class Checkpoint:
     default_media: tuple[int, int, int] | None = None
     # The bytes of a component's published safetensors (the total_size of its index), where known.
     published_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    # A component's parameters in billions, as published (rounded to the digits given), where known.
+    published_parameters: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The shapes of a sample's latent streams, for a family with several (LTX-2: video, then audio).
+    latent_streams: tuple[tuple[int, ...], ...] = ()
+    # A family with sound: one sample's waveform values (channels x samples) at the default size, and
+    # the sound decode's widest activation on the adapter's probe, in bytes per waveform value.
+    audio_values: int = 0
+    sound_width: float = 0.0
 
 
 # FLUX.1 at 1024 x 1024: 8x VAE, 2x2 packing: 64 x 64 = 4096 tokens of 4 x 16 channels; the joint
@@ -705,6 +909,47 @@ WAN_TOKENS = 21 * 30 * 52  # 1 x 2 x 2 patches
 # CFG doubles the group's rows to 16; the 2,096,640-element latent fits 4 times in the default
 # max_latent_elements (8 Mi), so 4 rows a forward.
 WAN_FORWARD_ROWS = 4
+# LTX-2 at the pipeline's default, 121 frames of 768 x 512: 32x VAE of 128 channels, 8x in time, 1 x 1
+# patches: 1 + 120 / 8 latent frames of 512 / 32 x 768 / 32 video tokens; its audio: 121 frames at
+# 24 fps are 5.04 s, 25 latent frames a second (16 kHz, hop 160, 4x), round(126.04) frames of 8
+# channels x 64 / 4 mel bins. One joint latent of both.
+LTX_2_VIDEO_TOKENS = 16 * 16 * 24
+LTX_2_AUDIO_FRAMES = 126
+LTX_2_CHECKPOINT = Checkpoint(
+    "Lightricks/LTX-2",
+    "ltx2",
+    ltx2_pipeline,
+    default_media=(121, 512, 768),
+    latent_shape=(LTX_2_VIDEO_TOKENS * 128 + LTX_2_AUDIO_FRAMES * 128,),
+    latent_streams=((LTX_2_VIDEO_TOKENS, 128), (LTX_2_AUDIO_FRAMES, 128)),
+    generated_tokens=LTX_2_VIDEO_TOKENS,  # the video's, which --sp splits
+    # Both streams' tokens; the video feed-forward's 4 x 4096, the widest (the audio's is 4 x 2048).
+    forward=(LTX_2_VIDEO_TOKENS + LTX_2_AUDIO_FRAMES, 4 * 4096),
+    # The connectors' video and audio states (30 x 128 wide each) of the 1024 padded text tokens, and
+    # their one mask.
+    text_elements=1024 * (30 * 128 + 30 * 128 + 1),
+    # CFG doubles the group's rows to 16; the 802,560-element joint latent fits 10 times in the default
+    # max_latent_elements (8 Mi): max_batch_size's 8 rows a forward.
+    forward_rows=8,
+    # Its 32 video and 32 audio heads divide by 2, 4 and 8 (the adapter's plan), and so do the 6144
+    # video tokens.
+    ulysses_refused=frozenset(),
+    # The sound: the audio VAE's 4 x 126 mel frames less the 3 of its causal padding, each 240 samples
+    # of the vocoder's, in stereo. Its widest tensor is the audio VAE's last upsampling, interpolated
+    # before its convolution: 256 channels x 64 mel bins x 2 (2 L - 1) frames of the probe's L = 9
+    # latent frames (9 video frames), in bf16, per value of the 2 x (4 L - 3) x 240 it decodes to.
+    audio_values=2 * (4 * LTX_2_AUDIO_FRAMES - 3) * 240,
+    sound_width=2 * 256 * 64 * 2 * (2 * 9 - 1) / (2 * (4 * 9 - 3) * 240),
+    # LTX-2.0's components' parameter counts as cited with its configs (the "19B" of its name is the
+    # transformer's 18.88 B); its published safetensors' bytes are not checked here.
+    published_parameters={
+        "transformer": "18.88",
+        "connectors": "1.43",
+        "vae": "1.22",
+        "audio_vae": "0.053",
+        "vocoder": "0.056",
+    },
+)
 CHECKPOINTS = (
     Checkpoint(
         "black-forest-labs/FLUX.1-dev",
@@ -874,6 +1119,7 @@ CHECKPOINTS = (
         forward_rows=1,
         ulysses_refused=frozenset(SPLITS),  # no context-parallel plan in diffusers
     ),
+    LTX_2_CHECKPOINT,
 )
 
 
@@ -1013,6 +1259,19 @@ def test_the_adapter_sizes_the_default_request_as_the_published_values_say(adapt
     assert adapter.text_elements() == checkpoint.text_elements
     sigmas, timesteps = adapter.schedule(adapter.defaults().num_steps, shape)
     assert len(sigmas) == len(timesteps) == adapter.defaults().num_steps + 1
+    streams = adapter.latent_streams(shape)
+    assert tuple(stream.shape for stream in streams) == checkpoint.latent_streams
+    if streams:
+        # LTX-2: the joint latent is cut into its streams, each fed under its own argument to its own
+        # input projection (patches of 1), which makes a token of each row; the video's are generated.
+        layers = {"hidden_states": "proj_in", "audio_hidden_states": "audio_proj_in"}
+        with torch.no_grad():
+            for stream in streams:
+                sample = torch.empty(1, *stream.shape, device=META, dtype=DTYPE)
+                embedded = getattr(adapter.transformer, layers[stream.argument])(sample)
+                assert embedded.shape[1] == stream.shape[0]
+        assert streams[0].shape[0] == checkpoint.generated_tokens
+        return
     # The real transformer's input layer takes the latent as the adapter shapes it (with the
     # conditioning's channels, for a family that concatenates them), and makes that many tokens.
     for expert in adapter.experts.values():
@@ -1073,22 +1332,41 @@ def test_the_split_across_2_4_and_8_ranks(adapters, checkpoint):
 def test_the_memory_estimate_at_scale(adapters, checkpoint):
     """A trainer's group at the default size: each forward row is 6 x its tokens x the widest
     activation plus its text, in bf16, each rank's share of the tokens under SP; a forward takes the
-    rows the runner gives it; a component's parameters are its published checkpoint's bytes."""
+    rows the runner gives it; a decode piece is the larger of a video piece (a whole video where the
+    VAE decodes one at once) and the sound's decode; a component's parameters are its published
+    checkpoint's bytes, or its published count."""
     adapter = adapters(checkpoint)
     tokens, width = checkpoint.forward
     profile = adapter.measure_decode()
     # A video VAE with a causal cache decodes a latent frame (4 frames) a piece; one without, the
-    # whole probe (1 + 4 frames) at once.
+    # whole probe (1 + 4 frames; LTX-2's 1 + 8) at once, and so a whole sample: its piece is the
+    # default request's every frame.
     video_piece = 4 if adapter.decode_keeps_state else 1 + adapter.frame_step
     assert profile.frames_per_piece == (video_piece if adapter.max_frames > 1 else 1)
+    assert profile.whole_sample == (adapter.max_frames > 1 and not adapter.decode_keeps_state)
     assert profile.workspace == 0  # off the CPU
+    shape = default_shape(adapter)
+    assert adapter.audio_values(shape) == checkpoint.audio_values
+    assert profile.sound_width == checkpoint.sound_width  # the same division of the same integers
+    pixels = profile.piece_frames(shape.frames) * shape.height * shape.width
+    video_piece_bytes = math.ceil(pixels * profile.width * 6) * 2 + pixels * memory.FRAME_BYTES_PER_PIXEL
+    # The sound decodes after the frames, beside the last piece's images: 6 x its widest activation,
+    # the waveform's float32 copies and WAV bytes (20 bytes a value), 4 bytes a pixel of the images.
+    values = checkpoint.audio_values
+    sound_bytes = values and math.ceil(values * checkpoint.sound_width * 6) + 20 * values + 4 * pixels
+    assert memory.sound_piece(adapter, profile, shape, pixels) == sound_bytes
     budget = memory.MemoryBudget(0, Limits())
     for split in (1, *SPLITS):
         estimate = memory.estimate(adapter, profile, group_request(adapter, 1), BACKLOG, split)
         assert estimate.row_bytes == (-(-tokens // split) * width * 6 + checkpoint.text_elements) * 2
         assert budget.forward_rows(estimate, estimate.rows) == checkpoint.forward_rows
+        assert estimate.decode_bytes == max(video_piece_bytes, sound_bytes)
     for component, size in checkpoint.published_bytes.items():
         assert 2 * parameters(getattr(adapter.pipe, component)) == size  # bf16
+    for component, billions in checkpoint.published_parameters.items():
+        # Rounded as published: to half a unit of its last digit.
+        digits = len(billions.split(".")[1])
+        assert f"{parameters(getattr(adapter.pipe, component)) / 1e9:.{digits}f}" == billions, component
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=lambda c: c.name)
@@ -1110,6 +1388,38 @@ def test_the_default_lora_targets_name_modules_of_the_real_tree(adapters, figure
         assert "may not wrap ['proj_out']" in measured.lora_under_sp
     else:
         assert measured.lora_under_sp == ""
+
+
+def test_ltx2s_lora_targets_adapt_every_attention_and_feed_forward_of_both_streams(
+    adapters, family_resources
+):
+    """LTX-2's default targets wrap, in every block of the published transformer and of the tiny-ltx2
+    preset's, the four projections of each of its six attentions (video and audio self-attention and
+    prompt cross-attention, audio-to-video and video-to-audio) and both streams' feed-forwards: 28
+    linear layers a block, and nothing else."""
+    attentions = (
+        "attn1",
+        "audio_attn1",
+        "attn2",
+        "audio_attn2",
+        "audio_to_video_attn",
+        "video_to_audio_attn",
+    )
+    per_block = [f"{a}.{p}" for a in attentions for p in ("to_q", "to_k", "to_v", "to_out.0")]
+    per_block += [f"{ff}.{layer}" for ff in ("ff", "audio_ff") for layer in ("net.0.proj", "net.2")]
+    targets = LORA_TARGETS["ltx2"]
+    for adapter in (adapters(LTX_2_CHECKPOINT), family_resources.adapter("ltx2")):
+        transformer = adapter.transformer
+        matched = [
+            name
+            for name, _ in transformer.named_modules()
+            if any(name == target or name.endswith("." + target) for target in targets)
+        ]
+        blocks = range(transformer.config.num_layers)
+        assert sorted(matched) == sorted(
+            f"transformer_blocks.{i}.{name}" for i in blocks for name in per_block
+        )
+        assert all(isinstance(transformer.get_submodule(name), torch.nn.Linear) for name in matched)
 
 
 def gib(size: int) -> str:
@@ -1144,6 +1454,80 @@ def table(adapter: Callable[[Checkpoint], FamilyAdapter], figures: Callable[[Che
 def test_the_table_in_the_docs_is_the_one_computed_here(adapters, figures):
     docs = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
     assert table(adapters, figures) in docs
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The most bytes of tensors that the ops run under it made and that were alive at once: a storage
+    counts from the op that makes it until no tensor on it (its views included) is left. Views of
+    tensors made before are not counted, nor the kernels' own scratch buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.tensors: dict[int, list[int]] = {}  # storage address: [tensors on it, its bytes]
+
+    def _released(self, address: int) -> None:
+        entry = self.tensors[address]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self.tensors[address]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        before = {t.untyped_storage().data_ptr() for t in inputs} - set(self.tensors)
+        for tensor in pytree.tree_leaves(output):
+            if not isinstance(tensor, torch.Tensor) or any(tensor is t for t in inputs):
+                continue  # an in-place op's
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+            if address in before:
+                continue  # a view of a tensor made before
+            if address not in self.tensors:
+                self.tensors[address] = [0, storage.nbytes()]
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+            self.tensors[address][0] += 1
+            weakref.finalize(tensor, self._released, address)
+        return output
+
+
+def test_the_decode_piece_covers_a_real_decode_of_the_tiny_ltx2_presets_longest_sound(family_resources):
+    """tiny-ltx2 at its longest sound, 241 frames (10 s) at 64 x 64 (the least video beside it): the
+    request's estimate has room for the tensors that decoding one sample makes, piece by piece as the
+    runner decodes it: the whole video and its frames (the VAE decodes every frame at once), then the
+    sound and its WAV, within the estimate's own sound term.
+
+    On this CPU the sound decode's resident memory, in a fresh process, peaked at 70 to 78 MiB, about
+    twice its term, mostly the vocoder's oneDNN convolutions over the tiny preset's narrow tensors
+    (docs/architecture.md#the-memory-budget); the estimate's 128 MiB of runtime overhead covers it."""
+    adapter = family_resources.adapter("ltx2")
+    serving = ServingContext.of(adapter, defaults_for("tiny-ltx2", adapter.defaults()), Limits())
+    request = rollout_pb2.RolloutRequest(prompts=["a drum"], num_frames=241, height=64, width=64)
+    request = resolve(request, serving)
+    assert request.images and (request.num_frames, request.samples_per_prompt) == (241, 1)
+    shape = MediaShape.of(request)
+    profile = adapter.measure_decode()
+    estimate = memory.estimate(adapter, profile, request, BACKLOG)
+    latents = torch.randn(1, *adapter.latent_shape(shape), generator=torch.Generator().manual_seed(0))
+    with LiveTensorBytes() as video:
+        frames = [len(images) for images in adapter.decode_frames(latents, shape)]
+    with LiveTensorBytes() as sound:
+        wav = wav_bytes(adapter.decode_audio(latents, shape))
+    assert frames == [241]  # one piece
+    assert len(wav) == memory.WAV_HEADER_BYTES + 2 * adapter.audio_values(shape)
+    assert video.peak <= estimate.decode_bytes
+    assert sound.peak <= memory.sound_piece(adapter, profile, shape, 0) <= estimate.decode_bytes
+    # Both are far above the piece the estimate counted before: a video piece of the probe's 9 frames
+    # (4.6 MB here, where the video's tensors took 47 MB and the sound's 19 MB), and no sound.
+    probe_pixels = profile.frames_per_piece * shape.height * shape.width
+    probe_piece = (
+        math.ceil(probe_pixels * profile.width * 6) * 4
+        + math.ceil(probe_pixels * profile.workspace) * 4
+        + probe_pixels * memory.FRAME_BYTES_PER_PIXEL
+    )
+    assert probe_piece < sound.peak < video.peak
 
 
 if __name__ == "__main__":

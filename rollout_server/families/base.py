@@ -54,11 +54,19 @@ class DecodeProfile:
     """How large a decode piece's tensors are, in elements per pixel of the frames the piece yields:
     the widest activation, and the widest convolution workspace (the CPU's 3D convolution unfolds its
     input into ``in_channels x kernel volume`` columns per output element; none elsewhere). And the
-    most frames one piece yields."""
+    most frames one piece yields, or that a piece is a sample's every frame (a video VAE that decodes
+    a whole video at once). For a family with sound, its decode's widest activation in bytes per value
+    of the waveform (channels x samples); 0 without sound."""
 
     width: float
     workspace: float
     frames_per_piece: int
+    whole_sample: bool = False
+    sound_width: float = 0.0
+
+    def piece_frames(self, frames: int) -> int:
+        """The frames of a sample's largest piece, for a sample of ``frames`` frames."""
+        return frames if self.whole_sample else self.frames_per_piece
 
 
 @dataclass(frozen=True)
@@ -171,6 +179,12 @@ class FamilyAdapter(ABC):
         """Height and width must be multiples of this many pixels."""
 
     @property
+    def min_side(self) -> int:
+        """Height and width must be at least this many pixels: one ``side_multiple`` unless the decoder
+        needs more."""
+        return self.side_multiple
+
+    @property
     def frame_step(self) -> int:
         """Video families: ``num_frames - 1`` must be a multiple of it. 0: one frame only."""
         return 0
@@ -265,9 +279,16 @@ class FamilyAdapter(ABC):
         over (image and text, for joint attention), and the widest per-token activation in elements
         (the feed-forward's hidden width, or a fused projection's)."""
 
+    def audio_values(self, shape: MediaShape) -> int:
+        """The values of one sample's decoded waveform at ``shape`` (channels x samples), which the
+        memory estimate sizes its sound decode by: 0 without sound (families with ``decodes_audio``)."""
+        return 0
+
     def measure_decode(self) -> DecodeProfile:
         """The decoder's tensors per output pixel, measured on a small probe: its channel widths at
-        each resolution, which the tensors of a piece of any size follow."""
+        each resolution, which the tensors of a piece of any size follow. A video probe has two latent
+        frames: a decoder that yields both in one piece decodes a whole sample at once. A family with
+        sound measures its sound decode on the same probe, per value of the waveform."""
         side = 2 * self.side_multiple
         shape = MediaShape(1 + self.frame_step, side, side)
         widest = workspace = 0
@@ -283,6 +304,7 @@ class FamilyAdapter(ABC):
 
         handles = [module.register_forward_hook(record) for module in self.pipe.vae.modules()]
         profile = DecodeProfile(0.0, 0.0, 0)
+        pieces = 0
         try:
             latents = torch.zeros(1, *self.latent_shape(shape), device=self.device)
             for piece in self.decode_pixels(latents, shape):
@@ -293,10 +315,33 @@ class FamilyAdapter(ABC):
                     max(profile.frames_per_piece, pixels // (side * side)),
                 )
                 widest = workspace = 0
+                pieces += 1
         finally:
             for handle in handles:
                 handle.remove()
-        return profile
+        whole_sample = pieces == 1 and shape.frames > 1
+        sound_width = self._measure_sound(latents, shape) if self.decodes_audio else 0.0
+        return dataclasses.replace(profile, whole_sample=whole_sample, sound_width=sound_width)
+
+    def _measure_sound(self, latents: torch.Tensor, shape: MediaShape) -> float:
+        """The sound decode's widest activation (an output of any module of the pipeline's components
+        that it runs: an audio VAE, a vocoder), in bytes per value of the waveform it decodes."""
+        widest = 0
+
+        def record(module, inputs, output) -> None:
+            nonlocal widest
+            for tensor in output if isinstance(output, tuple) else (output,):
+                if isinstance(tensor, torch.Tensor):
+                    widest = max(widest, tensor.numel() * tensor.element_size())
+
+        components = [c for c in self.pipe.components.values() if isinstance(c, torch.nn.Module)]
+        handles = [module.register_forward_hook(record) for c in components for module in c.modules()]
+        try:
+            sound = self.decode_audio(latents, shape)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return widest / sound.waveform.numel()
 
     @abstractmethod
     def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:

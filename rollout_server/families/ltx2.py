@@ -56,6 +56,7 @@ cross-modal ones) each rank's copy arrives once per rank, so every key appears a
 value, which leaves each softmax-weighted mean as it is, but for rounding.
 """
 
+import math
 from collections.abc import Iterator
 
 import numpy as np
@@ -132,6 +133,11 @@ class LTX2Adapter(FamilyAdapter):
         return self.pipe.vae_spatial_compression_ratio * self.pipe.transformer_spatial_patch_size
 
     @property
+    def min_side(self) -> int:
+        # The video decoder's reflect padding needs at least 2 x 2 latents.
+        return 2 * self.side_multiple
+
+    @property
     def frame_step(self) -> int:
         return self.pipe.vae_temporal_compression_ratio
 
@@ -162,6 +168,17 @@ class LTX2Adapter(FamilyAdapter):
 
     def _mel_bins(self) -> int:
         return self.pipe.audio_vae.config.mel_bins // self.pipe.audio_vae_mel_compression_ratio
+
+    def audio_values(self, shape: MediaShape) -> int:
+        # The audio VAE decodes L latent frames to 4L mel frames, less the 3 of its causal padding
+        # (AutoencoderKLLTX2Audio's decoder), and the vocoder's transposed convolutions multiply them by
+        # their strides (each pads (kernel - stride) / 2 a side, an even number for LTX-2's).
+        audio_vae, vocoder = self.pipe.audio_vae, self.pipe.vocoder.config
+        compression = self.pipe.audio_vae_temporal_compression_ratio
+        mel_frames = self._audio_frames(shape) * compression
+        if audio_vae.config.causality_axis is not None:
+            mel_frames = max(mel_frames - (compression - 1), 1)
+        return vocoder.out_channels * mel_frames * math.prod(vocoder.upsample_factors)
 
     def latent_streams(self, shape: MediaShape) -> tuple[LatentStream, ...]:
         pipe = self.pipe
@@ -285,5 +302,7 @@ class LTX2Adapter(FamilyAdapter):
         audio = pipe._denormalize_audio_latents(audio, audio_vae.latents_mean, audio_vae.latents_std)
         audio = pipe._unpack_audio_latents(audio, self._audio_frames(shape), num_mel_bins=self._mel_bins())
         mel = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]
-        waveform = pipe.vocoder(mel)[0]
-        return Sound(waveform.float().cpu(), int(pipe.vocoder.config.output_sampling_rate))
+        waveform = pipe.vocoder(mel)[0].float()
+        # On the host for the WAV; a pipeline on the meta device (sized, not run) keeps it there.
+        waveform = waveform if waveform.is_meta else waveform.cpu()
+        return Sound(waveform, int(pipe.vocoder.config.output_sampling_rate))

@@ -75,6 +75,21 @@ COSMOS3_TARGETS = (
     "mlp_moe_gen.up_proj",
     "mlp_moe_gen.down_proj",
 )
+# LTX-2's: every attention of both streams (the video's and the audio's self-attention, attn1 and
+# audio_attn1, and prompt cross-attention, attn2 and audio_attn2, and the audio-to-video and
+# video-to-audio attentions between them), and both streams' feed-forwards (".ff" does not match
+# "audio_ff", so each is named). The input and output projections, the caption projections and the
+# timestep modulation are left as they are.
+LTX2_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "audio_ff.net.0.proj",
+    "audio_ff.net.2",
+)
 # --lora-targets' default, by the server's family.
 LORA_TARGETS = {
     "flux": FLUX_TARGETS,
@@ -88,5 +103,6 @@ LORA_TARGETS = {
     "wan-i2v": WAN_TARGETS,
     "hunyuan-video15": HUNYUAN_VIDEO15_TARGETS,
     "cosmos3": COSMOS3_TARGETS,
+    "ltx2": LTX2_TARGETS,
     "z-image": Z_IMAGE_TARGETS,
 }
