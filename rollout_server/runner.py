@@ -212,7 +212,7 @@ class Runner:
             sigmas, timesteps = adapter.schedule(request.num_steps, shape)
         sampler_type = steps.SAMPLERS_BY_ENUM[request.sampler].name
         latent_shape = adapter.latent_shape(shape)
-        streams = adapter.latent_streams(shape)
+        call_form = adapter.call_form_for(shape)
         check_prompt_tokens(self.parallel.dims, adapter, conditioning.envs)
         noise_levels = [request.noise_level] * request.num_steps
         for branch in request.branches:
@@ -240,7 +240,7 @@ class Runner:
             latent_shape=latent_shape,
             device=adapter.device,
             initial=initial_latents(request.initial_latents) if request.initial_latents else None,
-            latent_streams=streams,
+            latent_streams=call_form.streams,
         )
         signatures: dict[int, tuple] = {}  # equal texts share one env dict: sign it once
         envs = {}
@@ -253,7 +253,7 @@ class Runner:
             key=key,
             request=request,
             plan=plan,
-            call_form=adapter.call_form_for(shape),
+            call_form=call_form,
             state=init(plan),
             timesteps=timesteps,
             experts=[adapter.expert_for(t) for t in timesteps[:-1].tolist()],

@@ -14,6 +14,10 @@ solvers (``rollout_core.solvers``), and knows no model. A stochastic step is a f
 transition from x_i as streamed, and ends the solver's history; every other step is the plan's
 solver's.
 
+A sample with several latent streams (LTX-2's video and audio) is stepped as its joint latent
+(``rollout_core.latent_streams``): its noise is the joint draw, its log-prob the mean over every
+element of every stream, and each stream's own log-prob is recorded beside it.
+
 The streamed log-prob scores exactly the streamed x_{i+1}: when latents are kept in float32,
 x_{i+1} = mean + sd * eps and the residual is sd * eps, computed from the full noise tensor; when the
 latent dtype is bf16/fp16 the state is rounded after every step and the residual is

@@ -125,7 +125,7 @@ def wav_bytes(sound: "Sound") -> bytes:
         writer.setnchannels(channels)
         writer.setsampwidth(2)
         writer.setframerate(sound.sample_rate)
-        writer.writeframes(pcm.t().contiguous().numpy().tobytes())  # interleaved, little-endian
+        writer.writeframes(pcm.t().contiguous().numpy().astype("<i2").tobytes())  # interleaved
     return buffer.getvalue()
 
 
