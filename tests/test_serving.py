@@ -523,6 +523,7 @@ def test_help_is_quiet_and_lists_every_preset():
         "tiny-z-image",
         "tiny-hunyuan-video15",
         "tiny-cosmos3",
+        "tiny-ltx2",
     }
 
 
