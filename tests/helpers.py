@@ -816,6 +816,16 @@ def field_violations(error: grpc.RpcError) -> list[error_details_pb2.BadRequest.
     return violations
 
 
+def refused_rollout(
+    client, request: rollout_pb2.RolloutRequest
+) -> list[error_details_pb2.BadRequest.FieldViolation]:
+    """The field violations of a rollout the server refuses with INVALID_ARGUMENT."""
+    with pytest.raises(grpc.RpcError) as refused:
+        client.rollout(request)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return field_violations(refused.value)
+
+
 def grpcurl(
     address: str, *args: str, flags: Iterable[str] = ("-plaintext",), data: dict | None = None
 ) -> subprocess.CompletedProcess:
