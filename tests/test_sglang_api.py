@@ -39,12 +39,13 @@ SEED = 1234
 # A partial window: steps 1 and 2 stochastic, the latents around them returned (x_1, x_2, x_3).
 SDE_STEPS = [2, 1]  # any order, as SGLang takes them
 RETURNED = [1, 2, 3]
-SIZE = {"flux": {}, "wan": {"num_frames": 5}}
+SIZE = {"flux": {}, "wan": {"num_frames": 5}, "ltx2": {"num_frames": 9}}
 CFG = {
     "flux": {"true_cfg_scale": 3.0, "negative_prompt": "blurry, low quality"},
     "wan": {"guidance_scale": 5.0, "negative_prompt": "blurry"},
+    "ltx2": {"guidance_scale": 3.0, "negative_prompt": "silence"},
 }
-NO_CFG = {"flux": {}, "wan": {"guidance_scale": 1.0}}
+NO_CFG = {"flux": {}, "wan": {"guidance_scale": 1.0}, "ltx2": {"guidance_scale": 1.0}}
 
 
 @pytest.fixture(scope="session")
@@ -147,7 +148,7 @@ def replayed_log_prob(transformer, answer: dict, i: int, sampler: str, constants
 
 @pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "cfg"])
 @pytest.mark.parametrize("sde_type", ["sde", "cps"])
-@pytest.mark.parametrize("family", ["flux", "wan"])
+@pytest.mark.parametrize("family", ["flux", "wan", "ltx2"])  # LTX-2: joint video + audio latents
 def test_sglang_requests_replay_from_the_bare_transformer(sglang, family_resources, family, sde_type, cfg):
     """Built with SGLang's model and decoded with its codec: four distinct samples with their own
     seeds, each stochastic step's log-prob replayed within TOLERANCE, the deterministic ones 0."""
