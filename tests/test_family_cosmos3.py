@@ -13,7 +13,7 @@ import torch
 from helpers import FAMILIES, TOLERANCE, family_request, field_violations
 
 from rollout.v1 import rollout_pb2
-from rollout_core.transformer_call import TransformerCall
+from rollout_core.transformer_call import TransformerCall, call_transformer
 from rollout_server.errors import ParallelismUnsupported
 from rollout_server.families.base import MediaShape
 from rollout_server.parallel import ParallelDims, check_splittable
@@ -141,3 +141,36 @@ def test_sp_splits_over_ulysses_where_both_head_counts_divide(adapter, family_re
             check_splittable(adapter.transformer, ParallelDims(sp=4, attention_split=split, world_size=4))
     with pytest.raises(ParallelismUnsupported, match="Cosmos3OmniTransformer has no context-parallel plan"):
         check_splittable(family_resources.transformer("cosmos3"), ParallelDims(sp=2, world_size=2))
+
+
+def test_generated_tokens_are_the_vision_tokens_the_seams_split(adapter):
+    """A real forward at an odd patch grid (48 x 80 pixels: 3 x 5 latent rows and columns, padded to
+    2 x 3 patches; 3 latent frames): the vision pathway the shard seam cuts, and its rotary
+    embeddings, have generated_tokens(shape) tokens, which validation checks against the ranks."""
+    shape = MediaShape(9, 48, 80)
+    transformer = adapter.transformer
+    shard, seen = transformer._cp_shard_fn, []
+
+    def capture(und_seq, gen_seq, rotary_emb):
+        seen.append((gen_seq.shape[0], rotary_emb[2].shape[0]))
+        return shard(und_seq, gen_seq, rotary_emb)
+
+    transformer._cp_shard_fn = capture
+    try:
+        env = adapter.encode_text(SPEC.prompts[0], 1.0, shape)
+        x = torch.zeros(1, *adapter.latent_shape(shape))
+        with torch.no_grad():
+            call_transformer(
+                transformer,
+                x,
+                500.0,
+                env,
+                torch.float32,
+                adapter.timestep_divisor,
+                adapter.conditioning,
+                form=adapter.call_form_for(shape),
+                batched_env_keys=adapter.batched_env_keys,
+            )
+    finally:
+        transformer._cp_shard_fn = shard
+    assert seen == [(adapter.generated_tokens(shape),) * 2] == [(3 * 2 * 3,) * 2]

@@ -62,9 +62,26 @@ is not a Gaussian transition of the whole latent), the safety checker (``cosmos_
 whose pipeline enables it loads only where it is installed, and the server runs no check), and the
 pipeline's mixed-precision schedule (``mixed_precision_format``; the server runs the loaded dtype).
 
-Sequence parallelism: ``Cosmos3OmniTransformer`` has no context-parallel plan (``_cp_plan``) in
-diffusers 0.41, by design (its packed dual-pathway attention with GQA and ragged lengths is split by
-an external helper through ``_cp_shard_fn``), so ``--sp`` is refused at start-up.
+Sequence parallelism (``--sp N``, Ulysses). ``Cosmos3OmniTransformer`` has no context-parallel plan
+(``_cp_plan``) in diffusers 0.41, by design: ``forward`` has two seams instead, ``_cp_shard_fn``
+(each pathway's hidden states and rotary embeddings, before the decoder layers) and ``_cp_gather_fn``
+(each pathway's output, after the final norm), for a helper that splits and gathers and installs a
+context-parallel attention processor; diffusers ships none. The adapter's constructor gives the
+loaded transformer ours (``UlyssesSplit``, ``UlyssesAttnProcessor``), idle until ``--sp`` splits it,
+and an empty plan (no diffusers hooks: the seams split), which ``check_splittable`` and
+``enable_parallelism`` take. The shard cuts the text (the understanding pathway) and the vision
+tokens apart, each with its rotary embeddings, as ``tensor_split`` does (the text unevenly, as
+diffusers' ``ulysses_anything``; the vision tokens into equal parts, which validation checks as for
+every family, though the exchange takes any cut). The processor mirrors diffusers' projections, norms
+and rotations on the rank's tokens, then exchanges each pathway's q, k and v apart (one all-to-all
+each, and one each back): every rank attends, for its share of the heads, over the unsplit text
+(causally) and the unsplit text + vision sequence (fully), in SP=1's order, so in float32 on one CPU
+thread SP=2 gives SP=1's velocities bitwise. Under GQA query head h reads key/value head
+h / (query heads / key/value heads): a rank's share of the query heads reads exactly its share of
+the key/value heads when both counts divide by the degree, which ``check_splittable`` requires
+(Cosmos3-Nano's 32 and 8: 2, 4 or 8 ranks). The gather sends every rank's output part to every rank.
+Ring attention is refused at start-up (``_cp_ulysses_only``): the exchange is Ulysses'. A transformer
+loaded without the adapter has no seams and is refused as having no plan.
 """
 
 import inspect
