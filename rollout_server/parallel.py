@@ -111,7 +111,8 @@ def split_inputs(transformer: torch.nn.Module) -> dict[str, int]:
 def check_splittable(transformer: torch.nn.Module, dims: ParallelDims) -> None:
     """ParallelismUnsupported unless diffusers can split ``transformer`` as ``dims`` say: it needs a
     context-parallel plan (and one whose attention takes a ring split, under ring attention), and
-    Ulysses splits its attention heads, so they must divide by its degree."""
+    Ulysses splits its attention heads (query and, where grouped, key/value), so they must divide by
+    its degree."""
     name = type(transformer).__name__
     if getattr(transformer, "_cp_plan", None) is None:
         raise ParallelismUnsupported(
@@ -122,11 +123,20 @@ def check_splittable(transformer: torch.nn.Module, dims: ParallelDims) -> None:
         raise ParallelismUnsupported(
             f"{name}'s split attention runs on Ulysses alone: use --attention-split ulysses"
         )
-    # Read off the attention modules: the config's name for it differs between models.
-    heads = {m.heads for m in transformer.modules() if hasattr(m, "processor") and hasattr(m, "heads")}
-    if undivided := sorted(count for count in heads if count % dims.ulysses):
+    # Read off the attention modules: the config's name for it differs between models. Grouped keys
+    # and values (Cosmos3's num_key_value_heads) are split among the ranks too.
+    kinds = {"heads": "attention", "num_attention_heads": "attention", "num_key_value_heads": "key/value"}
+    heads = {
+        (count, kind)
+        for m in transformer.modules()
+        if hasattr(m, "processor")
+        for attribute, kind in kinds.items()
+        if isinstance(count := getattr(m, attribute, None), int)
+    }
+    if undivided := sorted((count, kind) for count, kind in heads if count % dims.ulysses):
+        count, kind = undivided[0]
         raise ParallelismUnsupported(
-            f"{name} has {undivided[0]} attention heads: not divisible by the Ulysses degree {dims.ulysses}"
+            f"{name} has {count} {kind} heads: not divisible by the Ulysses degree {dims.ulysses}"
         )
 
 

@@ -2,8 +2,9 @@
 Karras sigmas on flow sigmas), env (the prompt's token ids with the pipeline's templates, the negative
 prompt's with the inverse ones, and the packed sequence's indexes and mRoPE ids), transformer call (one
 packed sample per call, a float32 timestep per noisy vision token), CFG, UniPC steps and decoding are
-Cosmos3OmniPipeline's own; frames are validated as 4k + 1 and bounded; --sp is refused (no
-context-parallel plan). Replay parity is in test_replay.py with the other families."""
+Cosmos3OmniPipeline's own; frames are validated as 4k + 1 and bounded; --sp splits over Ulysses (the
+transformer's seams and our processor), never ring attention. Replay parity is in test_replay.py,
+SP=2 against SP=1 in test_sp.py, with the other families."""
 
 import numpy as np
 import pytest
@@ -11,10 +12,10 @@ import torch
 from helpers import FAMILIES, TOLERANCE, family_request, refused_rollout
 
 from rollout.v1 import rollout_pb2
-from rollout_core.transformer_call import TransformerCall
+from rollout_core.transformer_call import TransformerCall, call_transformer
 from rollout_server.errors import ParallelismUnsupported
 from rollout_server.families.base import MediaShape
-from rollout_server.parallel import ParallelDims, SequenceParallel
+from rollout_server.parallel import ParallelDims, check_splittable
 from rollout_server.prompt_cache import PromptCache
 
 SPEC = FAMILIES["cosmos3"]
@@ -122,7 +123,53 @@ def test_each_sample_streams_its_frames_as_the_pipeline_decodes_them(family_clie
         np.testing.assert_allclose(got, np.round(expected * 255), atol=1)
 
 
-def test_sp_is_refused_without_a_context_parallel_plan(family_resources):
-    two_ranks = SequenceParallel(ParallelDims(sp=2, world_size=2))
+def test_sp_splits_over_ulysses_where_both_head_counts_divide(adapter, family_resources):
+    """The adapter's seams and processor take a Ulysses split when the query heads (4) and the
+    key/value heads (2) both divide by its degree: 2 ranks, not 4; ring attention, which the
+    processor's exchange is not written for, is refused at start-up naming the split to use. A
+    transformer loaded without the adapter has no seams: refused as having no plan."""
+    check_splittable(adapter.transformer, ParallelDims(sp=2, world_size=2))
+    with pytest.raises(
+        ParallelismUnsupported, match="has 2 key/value heads: not divisible by the Ulysses degree 4"
+    ):
+        check_splittable(adapter.transformer, ParallelDims(sp=4, world_size=4))
+    for split in ("ring", "ulysses+ring"):
+        with pytest.raises(
+            ParallelismUnsupported, match="runs on Ulysses alone: use --attention-split ulysses"
+        ):
+            check_splittable(adapter.transformer, ParallelDims(sp=4, attention_split=split, world_size=4))
     with pytest.raises(ParallelismUnsupported, match="Cosmos3OmniTransformer has no context-parallel plan"):
-        two_ranks.split_transformer(family_resources.transformer("cosmos3"))
+        check_splittable(family_resources.transformer("cosmos3"), ParallelDims(sp=2, world_size=2))
+
+
+def test_generated_tokens_are_the_vision_tokens_the_seams_split(adapter):
+    """A real forward at an odd patch grid (48 x 80 pixels: 3 x 5 latent rows and columns, padded to
+    2 x 3 patches; 3 latent frames): the vision pathway the shard seam cuts, and its rotary
+    embeddings, have generated_tokens(shape) tokens, which validation checks against the ranks."""
+    shape = MediaShape(9, 48, 80)
+    transformer = adapter.transformer
+    shard, seen = transformer._cp_shard_fn, []
+
+    def capture(und_seq, gen_seq, rotary_emb):
+        seen.append((gen_seq.shape[0], rotary_emb[2].shape[0]))
+        return shard(und_seq, gen_seq, rotary_emb)
+
+    transformer._cp_shard_fn = capture
+    try:
+        env = adapter.encode_text(SPEC.prompts[0], 1.0, shape)
+        x = torch.zeros(1, *adapter.latent_shape(shape))
+        with torch.no_grad():
+            call_transformer(
+                transformer,
+                x,
+                500.0,
+                env,
+                torch.float32,
+                adapter.timestep_divisor,
+                adapter.conditioning,
+                form=adapter.call_form_for(shape),
+                batched_env_keys=adapter.batched_env_keys,
+            )
+    finally:
+        transformer._cp_shard_fn = shard
+    assert seen == [(adapter.generated_tokens(shape),) * 2] == [(3 * 2 * 3,) * 2]

@@ -1117,7 +1117,8 @@ CHECKPOINTS = (
         # CFG doubles the group's rows to 16; the 8,294,400-element latent fits once in the default
         # max_latent_elements (8 Mi), so 1 row a forward (the transformer takes one sample anyway).
         forward_rows=1,
-        ulysses_refused=frozenset(SPLITS),  # no context-parallel plan in diffusers
+        # The adapter's seams and processor; its 32 query and 8 key/value heads divide by 2, 4 and 8,
+        # and so do the default's 48 x 23 x 40 = 8 x 5520 vision tokens (the text splits unevenly).
     ),
     LTX_2_CHECKPOINT,
 )

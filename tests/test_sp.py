@@ -265,13 +265,18 @@ def test_qwen_image_sp2_matches_sp1_with_uneven_prompt_lengths(family_resources,
         # 16x VAE, 1 x 1 patches: 3 x 4 x 4 tokens, beside a context of 1985 (1000 Qwen2.5-VL tokens,
         # 256 ByT5 bytes, 729 image tokens) that our plan splits unevenly, 993 and 992.
         ("hunyuan-video15", (32, 3, 4, 4)),
+        # 16x VAE of 48 channels, 2 x 2 patches: 3 x 2 x 2 vision tokens, packed after a text that the
+        # seams split unevenly (71 and 68 tokens, the negative's 73: 36 / 35, 34 / 34, 37 / 36); 4 query
+        # and 2 key/value heads, 2 and 1 a rank.
+        ("cosmos3", (48, 3, 4, 4)),
     ],
-    ids=["wan", "hunyuan-video15"],
+    ids=["wan", "hunyuan-video15", "cosmos3"],
 )
 def test_video_sp2_splits_video_tokens_and_matches_sp1(family_resources, cache_dir, tmp_path, family, latent):
     """The video tokens (latent frames x rows x columns) split across the ranks through the
-    transformer's context-parallel plan (diffusers' for Wan, ours for HunyuanVideo 1.5): noise and
-    log-probs bitwise as at SP=1, latents and velocities within TOLERANCE, with CFG."""
+    transformer's context-parallel plan (diffusers' for Wan, ours for HunyuanVideo 1.5) or its seams
+    (Cosmos3's, with our processor): noise and log-probs bitwise as at SP=1, latents and velocities
+    within TOLERANCE, with CFG."""
     video = request(num_frames=9, guidance_scale=5.0, negative_prompt="blurry")
     runs = {1: split_events(family_resources.client(family).stream(video))}
     runs[2] = stream_at_sp2(cache_dir, tmp_path / f"{family}-sp2.log", FAMILIES[family].preset, video)

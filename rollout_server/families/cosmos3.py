@@ -62,9 +62,26 @@ is not a Gaussian transition of the whole latent), the safety checker (``cosmos_
 whose pipeline enables it loads only where it is installed, and the server runs no check), and the
 pipeline's mixed-precision schedule (``mixed_precision_format``; the server runs the loaded dtype).
 
-Sequence parallelism: ``Cosmos3OmniTransformer`` has no context-parallel plan (``_cp_plan``) in
-diffusers 0.41, by design (its packed dual-pathway attention with GQA and ragged lengths is split by
-an external helper through ``_cp_shard_fn``), so ``--sp`` is refused at start-up.
+Sequence parallelism (``--sp N``, Ulysses). ``Cosmos3OmniTransformer`` has no context-parallel plan
+(``_cp_plan``) in diffusers 0.41, by design: ``forward`` has two seams instead, ``_cp_shard_fn``
+(each pathway's hidden states and rotary embeddings, before the decoder layers) and ``_cp_gather_fn``
+(each pathway's output, after the final norm), for a helper that splits and gathers and installs a
+context-parallel attention processor; diffusers ships none. The adapter's constructor gives the
+loaded transformer ours (``UlyssesSplit``, ``UlyssesAttnProcessor``), idle until ``--sp`` splits it,
+and an empty plan (no diffusers hooks: the seams split), which ``check_splittable`` and
+``enable_parallelism`` take. The shard cuts the text (the understanding pathway) and the vision
+tokens apart, each with its rotary embeddings, as ``tensor_split`` does (the text unevenly, as
+diffusers' ``ulysses_anything``; the vision tokens into equal parts, which validation checks as for
+every family, though the exchange takes any cut). The processor mirrors diffusers' projections, norms
+and rotations on the rank's tokens, then exchanges each pathway's q, k and v apart (one all-to-all
+each, and one each back): every rank attends, for its share of the heads, over the unsplit text
+(causally) and the unsplit text + vision sequence (fully), in SP=1's order, so in float32 on one CPU
+thread SP=2 gives SP=1's velocities bitwise. Under GQA query head h reads key/value head
+h / (query heads / key/value heads): a rank's share of the query heads reads exactly its share of
+the key/value heads when both counts divide by the degree, which ``check_splittable`` requires
+(Cosmos3-Nano's 32 and 8: 2, 4 or 8 ranks). The gather sends every rank's output part to every rank.
+Ring attention is refused at start-up (``_cp_ulysses_only``): the exchange is Ulysses'. A transformer
+loaded without the adapter has no seams and is refused as having no plan.
 """
 
 import inspect
@@ -72,7 +89,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from diffusers import Cosmos3OmniPipeline
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor, _rotate_half
 from PIL import Image
 
 from rollout.v1 import rollout_pb2
@@ -98,6 +118,151 @@ BATCHED_ENV_KEYS = (
     "vision_sequence_indexes",
     "vision_mse_loss_indexes",
 )
+
+
+def _sizes(tokens: int, ranks: int) -> list[int]:
+    """Each rank's part of ``tokens`` as ``tensor_split`` cuts them (diffusers' ``ulysses_anything``):
+    the first ``tokens % ranks`` parts one longer."""
+    return [tokens // ranks + (rank < tokens % ranks) for rank in range(ranks)]
+
+
+def _to_heads(parts: list[torch.Tensor], sizes: list[int], group) -> list[torch.Tensor]:
+    """Ulysses' first all-to-all, one for several projections: each of ``parts`` [s, h_i, d] (this
+    rank's s tokens, every head of q, k or v; query and key/value head counts differ under GQA) to
+    [sum(sizes), h_i / N, d] (every rank's tokens in rank order, this rank's share of the heads);
+    ``sizes``: each rank's token count."""
+    ranks, count, dim = len(sizes), parts[0].shape[0], parts[0].shape[-1]
+    shares = [part.shape[1] // ranks for part in parts]
+    send = torch.cat([part.unflatten(1, (ranks, -1)) for part in parts], dim=2)  # [s, N, share, d]
+    send = send.transpose(0, 1).contiguous()  # rank r's heads of every token, for rank r, in rank order
+    received = send.new_empty(sum(sizes), sum(shares), dim)
+    dist.all_to_all_single(
+        received, send.flatten(0, 1), output_split_sizes=sizes, input_split_sizes=[count] * ranks, group=group
+    )
+    return list(received.split(shares, dim=1))
+
+
+def _to_tokens(heads: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
+    """The all-to-all back: ``heads`` [sum(sizes), h / N, d] (every rank's tokens, this rank's heads)
+    to [sizes[rank], h x d] (this rank's tokens, every head, flattened as the output projection reads
+    them)."""
+    ranks, count = len(sizes), sizes[rank]
+    _, share, dim = heads.shape
+    received = heads.new_empty(ranks * count, share, dim)
+    dist.all_to_all_single(
+        received, heads.contiguous(), output_split_sizes=[count] * ranks, input_split_sizes=sizes, group=group
+    )
+    return received.view(ranks, count, share, dim).transpose(0, 1).reshape(count, ranks * share * dim)
+
+
+def _gather(part: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
+    """Every rank's ``part`` [sizes[rank], ...] in rank order (an all-gather of uneven parts, as an
+    all-to-all that sends each rank the same part)."""
+    ranks = len(sizes)
+    gathered = part.new_empty(sum(sizes), *part.shape[1:])
+    send = part.expand(ranks, *part.shape).contiguous().flatten(0, 1)
+    dist.all_to_all_single(
+        gathered, send, output_split_sizes=sizes, input_split_sizes=[sizes[rank]] * ranks, group=group
+    )
+    return gathered
+
+
+class UlyssesSplit:
+    """The transformer's context-parallel seams (``_cp_shard_fn``, ``_cp_gather_fn``), no-ops until
+    ``enable_parallelism`` gives it a config: each pathway's tokens and their rotary embeddings cut
+    into the ranks' parts before the decoder layers (the text unevenly, the vision tokens evenly:
+    validation), and gathered back after the final norm. It keeps the parts' sizes of the forward
+    under way, which the attention processors exchange by."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        self.transformer = transformer
+        self.text_sizes: list[int] = []
+        self.vision_sizes: list[int] = []
+
+    def ulysses(self) -> tuple[int, int, object] | None:
+        """The Ulysses degree, this rank's place in it and its group; None when not split."""
+        parallel = self.transformer._parallel_config
+        if parallel is None:
+            return None
+        config = parallel.context_parallel_config
+        return config.ulysses_degree, config._ulysses_local_rank, config._ulysses_mesh.get_group()
+
+    def shard(self, und_seq, gen_seq, rotary_emb):
+        if (ulysses := self.ulysses()) is None:
+            return und_seq, gen_seq, rotary_emb
+        ranks, rank, _ = ulysses
+        cos_und, sin_und, cos_gen, sin_gen = rotary_emb  # [tokens, head_dim] each
+        self.text_sizes = _sizes(und_seq.shape[0], ranks)
+        self.vision_sizes = _sizes(gen_seq.shape[0], ranks)
+        und_seq, cos_und, sin_und = (t.tensor_split(ranks)[rank] for t in (und_seq, cos_und, sin_und))
+        gen_seq, cos_gen, sin_gen = (t.tensor_split(ranks)[rank] for t in (gen_seq, cos_gen, sin_gen))
+        return und_seq, gen_seq, (cos_und, sin_und, cos_gen, sin_gen)
+
+    def gather(self, und_out, gen_out):
+        if (ulysses := self.ulysses()) is None:
+            return und_out, gen_out
+        _, rank, group = ulysses
+        return _gather(und_out, self.text_sizes, rank, group), _gather(
+            gen_out, self.vision_sizes, rank, group
+        )
+
+
+class UlyssesAttnProcessor(Cosmos3AttnProcessor):
+    """The dual-pathway attention under the split (inference: no autograd through the exchange);
+    diffusers' own processor when the transformer is not split. The projections, norms and rotary
+    embeddings mirror ``Cosmos3AttnProcessor.__call__`` (diffusers 0.41) line for line, on this
+    rank's tokens; then each pathway's q, k and v are exchanged for this rank's share of the query
+    heads and of the key/value heads (GQA: query head h reads key/value head h / groups, so rank r's
+    query heads read exactly rank r's key/value heads when both counts divide by the degree), and the
+    two attentions run on the unsplit sequences, in their own order."""
+
+    def __init__(self, split: UlyssesSplit):
+        self.split = split
+
+    def __call__(self, attn, und_seq, gen_seq, rotary_emb):
+        if self._parallel_config is None:
+            return super().__call__(attn, und_seq, gen_seq, rotary_emb)
+        heads, kv_heads, dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
+        q_und = attn.norm_q(attn.to_q(und_seq).view(-1, heads, dim))
+        k_und = attn.norm_k(attn.to_k(und_seq).view(-1, kv_heads, dim))
+        v_und = attn.to_v(und_seq).view(-1, kv_heads, dim)
+        q_gen = attn.norm_added_q(attn.add_q_proj(gen_seq).view(-1, heads, dim))
+        k_gen = attn.norm_added_k(attn.add_k_proj(gen_seq).view(-1, kv_heads, dim))
+        v_gen = attn.add_v_proj(gen_seq).view(-1, kv_heads, dim)
+        k_und_for_gen = attn.k_norm_und_for_gen(k_und) if attn.k_norm_und_for_gen is not None else None
+        cos_und, sin_und, cos_gen, sin_gen = (t.unsqueeze(1) for t in rotary_emb)
+        q_und, k_und = (t * cos_und + _rotate_half(t) * sin_und for t in (q_und, k_und))
+        q_gen, k_gen = (t * cos_gen + _rotate_half(t) * sin_gen for t in (q_gen, k_gen))
+        text = [q_und, k_und, v_und]
+        if k_und_for_gen is not None:  # otherwise the generation pathway reads k_und itself
+            text.append(k_und_for_gen * cos_und + _rotate_half(k_und_for_gen) * sin_und)
+
+        # Every rank's text tokens, and apart every rank's vision tokens, for this rank's heads.
+        _, rank, group = self.split.ulysses()
+        text_sizes, vision_sizes = self.split.text_sizes, self.split.vision_sizes
+        q_und, k_und, v_und, *for_gen = _to_heads(text, text_sizes, group)
+        k_und_for_gen = for_gen[0] if for_gen else k_und
+        q_gen, k_gen, v_gen = _to_heads([q_gen, k_gen, v_gen], vision_sizes, group)
+
+        causal_out = dispatch_attention_fn(
+            q_und.unsqueeze(0),
+            k_und.unsqueeze(0),
+            v_und.unsqueeze(0),
+            is_causal=True,
+            enable_gqa=True,
+            backend=self._attention_backend,
+        )
+        full_out = dispatch_attention_fn(
+            q_gen.unsqueeze(0),
+            torch.cat([k_und_for_gen, k_gen], dim=0).unsqueeze(0),
+            torch.cat([v_und, v_gen], dim=0).unsqueeze(0),
+            is_causal=False,
+            enable_gqa=True,
+            backend=self._attention_backend,
+        )
+        causal_out = _to_tokens(causal_out.squeeze(0), text_sizes, rank, group)
+        full_out = _to_tokens(full_out.squeeze(0), vision_sizes, rank, group)
+        return attn.to_out(causal_out), attn.to_add_out(full_out)
 
 
 class Cosmos3Adapter(FamilyAdapter):
@@ -127,6 +292,15 @@ class Cosmos3Adapter(FamilyAdapter):
                 f"{self.source}: a {type(self.pipe.scheduler).__name__} scheduler; Cosmos3OmniPipeline "
                 "steps with UniPCMultistepScheduler"
             )
+        # Sequence parallelism through the transformer's seams (module docstring): an empty plan (no
+        # hooks: the seams split and gather) and our processor, both idle until --sp splits it.
+        transformer = self.pipe.transformer
+        split = UlyssesSplit(transformer)
+        transformer._cp_plan = {}
+        transformer._cp_ulysses_only = True  # the processor's exchange is Ulysses' all-to-all
+        transformer._cp_shard_fn, transformer._cp_gather_fn = split.shard, split.gather
+        for layer in transformer.layers:
+            layer.self_attn.set_processor(UlyssesAttnProcessor(split))
 
     @property
     def side_multiple(self) -> int:

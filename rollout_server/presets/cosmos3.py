@@ -40,8 +40,10 @@ COSMOS3_PRESET_CONFIGS = {
         hidden_size=32,
         intermediate_size=64,
         num_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        # Grouped as Cosmos3-Nano's 32 query and 8 key/value heads (a key/value head per group of
+        # query heads), and both counts divide by 2: --sp 2's Ulysses splits each.
+        num_attention_heads=4,
+        num_key_value_heads=2,
         head_dim=16,
         rope_axes_dim=(2, 3, 3),
         vae_base_dim=8,
