@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from test_latent_streams import documented_draw
 
 from rollout.v1 import rollout_pb2
-from rollout_client import RolloutClient
+from rollout_client import RolloutClient, replay_stream_log_probs
 from rollout_client.commands import save_rollout
 from rollout_core import latent_streams, noise, wire
 
@@ -238,3 +238,21 @@ def test_flowgrpo_and_nft_train_on_the_joint_latents_on_policy(cache_dir, tmp_pa
         for stream in old.streams:
             moved = old.stream_latents(stream.name)[-1] - new.stream_latents(stream.name)[-1]
             assert moved.abs().max() > 1e-4, stream.name
+
+
+@pytest.mark.parametrize("sampler", ["FLOW_SDE", "CPS"])
+def test_each_streams_log_prob_replays_as_streamed(family_client, family_transformer, sampler):
+    """``replay_stream_log_probs``: each stream's own log-prob of every stochastic step, recomputed
+    through the transformer, within TOLERANCE of the streamed one (the Replay row of docs/testing.md)."""
+    for trajectory in family_client.rollout(family_request("ltx2", sampler, cfg=True)):
+        replayed = replay_stream_log_probs(family_transformer, trajectory)
+        assert replayed.keys() == trajectory.stream_log_probs.keys() == {"video", "audio"}
+        for name, values in replayed.items():
+            np.testing.assert_allclose(
+                values.numpy(),
+                trajectory.stream_log_probs[name].numpy(),
+                atol=TOLERANCE,
+                rtol=0,
+                equal_nan=True,
+            )
+            assert torch.isfinite(values[trajectory.stochastic]).all()

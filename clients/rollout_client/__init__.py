@@ -27,6 +27,7 @@ _EXPORTS = {
     "read_token": "credentials",
     "regenerate_deterministic_steps": "replay",
     "replay_log_probs": "replay",
+    "replay_stream_log_probs": "replay",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -114,6 +114,9 @@ class Transition(NamedTuple):
     log_probs: torch.Tensor  # [B]: the streamed x_{i+1} scored under N(means, stds^2)
     means: torch.Tensor  # [B, ...]
     stds: torch.Tensor  # [B]
+    # Several latent streams (LTX-2): each stream's own log-prob [B], whose element-weighted mean
+    # ``log_probs`` is; empty for one stream.
+    stream_log_probs: dict[str, torch.Tensor]
 
 
 Transformer = torch.nn.Module | Mapping[str, torch.nn.Module]
@@ -172,7 +175,7 @@ def step_transitions(
             call.batched_env_keys,
         )
     v = apply_guidance(call.guidance_rule, call.guidance_rule_scale, velocities)
-    means, stds, log_probs = [], [], []
+    means, stds, log_probs, per_stream = [], [], [], []
     for row, trajectory in enumerate(trajectories):
         kind, sigmas, level = trajectory.sampler_type, trajectory.sigmas, trajectory.noise_level_at(i)
         mean = steps.transition_mean(kind, x[row : row + 1], v[row : row + 1], sigmas, i, level)
@@ -181,7 +184,14 @@ def step_transitions(
         means.append(mean)
         stds.append(sd.reshape(1))
         log_probs.append(steps.log_prob(x_next - mean, sd, trajectory.log_prob_constants))
-    return Transition(torch.cat(log_probs), torch.cat(means), torch.cat(stds))
+        if call.form.streams:
+            per_stream.append(
+                steps.stream_log_probs(x_next - mean, sd, trajectory.log_prob_constants, call.form.streams)
+            )
+    stream_log_probs = {
+        stream.name: torch.cat([row[stream.name] for row in per_stream]) for stream in call.form.streams
+    }
+    return Transition(torch.cat(log_probs), torch.cat(means), torch.cat(stds), stream_log_probs)
 
 
 def step_log_probs(

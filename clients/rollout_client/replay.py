@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollout_client.grpo import Transformer, step_log_probs
+from rollout_client.grpo import Transformer, step_log_probs, step_transitions
 from rollout_core import solvers
 
 if TYPE_CHECKING:
@@ -27,6 +27,22 @@ def replay_log_probs(
     replayed = torch.full((trajectory.num_steps,), float("nan"))
     for i in torch.nonzero(trajectory.stochastic).flatten().tolist():
         replayed[i] = step_log_probs(transformer, [trajectory], i, device).item()
+    return replayed
+
+
+@torch.no_grad()
+def replay_stream_log_probs(
+    transformer: Transformer, trajectory: "Trajectory", device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """A sample with several latent streams (LTX-2): each stream's own log-prob of each stochastic
+    step recomputed with ``transformer``, float32 [T] by stream name (NaN elsewhere), as the stream's
+    ``stream_log_probs``: for a trainer that weighs the streams otherwise than the joint log-prob."""
+    replayed = {
+        stream.name: torch.full((trajectory.num_steps,), float("nan")) for stream in trajectory.streams
+    }
+    for i in torch.nonzero(trajectory.stochastic).flatten().tolist():
+        for name, values in step_transitions(transformer, [trajectory], i, device).stream_log_probs.items():
+            replayed[name][i] = values.item()
     return replayed
 
 
