@@ -557,6 +557,28 @@ def adapter_ode(
     return x
 
 
+def forward_at(adapter, prompt: str, shape) -> torch.Tensor:
+    """One forward of the adapter's transformer on zero latents at ``shape`` with ``prompt``'s env, by
+    the adapter's whole transformer-call rule (its conditioning, its call form at the shape, its
+    batched entries): the velocity."""
+    from rollout_core.transformer_call import call_transformer
+
+    env = adapter.encode_text(prompt, 1.0, shape)
+    x = torch.zeros(1, *adapter.latent_shape(shape))
+    with torch.no_grad():
+        return call_transformer(
+            adapter.transformer,
+            x,
+            500.0,
+            env,
+            torch.float32,
+            adapter.timestep_divisor,
+            adapter.conditioning,
+            form=adapter.call_form_for(shape),
+            batched_env_keys=adapter.batched_env_keys,
+        )
+
+
 def joint_attention_tokens(adapter, env: dict, shape) -> int:
     """The tokens the first transformer block's joint attention runs over (generated, conditioning and
     text) in one forward of ``env`` by the transformer-call rule, which must give x's shape back."""

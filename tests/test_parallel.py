@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from diffusers import FluxTransformer2DModel
-from helpers import FAMILIES, command_line_exit
+from helpers import FAMILIES, command_line_exit, forward_at
 
 from rollout.v1 import rollout_pb2
-from rollout_core.transformer_call import call_transformer
 from rollout_server import cli, families
 from rollout_server.errors import InvalidRequest, ParallelismUnsupported
 from rollout_server.families.base import MediaShape
@@ -176,19 +175,7 @@ def test_generated_tokens_are_the_length_the_transformer_splits(adapters, family
         if isinstance(plan, dict) and any(name in adapter.generated_inputs for name in plan)
     ]
     try:
-        env = adapter.encode_text(FAMILIES[family].prompts[0], 1.0, shape)
-        x = torch.zeros(1, *adapter.latent_shape(shape))
-        with torch.no_grad():
-            call_transformer(
-                transformer,
-                x,
-                500.0,
-                env,
-                torch.float32,
-                adapter.timestep_divisor,
-                adapter.conditioning,
-                form=adapter.call_form_for(shape),
-            )
+        forward_at(adapter, FAMILIES[family].prompts[0], shape)
     finally:
         for hook in hooks:
             hook.remove()
