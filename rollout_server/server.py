@@ -109,7 +109,8 @@ def features(adapter: families.base.FamilyAdapter, weights_root: Path | None) ->
         names.append(wire.FEATURE_EXPERTS)
     if adapter.takes_images:
         names.append(wire.FEATURE_CONDITION_IMAGES)
-    if adapter.latent_stream_names:
+    defaults = adapter.defaults()
+    if adapter.latent_streams(families.base.MediaShape(defaults.frames, defaults.height, defaults.width)):
         names.append(wire.FEATURE_LATENT_STREAMS)
     if adapter.decodes_audio:
         names.append(wire.FEATURE_AUDIO)

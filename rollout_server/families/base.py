@@ -118,9 +118,6 @@ class FamilyAdapter(ABC):
     image_encoding: ClassVar[str] = ""
     # Whether a sample's decode keeps state between its pieces (a causal video VAE's cache).
     decode_keeps_state: ClassVar[bool] = False
-    # Several latent streams per sample (LTX-2: "video", "audio"), as ``latent_streams`` lays them out;
-    # empty for a family with one latent tensor.
-    latent_stream_names: ClassVar[tuple[str, ...]] = ()
     # Whether a sample also decodes to sound (``decode_audio``), streamed as a WAV after its frames.
     decodes_audio: ClassVar[bool] = False
     # The transformer inputs that carry the generated (image or video) tokens, whose count

@@ -120,7 +120,6 @@ class LTX2Adapter(FamilyAdapter):
         "video_coords",
         "audio_coords",
     )
-    latent_stream_names = ("video", "audio")
     decodes_audio = True
     max_frames = 2 * DEFAULT_FRAMES - 1  # about twice the default (8k + 1) bounds one request's work
 
