@@ -6,17 +6,21 @@ update that passed every check restores the previous weights (checked in-process
 transformer: from outside, nothing that passes the checks fails any more).
 """
 
+import contextlib
 import copy
 import json
 import math
+import os
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import (
     TO_Q,
     assert_unchanged,
@@ -37,6 +41,7 @@ from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
 from rollout_client.updates import lora_config_json
 from rollout_server.weights.apply import apply_update
+from rollout_server.weights.files import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE
 from rollout_server.weights.update import FULL, LORA, WeightUpdate
 
 GRPC = grpc.StatusCode
@@ -284,6 +289,130 @@ def test_load_weights_larger_than_an_update_is_refused_unread(hardened, pusher, 
     assert_refused(raised, GRPC.INVALID_ARGUMENT, "path")
     assert f"an update is at most {max_bytes}" in raised.value.details()
     assert_unchanged(before, pusher)
+    assert_serving(hardened, pusher)
+
+
+def fifo_in(folder, name: str) -> str:
+    folder.mkdir(exist_ok=True)
+    (folder / name).unlink(missing_ok=True)
+    os.mkfifo(folder / name)
+    return folder.name
+
+
+def release_fifos(folder) -> None:
+    """A writer's open releases a reader blocked in opening a FIFO (the server before the check)."""
+    for fifo in folder.glob("*"):
+        with contextlib.suppress(OSError):  # ENXIO: no reader is waiting
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+# (id, a folder under the root holding a FIFO where a file is read, the kind asked for)
+FIFOS = [
+    ("weights-file", lambda root: fifo_in(root / "fifo-weights", "model.safetensors"), None),
+    ("named-file", lambda root: f"{fifo_in(root / 'fifo-file', 'x.safetensors')}/x.safetensors", "subset"),
+    ("adapter-weights", lambda root: fifo_with_adapter_config(root / "fifo-adapter"), "lora"),
+]
+
+
+def fifo_with_adapter_config(folder) -> str:
+    fifo_in(folder, PEFT_WEIGHTS_FILE)
+    (folder / PEFT_CONFIG_FILE).write_text(json.dumps(config()))
+    return folder.name
+
+
+@pytest.mark.parametrize(("path", "kind"), [case[1:] for case in FIFOS], ids=[case[0] for case in FIFOS])
+def test_a_fifo_is_refused_and_health_answers_throughout(hardened, pusher, root, path, kind):
+    """A FIFO among the weights is never opened for reading (the open would wait for a writer, holding
+    the process): the load is refused on ``path``, and a health probe with a one-second deadline is
+    answered SERVING all the while."""
+    requested = path(root)
+    before = fingerprint(pusher)
+    try:
+        with ThreadPoolExecutor(1) as pool, grpc.insecure_channel(hardened.address) as channel:
+            loading = pool.submit(pusher.load_weights, requested, before[0] + 1, kind)
+            probes = []
+            while not loading.done() or not probes:
+                probes.append(probe_within_a_second(channel))
+            assert set(probes) == {health_pb2.HealthCheckResponse.SERVING}, probes
+            with pytest.raises(grpc.RpcError) as raised:
+                loading.result()
+    finally:
+        release_fifos(root / requested.split("/")[0])
+    assert_refused(raised, GRPC.INVALID_ARGUMENT, "path", "is not a regular file")
+    assert_unchanged(before, pusher)
+    assert_serving(hardened, pusher)
+
+
+def probe_within_a_second(channel: grpc.Channel) -> int | grpc.StatusCode:
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+    except grpc.RpcError as error:
+        return error.code()
+
+
+def outside_file(outside, state_dict) -> Path:
+    outside.mkdir(exist_ok=True)
+    save_file({TO_Q: state_dict[TO_Q].contiguous()}, outside / "to_q.safetensors")
+    return outside / "to_q.safetensors"
+
+
+def linked(root, folder: str, name: str, target: Path) -> str:
+    (root / folder).mkdir(exist_ok=True)
+    (root / folder / name).unlink(missing_ok=True)
+    (root / folder / name).symlink_to(target, target_is_directory=target.is_dir())
+    return folder
+
+
+def pipeline_with_linked_transformer(root, outside: Path) -> str:
+    folder = linked(root, "linked-pipeline", "transformer", outside)
+    (root / folder / "model_index.json").write_text("{}")
+    return folder
+
+
+def adapter_with_linked_weights(root, outside: Path) -> str:
+    save_file(TO_Q_LORA, outside / PEFT_WEIGHTS_FILE)
+    folder = linked(root, "linked-adapter", PEFT_WEIGHTS_FILE, outside / PEFT_WEIGHTS_FILE)
+    (root / folder / PEFT_CONFIG_FILE).write_text(json.dumps(config()))
+    return folder
+
+
+# (id, the folder under the root whose file or sub-folder links out of it (root, the outside folder),
+# the kind asked for)
+ESCAPING_LINKS = [
+    (
+        "weights-file",
+        lambda root, out: linked(root, "linked-file", "model.safetensors", out / "to_q.safetensors"),
+        "subset",
+    ),
+    ("pipeline-transformer", pipeline_with_linked_transformer, "subset"),
+    ("adapter-weights", adapter_with_linked_weights, "lora"),
+]
+
+
+@pytest.mark.parametrize(
+    ("folder", "kind"), [case[1:] for case in ESCAPING_LINKS], ids=[case[0] for case in ESCAPING_LINKS]
+)
+def test_a_link_inside_a_folder_out_of_the_root_is_refused(
+    hardened, pusher, tiny_transformer, root, tmp_path, folder, kind
+):
+    """Each file read is checked after its links are resolved, not only the folder asked for."""
+    outside_file(tmp_path, tiny_transformer.state_dict())
+    before = fingerprint(pusher)
+    with pytest.raises(grpc.RpcError) as raised:
+        pusher.load_weights(folder(root, tmp_path), before[0] + 1, kind)
+    assert_refused(raised, GRPC.PERMISSION_DENIED)
+    assert "outside the server's --weights-root" in raised.value.details()
+    assert_unchanged(before, pusher)
+    assert_serving(hardened, pusher)
+
+
+def test_a_link_that_stays_inside_the_root_is_read(hardened, pusher, tiny_transformer, root):
+    """Links within the root (a hub cache's snapshot pointing at its blobs) load as the file would."""
+    blob = outside_file(root / "blobs", tiny_transformer.state_dict())
+    folder = linked(root, "snapshot", "model.safetensors", blob)
+    version = next_version(pusher)
+    assert pusher.load_weights(folder, version, kind="subset").policy_version == version
     assert_serving(hardened, pusher)
 
 
