@@ -11,6 +11,7 @@ import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_client.train.algorithms import ALGORITHMS, algorithm_name
+from rollout_client.train.finite import non_finite_tensor
 from rollout_client.train.lora import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, LORA_TARGETS
 from rollout_client.train.prompts import PROMPT_SETS, PROMPTS, prompt_pool
 from rollout_client.train.rewards import reward_terms
@@ -429,6 +430,10 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         if not path.is_file():
             parser.error(f"--resume: no {CHECKPOINT} in {args.out}")
         args.checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        weights = args.checkpoint["policy"].items()
+        problem = non_finite_tensor((f"{path}'s weight {name}", tensor) for name, tensor in weights)
+        if problem:
+            parser.error(f"--resume: {problem}: no run can go on from it")
         changed = [
             f"--{name.rstrip('_').replace('_', '-')} {value} (the checkpoint's run has {recorded})"
             for name, value in run_settings(args).items()

@@ -74,6 +74,20 @@ class Rewards:
             )
         return sum(term.weight * self.last[term.spec] for term in self.terms)
 
+    def non_finite(self, rewards: torch.Tensor, metadata: Sequence[SampleInfo]) -> str | None:
+        """Which of ``rewards`` (this call's) is NaN or infinite, and which term made it (their weighted
+        sum where finite terms overflowed), or None when all are finite."""
+        bad = (~rewards.isfinite()).nonzero()
+        if not len(bad):
+            return None
+        k = int(bad[0])
+        term = next((spec for spec, values in self.last.items() if not values[k].isfinite()), None)
+        sample = metadata[k]
+        return (
+            f"the reward of prompt {sample.prompt_index}'s sample {sample.sample_index} is "
+            f"{rewards[k].item()} ({term or 'the weighted sum of finite terms overflowed'})"
+        )
+
     def columns(self) -> list[str]:
         """The metrics columns of the terms (none for a single reward: ``reward_mean`` is it)."""
         return [f"reward_mean/{term.spec}" for term in self.terms] if len(self.terms) > 1 else []
