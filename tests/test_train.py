@@ -619,8 +619,8 @@ def test_a_non_finite_loss_gradient_or_weight_is_not_stepped_on_nor_checkpointed
 @pytest.mark.parametrize(
     "flag, value, message",
     [
-        ("--noise-level", "0", "must be above 0 (at 0 the sampler is deterministic"),
-        ("--noise-level", "nan", "must be above 0"),
+        ("--noise-level", "0", "must be finite and above 0 (at 0 the sampler is deterministic"),
+        ("--noise-level", "nan", "must be finite and above 0"),
         ("--iterations", "0", "must be at least 1, got 0"),
         ("--group-size", "1", "must be at least 2 (advantages are standardised within a prompt's group"),
     ],
@@ -665,11 +665,14 @@ def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, messag
             ["--grpo-guard", "--async"],
             "--grpo-guard takes the rollout policy's step means from the trainer's",
         ),
-        (["--algorithm", "nft", "--nft-anchor", "-1"], "--nft-anchor must be finite and at least 0"),
-        (["--time-budget", "inf"], "--time-budget must be finite and at least 0"),
-        (["--ema-decay", "1"], "--ema-decay must be in [0, 1)"),
-        (["--algorithm", "nft", "--nft-old-decay", "-0.1"], "--nft-old-decay must be in [0, 1)"),
-        (["--algorithm", "awm", "--nft-min-level", "1"], "--nft-min-level must be in [0, 1)"),
+        (
+            ["--algorithm", "nft", "--nft-anchor", "-1"],
+            "argument --nft-anchor: must be finite and at least 0",
+        ),
+        (["--time-budget", "inf"], "argument --time-budget: must be finite and at least 0"),
+        (["--ema-decay", "1"], "argument --ema-decay: must be in [0, 1)"),
+        (["--algorithm", "nft", "--nft-old-decay", "-0.1"], "argument --nft-old-decay: must be in [0, 1)"),
+        (["--algorithm", "awm", "--nft-min-level", "1"], "argument --nft-min-level: must be in [0, 1)"),
         (["--ema-decay", "0.9", "--async"], "--ema-decay's evals push the EMA between rollouts"),
         (["--algorithm", "awm", "--awm-kl", "1"], "--awm-kl pulls towards the EMA of the trained weights"),
         (["--nft-old-decay", "0.5"], "--nft-old-decay is for --algorithm nft"),
@@ -677,7 +680,10 @@ def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, messag
         (["--nft-min-level", "0.5"], "--nft-min-level is for --algorithm nft or awm"),
         (["--algorithm", "awm", "--window", "2"], "--window is for FlowGRPO: --algorithm awm scores no step"),
         (["--tree-sde", "forks"], "--tree-sde picks a tree's stochastic steps: it needs --tree"),
-        (["--algorithm", "nft", "--nft-anchor", "nan"], "--nft-anchor must be finite and at least 0"),
+        (
+            ["--algorithm", "nft", "--nft-anchor", "nan"],
+            "argument --nft-anchor: must be finite and at least 0",
+        ),
         (
             ["--algorithm", "nft", "--nft-anchor", "1", "--train", "full"],
             "--nft-anchor compares with the base",

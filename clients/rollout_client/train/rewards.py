@@ -11,6 +11,7 @@ is logged in metrics.csv as ``reward_mean/<spec>`` beside the total's ``reward_m
 
 import importlib
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,8 @@ class SampleInfo:
 
 
 def reward_terms(text: str) -> list[tuple[str, float]]:
-    """``--reward``'s (spec, weight) terms; ValueError naming a term that is not ``module:name[*w]``."""
+    """``--reward``'s (spec, weight) terms; ValueError naming a term that is not ``module:name[*w]``,
+    or whose weight is not finite."""
     terms = []
     for item in text.split(","):
         spec, _, weight = item.strip().partition("*")
@@ -36,9 +38,12 @@ def reward_terms(text: str) -> list[tuple[str, float]]:
         try:
             if not module or not name.isidentifier():
                 raise ValueError(item)
-            terms.append((spec, float(weight) if weight else 1.0))
+            value = float(weight) if weight else 1.0
         except ValueError:
             raise ValueError(f"not module:callable[*weight]: {item!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"the weight of {spec} must be finite, got {weight}")
+        terms.append((spec, value))
     return terms
 
 
