@@ -597,7 +597,7 @@ def test_a_non_finite_loss_gradient_or_weight_is_not_stepped_on_nor_checkpointed
     with pytest.raises(NonFinite) as stopped:
         model.optimizer_step(0.25)
     assert str(stopped.value) == (
-        f"iteration 0: after the optimizer step, the weight {names[2]} holds nan; it was not pushed nor "
+        f"iteration 0: after the optimizer step, the weight {names[2]} holds nan; it was neither pushed nor "
         f"checkpointed, and the last good checkpoint, of iterations 0-0, is {out / 'checkpoint.pt'}"
     )
     with pytest.raises(NonFinite, match=rf"weight {re.escape(names[2])} holds nan; it was not checkpointed"):

@@ -113,7 +113,9 @@ class Trainer:
         self.optimizer.step()
         # Finite gradients can still step to a non-finite weight: from an optimizer state that is not.
         problem = non_finite_tensor((f"the weight {name}", p) for name, p in self.named_parameters)
-        self.stop_if(problem and f"after the optimizer step, {problem}", "it was not pushed nor checkpointed")
+        self.stop_if(
+            problem and f"after the optimizer step, {problem}", "it was neither pushed nor checkpointed"
+        )
 
     def stop_if(self, problem: str | None, taken: str) -> None:
         """Stop the run, every rank alike, when a rank found ``problem`` (a non-finite value of the
