@@ -12,6 +12,7 @@ What each flag does, and what a run writes: the package's docstring and docs/tra
 import math
 
 from rollout_client.train import parse_args, run
+from rollout_client.train.finite import NonFinite
 from rollout_client.train.rollouts import ServerFailure
 
 __all__ = ["main", "parse_args"]
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = parse_args(argv)
     try:
         rows, seconds, ranks = run(config)
-    except ServerFailure as failure:
+    except (ServerFailure, NonFinite) as failure:
         raise SystemExit(f"train_grpo.py: stopped: {failure}") from None
     if not ranks.leader:
         return rows

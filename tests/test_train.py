@@ -43,7 +43,11 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from rollout_client import RolloutClient
+from rollout_client.rewards import jpeg_compressibility
+from rollout_client.train import Trainer
 from rollout_client.train.algorithms import ALGORITHMS
+from rollout_client.train.distributed import Ranks
+from rollout_client.train.finite import NonFinite
 from rollout_client.train.lora import LORA_TARGETS
 from rollout_client.train.metrics import COLUMNS
 from rollout_core import checksum
@@ -498,11 +502,125 @@ def test_a_hung_then_dead_server_is_reported_retried_and_the_run_stops_checkpoin
     assert last.endswith(f"iterations 0-{done - 1} are in {out / 'checkpoint.pt'}: run again with --resume")
 
 
+# reward_nan_at's state: the reward call (0-based) that returns a NaN, and the (checkpoint, copy)
+# files it copies when it does.
+NAN_REWARD: dict = {"at": None, "calls": 0, "checkpoint": None}
+
+
+def reward_nan_at(images, prompts) -> torch.Tensor:
+    """JPEG compressibility, with sample 1's reward NaN at call ``NAN_REWARD["at"]``: iteration
+    ``at`` of a flat run, which calls its reward once an iteration. That call first copies the run's
+    checkpoint aside, as the iteration before it left it."""
+    rewards = jpeg_compressibility(images, prompts)
+    call, NAN_REWARD["calls"] = NAN_REWARD["calls"], NAN_REWARD["calls"] + 1
+    if call == NAN_REWARD["at"]:
+        shutil.copyfile(*NAN_REWARD["checkpoint"])
+        rewards[1] = math.nan
+    return rewards
+
+
+def test_a_nan_reward_stops_the_run_before_its_step_keeping_the_last_good_checkpoint(
+    train_client, tmp_path, monkeypatch
+):
+    """A reward that turns NaN at iteration 2 stops the run with one line naming it, before that
+    iteration's optimizer step and before any checkpoint of it: checkpoint.pt stays the file iteration
+    1 wrote, byte for byte, and --resume (the reward mended) goes on from it to the end."""
+    out, kept = tmp_path / "train", tmp_path / "checkpoint-of-iteration-1.pt"
+    monkeypatch.setitem(NAN_REWARD, "at", 2)
+    monkeypatch.setitem(NAN_REWARD, "calls", 0)
+    monkeypatch.setitem(NAN_REWARD, "checkpoint", (out / "checkpoint.pt", kept))
+    flags = ("--checkpoint-every", "1", "--reward", f"{__name__}:reward_nan_at")
+    with pytest.raises(SystemExit) as stopped:
+        run_trainer(train_client.address, out, *flags)
+    assert stopped.value.code == (
+        f"train_grpo.py: stopped: iteration 2: the reward of prompt 0's sample 1 is nan "
+        f"({__name__}:reward_nan_at); no step was taken on it, and the last good checkpoint, of "
+        f"iterations 0-1, is {out / 'checkpoint.pt'}"
+    )
+    assert (out / "checkpoint.pt").read_bytes() == kept.read_bytes()
+    checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert checkpoint["iterations_done"] == 2
+    assert all(tensor.isfinite().all() for tensor in checkpoint["policy"].values())
+    assert not (out / "lora").exists()  # the run did not end: no final policy was saved
+
+    monkeypatch.setitem(NAN_REWARD, "at", None)
+    rows = run_trainer(train_client.address, out, *flags, "--resume")
+    assert [int(row["iteration"]) for row in rows] == [0, 1, 2]
+    assert all(math.isfinite(float(row[column])) for row in rows for column in ("reward_mean", "loss"))
+    adapter = load_file(out / "lora" / "adapter_model.safetensors")
+    assert all(tensor.isfinite().all() for tensor in adapter.values())
+
+
+def test_a_non_finite_loss_gradient_or_weight_is_not_stepped_on_nor_checkpointed(
+    train_client, tiny_flux_folder, tmp_path, trainer, capsys
+):
+    """A trainer's optimizer step with a NaN in one gradient, or with a non-finite loss, stops before
+    stepping: the weights and AdamW's state stay as they were, bit for bit. A NaN in AdamW's state
+    steps to a NaN weight: the run stops naming it, and checkpoint.pt is not written over. --resume
+    refuses a checkpoint holding a NaN weight, as a run without these checks could leave."""
+    out = tmp_path / "train"
+    out.mkdir()
+    config = trainer.parse_args(trainer_args(train_client.address, str(out)))
+    with torch.random.fork_rng(devices=[]):
+        model = Trainer(config, train_client, tiny_flux_folder, Ranks())
+    names = [name for name, _ in model.named_parameters]
+    start = [parameter.detach().clone() for parameter in model.parameters]
+
+    def unchanged() -> bool:
+        return all(torch.equal(now, was) for now, was in zip(model.parameters, start, strict=True))
+
+    def set_gradients(nan_in: int | None = None) -> None:
+        for k, parameter in enumerate(model.parameters):
+            parameter.grad = torch.full_like(parameter, 0.5)
+            if k == nan_in:
+                parameter.grad.view(-1)[-1] = math.nan
+
+    set_gradients(nan_in=3)
+    with pytest.raises(NonFinite) as stopped:
+        model.optimizer_step(0.25)
+    assert str(stopped.value) == (
+        f"iteration 0: the gradient of {names[3]} holds nan; no step was taken on it, and no checkpoint "
+        "was written"
+    )
+    set_gradients()
+    with pytest.raises(NonFinite, match=r"^iteration 0: the loss is inf; no step was taken on it"):
+        model.optimizer_step(math.inf)
+    assert not model.optimizer.state and unchanged()  # AdamW never stepped
+
+    model.optimizer_step(0.25)
+    assert not unchanged()
+    model.rows.append({"iteration": 0})
+    model.save_checkpoint()
+    good = (out / "checkpoint.pt").read_bytes()
+    model.optimizer.state[model.parameters[2]]["exp_avg"].view(-1)[0] = math.nan
+    set_gradients()
+    with pytest.raises(NonFinite) as stopped:
+        model.optimizer_step(0.25)
+    assert str(stopped.value) == (
+        f"iteration 0: after the optimizer step, the weight {names[2]} holds nan; it was neither pushed nor "
+        f"checkpointed, and the last good checkpoint, of iterations 0-0, is {out / 'checkpoint.pt'}"
+    )
+    with pytest.raises(NonFinite, match=rf"weight {re.escape(names[2])} holds nan; it was not checkpointed"):
+        model.save_checkpoint()
+    assert (out / "checkpoint.pt").read_bytes() == good
+
+    poisoned = torch.load(out / "checkpoint.pt", weights_only=True)
+    name, tensor = next(iter(poisoned["policy"].items()))
+    tensor.view(-1)[0] = math.inf
+    torch.save(poisoned, out / "checkpoint.pt")
+    with pytest.raises(SystemExit) as refused:
+        trainer.parse_args(trainer_args(train_client.address, str(out), "--resume"))
+    assert refused.value.code == 2
+    assert f"--resume: {out / 'checkpoint.pt'}'s weight {name} holds inf: no run can go on from it" in (
+        capsys.readouterr().err
+    )
+
+
 @pytest.mark.parametrize(
     "flag, value, message",
     [
-        ("--noise-level", "0", "must be above 0 (at 0 the sampler is deterministic"),
-        ("--noise-level", "nan", "must be above 0"),
+        ("--noise-level", "0", "must be finite and above 0 (at 0 the sampler is deterministic"),
+        ("--noise-level", "nan", "must be finite and above 0"),
         ("--iterations", "0", "must be at least 1, got 0"),
         ("--group-size", "1", "must be at least 2 (advantages are standardised within a prompt's group"),
     ],
@@ -547,11 +665,14 @@ def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, messag
             ["--grpo-guard", "--async"],
             "--grpo-guard takes the rollout policy's step means from the trainer's",
         ),
-        (["--algorithm", "nft", "--nft-anchor", "-1"], "--nft-anchor must be finite and at least 0"),
-        (["--time-budget", "inf"], "--time-budget must be finite and at least 0"),
-        (["--ema-decay", "1"], "--ema-decay must be in [0, 1)"),
-        (["--algorithm", "nft", "--nft-old-decay", "-0.1"], "--nft-old-decay must be in [0, 1)"),
-        (["--algorithm", "awm", "--nft-min-level", "1"], "--nft-min-level must be in [0, 1)"),
+        (
+            ["--algorithm", "nft", "--nft-anchor", "-1"],
+            "argument --nft-anchor: must be finite and at least 0",
+        ),
+        (["--time-budget", "inf"], "argument --time-budget: must be finite and at least 0"),
+        (["--ema-decay", "1"], "argument --ema-decay: must be in [0, 1)"),
+        (["--algorithm", "nft", "--nft-old-decay", "-0.1"], "argument --nft-old-decay: must be in [0, 1)"),
+        (["--algorithm", "awm", "--nft-min-level", "1"], "argument --nft-min-level: must be in [0, 1)"),
         (["--ema-decay", "0.9", "--async"], "--ema-decay's evals push the EMA between rollouts"),
         (["--algorithm", "awm", "--awm-kl", "1"], "--awm-kl pulls towards the EMA of the trained weights"),
         (["--nft-old-decay", "0.5"], "--nft-old-decay is for --algorithm nft"),
@@ -559,7 +680,10 @@ def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, messag
         (["--nft-min-level", "0.5"], "--nft-min-level is for --algorithm nft or awm"),
         (["--algorithm", "awm", "--window", "2"], "--window is for FlowGRPO: --algorithm awm scores no step"),
         (["--tree-sde", "forks"], "--tree-sde picks a tree's stochastic steps: it needs --tree"),
-        (["--algorithm", "nft", "--nft-anchor", "nan"], "--nft-anchor must be finite and at least 0"),
+        (
+            ["--algorithm", "nft", "--nft-anchor", "nan"],
+            "argument --nft-anchor: must be finite and at least 0",
+        ),
         (
             ["--algorithm", "nft", "--nft-anchor", "1", "--train", "full"],
             "--nft-anchor compares with the base",

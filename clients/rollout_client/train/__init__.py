@@ -5,7 +5,8 @@
 
 ``examples/train_grpo.py`` is its command line. The modules:
 
-* ``config``: the flags and the rules between them (``parse_args``);
+* ``config``: the flags, each config part's rules (checked on construction) and the rules between
+  them (``parse_args``);
 * ``prompts``: where an iteration's prompts come from;
 * ``rollouts``: an iteration's request, the stream with its stall watchdog, the retry policy;
 * ``algorithms``: one interface (``Algorithm``) and the registered algorithms: ``flowgrpo``,
@@ -13,7 +14,7 @@
 * ``policy``: the LoRA or full transformer, its push (gRPC or the weight-sync group, checksum
   checked) and its saving;
 * ``checkpoint``, ``metrics`` (metrics.csv's columns, plots, images, the shapes eval's outputs),
-  ``distributed`` (data-parallel ranks);
+  ``distributed`` (data-parallel ranks), ``finite`` (the stop on a non-finite value);
 * ``trainer``: ``Trainer``, with ``train_step(i)``, ``train()`` and ``evaluate()``; and ``run``, which
   starts a server when none is given and runs a whole training.
 
@@ -35,7 +36,9 @@ Every iteration starts by pushing the trainer's policy, so the first rollouts of
 resumed) are on-policy whatever the server held before. A checkpoint (adapter, optimizer, schedule,
 RNG, metrics) is written every --checkpoint-every iterations; --resume goes on from it. A server that
 fails (down, restarting, overloaded, or silent for --stall-timeout seconds) is retried --retries
-times with a growing pause; then the run stops, its finished iterations checkpointed.
+times with a growing pause; then the run stops, its finished iterations checkpointed. A reward, loss,
+gradient or weight that is NaN or infinite stops the run before any optimizer step or checkpoint is
+taken on it, the last good checkpoint kept.
 
 Writes to --out: metrics.csv (one row per iteration), reward.png (reward mean +/- std per iteration),
 the first and last iteration's images in samples/iter-NNNN/, the final LoRA in lora/ (a PEFT

@@ -1,16 +1,21 @@
 """The trainer's command line: every flag, the rules between them, and what a resumed run must keep."""
 
 import argparse
+import dataclasses
 import math
+import numbers
 import os
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_client.train.algorithms import ALGORITHMS, algorithm_name
+from rollout_client.train.finite import non_finite_tensor
 from rollout_client.train.lora import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, LORA_TARGETS
 from rollout_client.train.prompts import PROMPT_SETS, PROMPTS, prompt_pool
 from rollout_client.train.rewards import reward_terms
@@ -62,30 +67,97 @@ OPERATIONAL_FLAGS = {
 }
 
 
-def int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}{why}, got {value}")
-        return value
-
-    parse.__name__ = "int"  # argparse names the type in its "invalid int value" message
-    return parse
+# A config field's rule: why its value cannot train, or None. NaN fails every comparison, so every
+# numeric rule refuses it.
+Rule = Callable[[Any], str | None]
 
 
-def float_above_zero(why: str = "") -> Callable[[str], float]:
-    """An argparse type: a float above 0 (NaN is not)."""
+def number(must: str, holds: Callable[[Any], bool], integer: bool = False) -> Rule:
+    """The rule of a number (an integer where ``integer``) that ``holds``; ``must`` says what it must be."""
+    kind = numbers.Integral if integer else numbers.Real
 
-    def parse(text: str) -> float:
-        value = float(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be above 0{why}, got {text}")
-        return value
+    def problem(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return f"must be {'an integer' if integer else 'a number'}, got {value!r}"
+        return None if holds(value) else f"must be {must}, got {value}"
 
-    parse.__name__ = "float"
-    return parse
+    return problem
+
+
+def at_least(minimum: int, why: str = "") -> Rule:
+    return number(f"at least {minimum}{why}", lambda value: value >= minimum, integer=True)
+
+
+def positive(why: str = "") -> Rule:
+    return number(f"finite and above 0{why}", lambda value: 0 < value < math.inf)
+
+
+def parses(parse: Callable[[str], Any]) -> Rule:
+    """The rule of a text that ``parse`` takes: its ValueError says why not."""
+
+    def problem(text: str) -> str | None:
+        try:
+            parse(text)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    return problem
+
+
+NOT_NEGATIVE = number("finite and at least 0", lambda value: 0 <= value < math.inf)
+FRACTION = number("in [0, 1)", lambda value: 0 <= value < 1)
+SEED = number("in [0, 2^32)", lambda value: 0 <= value < 2**32, integer=True)
+
+
+class ConfigError(ValueError):
+    """A config field set to a value no run can train with; the message names the field
+    (``OptimConfig.lr``), ``flag`` is its command-line flag and ``problem`` what is wrong."""
+
+    def __init__(self, part: type["Checked"], field: str, problem: str):
+        super().__init__(f"{part.__name__}.{field} {problem}")
+        self.flag = "--" + part.dest(field).rstrip("_").replace("_", "-")
+        self.problem = problem
+
+
+class Checked:
+    """A part of a run's config that refuses, on construction, a value no run can train with
+    (``ConfigError``): ``RULES`` holds each checked field's rule; None passes where the field's type
+    allows it. A field's flag is ``FLAG_PREFIX`` + its name, unless ``FLAGS`` names another."""
+
+    RULES: ClassVar[dict[str, Rule]] = {}
+    FLAG_PREFIX: ClassVar[str] = ""
+    FLAGS: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in self.RULES and not (value is None and type(None) in typing.get_args(field.type)):
+                self.check(field.name, value)
+
+    @classmethod
+    def check(cls, field: str, value: Any) -> None:
+        problem = cls.RULES[field](value)
+        if problem is not None:
+            raise ConfigError(cls, field, problem)
+
+    @classmethod
+    def dest(cls, field: str) -> str:
+        """The argparse name of ``field``'s flag."""
+        return cls.FLAGS.get(field, cls.FLAG_PREFIX + field)
+
+
+def check_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every flag a config field takes, by that field's rule (before the rules between flags, which
+    assume sane values); a flag left unset (None) is checked once its default is filled in."""
+    for part in CONFIG_PARTS:
+        for field in part.RULES:
+            value = getattr(args, part.dest(field))
+            if value is not None:
+                try:
+                    part.check(field, value)
+                except ConfigError as error:
+                    parser.error(f"argument {error.flag}: {error.problem}")
 
 
 def parse_args(argv: list[str] | None) -> "TrainConfig":
@@ -102,7 +174,7 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="tiny-flux", help="preset or folder for the server we start")
     parser.add_argument("--model-path", type=Path, help="the model folder (default: the server's)")
     parser.add_argument("--token-file", type=Path, help="admin token of a server started with tokens")
-    parser.add_argument("--iterations", type=int_at_least(1), default=70)
+    parser.add_argument("--iterations", type=int, default=70)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration (P)")
     parser.add_argument(
         "--prompt-set",
@@ -118,19 +190,19 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--prompt-pool",
-        type=int_at_least(0),
+        type=int,
         default=0,
         help="with --prompt-set shapes: draw from the first this many train prompts only (0: all)",
     )
     parser.add_argument(
         "--eval-every",
-        type=int_at_least(0),
+        type=int,
         default=0,
         help="with --prompt-set shapes: evaluate the policy on the eval prompts this often (0: never)",
     )
     parser.add_argument(
         "--eval-samples",
-        type=int_at_least(1),
+        type=int,
         default=4,
         help="with --eval-every: images per eval prompt, from seeds --eval-seed + k (4: 256 images)",
     )
@@ -161,7 +233,7 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--group-size",
-        type=int_at_least(1),
+        type=int,
         default=8,
         help="samples per prompt (G); with --tree, the roots per prompt",
     )
@@ -179,12 +251,12 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--prune-at",
-        type=int_at_least(0),
+        type=int,
         help="with --tree: when this step arrives, prune each prompt's middle nodes by predicted reward",
     )
     parser.add_argument(
         "--prune-keep",
-        type=int_at_least(2, " (a prompt's advantages compare at least two of its nodes)"),
+        type=int,
         help="with --prune-at: the nodes each prompt keeps there, the best half and the worst half "
         f"(default {DEFAULT_PRUNE_KEEP})",
     )
@@ -198,7 +270,7 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size", type=int, default=128, help="image height and width")
     parser.add_argument(
         "--noise-level",
-        type=float_above_zero(" (at 0 the sampler is deterministic: no log-probs to train on)"),
+        type=float,
         default=1.0,
     )
     parser.add_argument(
@@ -212,9 +284,7 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         help="FlowGRPO's clipped policy loss on the stochastic steps, or DiffusionNFT's or AWM's on the "
         "final latents",
     )
-    parser.add_argument(
-        "--nft-beta", type=float_above_zero(), default=1.0, help="nft: the implicit policies' step beta"
-    )
+    parser.add_argument("--nft-beta", type=float, default=1.0, help="nft: the implicit policies' step beta")
     parser.add_argument(
         "--nft-loss",
         choices=("velocity", "x0"),
@@ -238,13 +308,13 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--nft-old-ramp",
-        type=int_at_least(0),
+        type=int,
         default=20,
         help="nft: the iterations over which the old policy's eta ramps from 0 to --nft-old-decay",
     )
     parser.add_argument(
         "--nft-draws",
-        type=int_at_least(1),
+        type=int,
         default=4,
         help="nft and awm: optimizer steps per iteration, each on a fresh noise and level of every sample",
     )
@@ -256,7 +326,7 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--awm-power",
-        type=float_above_zero(),
+        type=float,
         default=0.25,
         help="awm: the power p of the robust weighting (t / p) ((l + 1e-3)^p - 1e-3^p) of each "
         "sample's flow-matching error l (1: the plain error, times t)",
@@ -306,9 +376,7 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="comma-separated modules (default: the server's family's attention and feed-forward layers)",
     )
-    parser.add_argument(
-        "--micro-batch", type=int_at_least(1), default=32, help="rows per forward and backward"
-    )
+    parser.add_argument("--micro-batch", type=int, default=32, help="rows per forward and backward")
     parser.add_argument(
         "--reward",
         default="rollout_client.rewards:jpeg_compressibility",
@@ -324,38 +392,25 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
     parser.add_argument("--out", type=Path, default=Path("train-output"))
-    parser.add_argument(
-        "--checkpoint-every", type=int_at_least(1), default=10, help="iterations between checkpoints"
-    )
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="iterations between checkpoints")
     parser.add_argument("--resume", action="store_true", help=f"go on from --out's {CHECKPOINT}")
     parser.add_argument(
         "--stall-timeout",
-        type=float_above_zero(),
+        type=float,
         default=120.0,
         help="seconds the server may send nothing: between a rollout's events, or for a whole push or "
         "info call (above the slowest step of a rollout, queueing included)",
     )
     parser.add_argument(
         "--retries",
-        type=int_at_least(0),
+        type=int,
         default=8,
         help="times a failed server phase is tried again, after pauses of 1, 2, 4 ... 30 s",
     )
     args = parser.parse_args(argv)
-    try:
-        reward_terms(args.reward)
-    except ValueError as error:
-        parser.error(f"--reward: {error}")
+    check_values(parser, args)
     if args.weight_sync == "auto":
         args.weight_sync = "group" if args.train == "full" else "grpc"
-    for flag in ("nft_anchor", "awm_kl", "time_budget"):
-        if not 0 <= getattr(args, flag) < math.inf:
-            parser.error(
-                f"--{flag.replace('_', '-')} must be finite and at least 0, got {getattr(args, flag)}"
-            )
-    for flag in ("ema_decay", "nft_old_decay", "nft_min_level"):
-        if not 0 <= getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(args, flag)}")
     if args.ema_decay and args.async_:
         parser.error("--ema-decay's evals push the EMA between rollouts: it needs sync mode")
     if args.awm_kl and not args.ema_decay:
@@ -387,10 +442,7 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     prompt_count = len(PROMPTS) if args.prompt_set == "scenes" else len(prompt_pool(args.prompt_pool))
     if not args.prompt and not 1 <= args.prompts <= prompt_count:
         parser.error(f"--prompts must be in [1, {prompt_count}] for --prompt-set {args.prompt_set}")
-    try:
-        branches = branch_points(args.tree)
-    except ValueError as error:
-        parser.error(f"--tree: {error}")
+    branches = branch_points(args.tree)
     if any(not 0 <= branch.step < args.steps or branch.factor < 1 for branch in branches):
         parser.error("--tree: every branch step must be in [0, --steps), every factor at least 1")
     leaves_per_prompt = args.group_size * math.prod(branch.factor for branch in branches)
@@ -419,8 +471,6 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     for flag in ("prompt_pool", "eval_every"):
         if getattr(args, flag) and args.prompt_set != "shapes":
             parser.error(f"--{flag.replace('_', '-')} is for the shapes task: it needs --prompt-set shapes")
-    if args.cfg is not None and not args.cfg >= 1:
-        parser.error(f"--cfg must be at least 1, got {args.cfg}")
     if not 0 <= args.window <= args.steps:
         parser.error("--window must be in [0, --steps]")
     args.checkpoint = None
@@ -429,6 +479,10 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         if not path.is_file():
             parser.error(f"--resume: no {CHECKPOINT} in {args.out}")
         args.checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        weights = args.checkpoint["policy"].items()
+        problem = non_finite_tensor((f"{path}'s weight {name}", tensor) for name, tensor in weights)
+        if problem:
+            parser.error(f"--resume: {problem}: no run can go on from it")
         changed = [
             f"--{name.rstrip('_').replace('_', '-')} {value} (the checkpoint's run has {recorded})"
             for name, value in run_settings(args).items()
@@ -474,7 +528,9 @@ def run_settings(args: argparse.Namespace) -> dict:
 
 
 @dataclass
-class ServerConfig:
+class ServerConfig(Checked):
+    RULES = {"stall_timeout": positive(), "retries": at_least(0)}
+
     address: str | None  # --server; None: the run starts one on ``model``
     model: str
     model_path: Path | None
@@ -484,7 +540,18 @@ class ServerConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Checked):
+    RULES = {
+        "prompts": at_least(1),
+        "prompt_pool": at_least(0),
+        "group_size": at_least(1),
+        "steps": at_least(1),
+        "size": at_least(1),
+        "noise_level": positive(" (at 0 the sampler is deterministic: no log-probs to train on)"),
+        "window": at_least(0),
+        "cfg": number("finite and at least 1", lambda value: 1 <= value < math.inf),
+    }
+
     prompts: int  # P
     prompt_set: str
     fixed_prompts: list[str]  # --prompt
@@ -500,7 +567,14 @@ class RolloutConfig:
 
 
 @dataclass
-class TreeConfig:
+class TreeConfig(Checked):
+    RULES = {
+        "points": parses(branch_points),
+        "prune_at": at_least(0),
+        "prune_keep": at_least(2, " (a prompt's advantages compare at least two of its nodes)"),
+    }
+    FLAGS = {"points": "tree"}
+
     points: str  # --tree's branch points ("" for flat groups)
     prune_at: int | None
     prune_keep: int
@@ -509,7 +583,16 @@ class TreeConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Checked):
+    RULES = {
+        "lr": positive(),
+        "clip_range": positive(),
+        "kl_beta": NOT_NEGATIVE,
+        "micro_batch": at_least(1),
+        "lora_rank": at_least(1),
+        "lora_alpha": positive(" (the LoRA's output scale is alpha / rank: at 0 it trains nothing)"),
+    }
+
     lr: float
     clip_range: float
     kl_beta: float
@@ -532,7 +615,17 @@ class OptimConfig:
 
 
 @dataclass
-class NFTConfig:
+class NFTConfig(Checked):
+    RULES = {
+        "beta": positive(),
+        "draws": at_least(1),
+        "anchor": NOT_NEGATIVE,
+        "old_decay": FRACTION,
+        "old_ramp": at_least(0),
+        "min_level": FRACTION,
+    }
+    FLAG_PREFIX = "nft_"
+
     beta: float
     draws: int
     loss: str  # "velocity" or "x0"
@@ -543,7 +636,10 @@ class NFTConfig:
 
 
 @dataclass
-class AWMConfig:
+class AWMConfig(Checked):
+    RULES = {"power": positive(), "kl": NOT_NEGATIVE}
+    FLAG_PREFIX = "awm_"
+
     power: float  # of the robust weighting
     kl: float  # weight of the distance to the EMA; 0: none
 
@@ -555,7 +651,10 @@ class SyncConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Checked):
+    RULES = {"every": at_least(1)}
+    FLAG_PREFIX = "checkpoint_"
+
     out: Path
     every: int
     resume: bool
@@ -563,15 +662,28 @@ class CheckpointConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Checked):
+    RULES = {"every": at_least(0), "samples": at_least(1), "seed": SEED}
+    FLAG_PREFIX = "eval_"
+
     every: int
     samples: int  # images per eval prompt
     seed: int  # the eval's first seed
 
 
 @dataclass
-class TrainConfig:
-    """A run, in small parts; ``settings`` is what its checkpoints record (``run_settings``)."""
+class TrainConfig(Checked):
+    """A run, in small parts; ``settings`` is what its checkpoints record (``run_settings``). Each part
+    checks its own fields on construction (``Checked``), this one the run's."""
+
+    RULES = {
+        "iterations": at_least(1),
+        "seed": SEED,
+        "threads": at_least(1),
+        "reward": parses(reward_terms),
+        "time_budget": NOT_NEGATIVE,
+        "ema_decay": FRACTION,
+    }
 
     algorithm: str
     iterations: int
@@ -647,3 +759,14 @@ class TrainConfig:
             eval=EvalConfig(f.eval_every, f.eval_samples, f.eval_seed),
             settings=run_settings(f),
         )
+
+
+# The parts whose flags ``check_values`` checks: the run's and each of its parts'.
+CONFIG_PARTS = (
+    TrainConfig,
+    *(
+        field.type
+        for field in dataclasses.fields(TrainConfig)
+        if isinstance(field.type, type) and issubclass(field.type, Checked)
+    ),
+)

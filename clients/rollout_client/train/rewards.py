@@ -11,6 +11,7 @@ is logged in metrics.csv as ``reward_mean/<spec>`` beside the total's ``reward_m
 
 import importlib
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,8 @@ class SampleInfo:
 
 
 def reward_terms(text: str) -> list[tuple[str, float]]:
-    """``--reward``'s (spec, weight) terms; ValueError naming a term that is not ``module:name[*w]``."""
+    """``--reward``'s (spec, weight) terms; ValueError naming a term that is not ``module:name[*w]``,
+    or whose weight is not finite."""
     terms = []
     for item in text.split(","):
         spec, _, weight = item.strip().partition("*")
@@ -36,9 +38,12 @@ def reward_terms(text: str) -> list[tuple[str, float]]:
         try:
             if not module or not name.isidentifier():
                 raise ValueError(item)
-            terms.append((spec, float(weight) if weight else 1.0))
+            value = float(weight) if weight else 1.0
         except ValueError:
             raise ValueError(f"not module:callable[*weight]: {item!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"the weight of {spec} must be finite, got {weight}")
+        terms.append((spec, value))
     return terms
 
 
@@ -73,6 +78,20 @@ class Rewards:
                 term.function(images, prompts, **extra), dtype=torch.float32
             )
         return sum(term.weight * self.last[term.spec] for term in self.terms)
+
+    def non_finite(self, rewards: torch.Tensor, metadata: Sequence[SampleInfo]) -> str | None:
+        """Which of ``rewards`` (this call's) is NaN or infinite, and which term made it (their weighted
+        sum where finite terms overflowed), or None when all are finite."""
+        bad = (~rewards.isfinite()).nonzero()
+        if not len(bad):
+            return None
+        k = int(bad[0])
+        term = next((spec for spec, values in self.last.items() if not values[k].isfinite()), None)
+        sample = metadata[k]
+        return (
+            f"the reward of prompt {sample.prompt_index}'s sample {sample.sample_index} is "
+            f"{rewards[k].item()} ({term or 'the weighted sum of finite terms overflowed'})"
+        )
 
     def columns(self) -> list[str]:
         """The metrics columns of the terms (none for a single reward: ``reward_mean`` is it)."""

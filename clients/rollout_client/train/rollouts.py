@@ -2,6 +2,7 @@
 and the retry policy for a server that fails."""
 
 import itertools
+import math
 import sys
 import threading
 import time
@@ -218,7 +219,7 @@ def retrying(what: str, attempt: Callable[[], T], retries: int, address: str) ->
 
 def branch_points(text: str) -> list[rollout_pb2.Branch]:
     """--tree's ``step:factor[:noise_level],...`` as a request's branches (none for ""); ValueError
-    naming an item that is not one."""
+    naming an item that is not one, or whose noise level is not finite and above 0."""
     points = []
     for item in filter(None, text.split(",")):
         fields = item.split(":")
@@ -230,6 +231,8 @@ def branch_points(text: str) -> list[rollout_pb2.Branch]:
                 branch.noise_level = float(fields[2])
         except ValueError:
             raise ValueError(f"not step:factor[:noise_level]: {item!r}") from None
+        if branch.HasField("noise_level") and not 0 < branch.noise_level < math.inf:
+            raise ValueError(f"{item!r}: its noise level must be finite and above 0")
         points.append(branch)
     return points
 

@@ -4,7 +4,8 @@ Each ``train_step(i)`` pushes the policy (rank 0) and rolls out this rank's shar
 rollout that streamed during the last step, with ``--async``), scores it, has the algorithm update the
 policy, and writes the iteration's metrics row; ``train()`` runs the steps, checkpoints, and ends
 with the server on the final policy. A server that fails is retried (``rollouts.retrying``); one that
-fails for good stops the run with its finished iterations checkpointed.
+fails for good stops the run with its finished iterations checkpointed. A reward, loss, gradient or
+weight that is not finite stops the run (``finite.NonFinite``) before any step or checkpoint on it.
 """
 
 import contextlib
@@ -23,6 +24,7 @@ from rollout_client.train.algorithms import ALGORITHMS, algorithm_name
 from rollout_client.train.averages import WeightAverage
 from rollout_client.train.checkpoint import restore_checkpoint, save_checkpoint
 from rollout_client.train.config import CHECKPOINT
+from rollout_client.train.finite import NonFinite, non_finite_tensor
 from rollout_client.train.metrics import (
     COLUMNS,
     eval_grid,
@@ -60,7 +62,8 @@ class Trainer:
         info = client.server_info()
         self.transformer, self.lora_config = load_policy(model_path, config, info.family)
         self.pusher = Pusher(client, self.transformer, self.lora_config, config)
-        self.parameters = [p for p in self.transformer.parameters() if p.requires_grad]
+        self.named_parameters = [(n, p) for n, p in self.transformer.named_parameters() if p.requires_grad]
+        self.parameters = [p for _, p in self.named_parameters]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=config.optim.lr)
         self.max_samples = info.limits.max_samples
         # A cosine from lr down to lr / 10 over the run: the late steps refine instead of overshooting.
@@ -85,6 +88,7 @@ class Trainer:
             self.checkpoint.unlink()
         self.saved = len(self.rows)  # iterations in the checkpoint on disk
         self.first_row = len(self.rows)  # this process's first iteration
+        self.iteration = self.first_row  # the one in progress
         self.staleness = 1 if config.rollout.async_ else 0
         self.prefetch = Prefetch()  # --async: the next rollout, streaming while this one trains
         self.probe: VelocityProbe | None = None  # made from the first rollout this process trains on
@@ -95,13 +99,39 @@ class Trainer:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self, loss: float) -> None:
         """Average the gradients over the data-parallel ranks, clip them to the algorithm's
-        ``max_grad_norm`` (if it has one), and step."""
+        ``max_grad_norm`` (if it has one), and step on them. ``loss`` is this rank's loss of the step.
+        A non-finite loss (on any rank) or averaged gradient stops the run before the step, a weight
+        the step left non-finite stops it before anything pushes or checkpoints it (``stop_if``)."""
         self.ranks.average_gradients(self.parameters)
+        gradients = ((f"the gradient of {name}", p.grad) for name, p in self.named_parameters)
+        bad_loss = None if math.isfinite(loss) else f"the loss is {loss}"
+        self.stop_if(bad_loss or non_finite_tensor(gradients), "no step was taken on it")
         if self.algorithm.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.parameters, self.algorithm.max_grad_norm)
         self.optimizer.step()
+        # Finite gradients can still step to a non-finite weight: from an optimizer state that is not.
+        problem = non_finite_tensor((f"the weight {name}", p) for name, p in self.named_parameters)
+        self.stop_if(
+            problem and f"after the optimizer step, {problem}", "it was neither pushed nor checkpointed"
+        )
+
+    def stop_if(self, problem: str | None, taken: str) -> None:
+        """Stop the run, every rank alike, when a rank found ``problem`` (a non-finite value of the
+        iteration in progress; ``taken`` says what was done with it)."""
+        problems = [p for p in self.ranks.gather(problem) if p is not None]
+        if problems:
+            raise self.non_finite(problems[0], taken)
+
+    def non_finite(self, problem: str, taken: str) -> NonFinite:
+        """The run's stop on ``problem``: the checkpoint on disk, of the iterations before, stays."""
+        kept = (
+            f"the last good checkpoint, of iterations 0-{self.saved - 1}, is {self.checkpoint}"
+            if self.saved
+            else "no checkpoint was written"
+        )
+        return NonFinite(f"iteration {self.iteration}: {problem}; {taken}, and {kept}")
 
     def push_rollout_policy(self) -> int:
         """Push the weights the server rolls out with (the algorithm's); returns their version."""
@@ -178,6 +208,7 @@ class Trainer:
     def train_step(self, iteration: int) -> dict:
         """Roll out, score, update and record iteration ``iteration``; returns its metrics row."""
         config, ranks = self.config, self.ranks
+        self.iteration = iteration
         start = time.perf_counter()
         bar = tqdm(
             total=config.rollout.steps + 2,
@@ -206,6 +237,7 @@ class Trainer:
         trajectories = rollout.trajectories
         samples = [SampleInfo(t.prompt_index, t.sample_index, t.seed, t.policy_version) for t in trajectories]
         rewards = self.reward([t.image() for t in trajectories], [t.prompt for t in trajectories], samples)
+        self.stop_if(self.reward.non_finite(rewards, samples), "no step was taken on it")
         train_start = time.perf_counter()
         if self.probe is None and self.lora_config is not None and ranks.leader:
             self.probe = VelocityProbe(self.transformer, trajectories, config.seed, config.device)
@@ -262,6 +294,12 @@ class Trainer:
         return evaluate(self.client, self.config)
 
     def save_checkpoint(self) -> None:
+        """Write the checkpoint of ``self.rows``' iterations over the last one, unless a trained weight
+        is not finite (then the run stops, the last one kept). Rank 0's alone: the ranks' weights are
+        the same, checked alike after every step."""
+        problem = non_finite_tensor((f"the weight {name}", p) for name, p in self.named_parameters)
+        if problem:
+            raise self.non_finite(problem, "it was not checkpointed")
         averages = {
             "ema": None if self.ema is None else self.ema.state_dict(),
             "algorithm": self.algorithm.state(),

@@ -35,13 +35,15 @@ class AdvantageWeightedMatching(ForwardProcess):
                 with trainer.ema.applied(trainer.parameters):
                     v_ema = self.velocities_of(trajectories, pieces, x_s, levels)
             trainer.zero_grad()
+            step_loss = 0.0
             for rows in pieces:
                 v = velocities(trainer.transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows])
                 loss = awm_loss(v, target[rows], levels[rows], advantages[rows], config.awm.power)
                 if v_ema is not None:
                     loss = loss + config.awm.kl * anchor_loss(v, v_ema[rows])
                 loss = loss * len(rows) / len(trajectories)
+                step_loss += loss.item()
                 total += loss.item() / config.nft.draws
                 loss.backward()
-            trainer.optimizer_step()
+            trainer.optimizer_step(step_loss)
         return total

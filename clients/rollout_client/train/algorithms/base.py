@@ -5,8 +5,9 @@ An iteration of ``Trainer.train_step`` runs, for its algorithm:
 1. ``start()``: a fresh update for the iteration's rollout;
 2. ``on_step(rollout, step)`` as each step arrives (score it early, prune a tree);
 3. ``update(rollout, rewards, iteration)``: advantages, losses and backward passes, each optimizer step
-   taken through ``trainer.optimizer_step()`` (which averages the gradients over the data-parallel
-   ranks and clips them to ``max_grad_norm``, the same for every algorithm); returns the mean loss;
+   taken through ``trainer.optimizer_step(loss)`` with that step's loss (which averages the gradients
+   over the data-parallel ranks, stops the run on a non-finite loss or gradient, and clips them to
+   ``max_grad_norm``, the same for every algorithm); returns the mean loss;
 4. ``metrics(rollout)``: the algorithm's columns of the iteration's metrics row.
 
 Every push of the policy the server rolls out with happens inside ``rollout_weights()`` (DiffusionNFT's

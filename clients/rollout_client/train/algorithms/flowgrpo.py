@@ -138,7 +138,7 @@ class FlowGRPO(Algorithm):
         trajectories = rollout.trajectories
         self.trainer.zero_grad()
         self.policy_update.finish(rollout.collector, self.advantages(trajectories, rewards))
-        self.trainer.optimizer_step()
+        self.trainer.optimizer_step(self.policy_update.loss)
         return self.policy_update.loss
 
     @property

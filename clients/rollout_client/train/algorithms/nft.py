@@ -121,6 +121,7 @@ class DiffusionNFT(ForwardProcess):
         self.grad_norms = {"policy": 0.0, "anchor": 0.0}
         for x_s, target, levels, v_old, v_reference in points:
             self.trainer.zero_grad()
+            step_loss = 0.0
             policy_grads = anchor_grads = None
             for rows in pieces:
                 v = velocities(transformer, [trajectories[k] for k in rows], x_s[rows], levels[rows])
@@ -131,12 +132,14 @@ class DiffusionNFT(ForwardProcess):
                 else:
                     loss = nft_loss(v, v_old[rows], target[rows], r[rows], config.nft.beta)
                 loss = loss * len(rows) / len(trajectories)
+                step_loss += loss.item()
                 total += loss.item() / config.nft.draws
                 if v_reference is None:
                     loss.backward()
                     continue
                 # The two terms' gradients apart, so their norms can be logged against each other.
                 anchor = config.nft.anchor * anchor_loss(v, v_reference[rows]) * len(rows) / len(trajectories)
+                step_loss += anchor.item()
                 total += anchor.item() / config.nft.draws
                 policy_grads = _accumulated(
                     policy_grads,
@@ -152,7 +155,7 @@ class DiffusionNFT(ForwardProcess):
                     parameter.grad = policy_grad + anchor_grad
                 self.grad_norms["policy"] += _norm(policy_grads) / config.nft.draws
                 self.grad_norms["anchor"] += _norm(anchor_grads) / config.nft.draws
-            self.trainer.optimizer_step()
+            self.trainer.optimizer_step(step_loss)
         if self.old is not None:
             self.old.update(parameters, ramped_decay(iteration, config.nft.old_decay, config.nft.old_ramp))
         return total

@@ -123,7 +123,7 @@ class TreeGRPO(FlowGRPO):
         leaves = rollout.trajectories
         self.trainer.zero_grad()
         self.policy_update.finish_tree(leaves, tree_advantages(leaves, rewards, self.config.tree.advantages))
-        self.trainer.optimizer_step()
+        self.trainer.optimizer_step(self.policy_update.loss)
         return self.policy_update.loss
 
     def metrics(self, rollout: Rollout) -> dict:
