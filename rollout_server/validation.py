@@ -289,6 +289,8 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     bad.extend(_branch_problems(request, resolved, limits))
     resolved.branches.extend(request.branches)
     bad.extend(_prune_point_problems(request, num_steps, limits))
+    # Only a trainer's schedule is probed: a family's own is its pipeline scheduler's, whose sigmas
+    # are normal numbers well apart.
     if request.sigmas and not any(field.partition("[")[0] in STEP_FIELDS for field, _ in bad):
         bad.extend(_unstable_step_problems(resolved))
     if not request.HasField("log_prob_constants") and sampler is not None:

@@ -202,6 +202,7 @@ def test_initial_latents_are_bounded_at_the_latent_range(stub, client):
     (trajectory,) = client.rollout(
         make_request(VALID, manifest_only=False, initial_latents=wire.initial_latents_bytes(x0))
     )
+    # Bitwise: with float32 latents the x_0 sent is the x_0 used (its rounding to the dtype is none).
     assert torch.equal(trajectory.latents[0], x0[0]) and trajectory.latents.isfinite().all()
     x0[0, 0, 0] = torch.tensor(-LATENT_RANGE).nextafter(torch.tensor(-math.inf))
     violations = rejection(stub, make_request(VALID, initial_latents=wire.initial_latents_bytes(x0)))
