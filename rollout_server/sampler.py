@@ -228,7 +228,11 @@ def _not_finite(
 
 
 def unstable_step(
-    sampler_type: str, solver: str, sigmas: torch.Tensor, noise_levels: Sequence[float], requested
+    sampler_type: str,
+    solver: str,
+    sigmas: torch.Tensor,
+    noise_levels: Sequence[float],
+    requested: Sequence[int],
 ) -> int | None:
     """The first step of a schedule (float32 ``sigmas``) whose coefficients, or noise std, are not
     finite in float32 for the sampler, its noise levels, the ``requested`` stochastic steps and the

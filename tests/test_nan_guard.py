@@ -110,6 +110,7 @@ def test_latents_the_request_carries_out_of_range_are_its_error(client):
     float32, beyond float16's 65504, so float16 latents name latent_dtype. The server keeps serving."""
     dance = {"sampler": rollout_pb2.SAMPLER_TYPE_DANCE, "sigmas": FALLING_BY_FIVE}
     float16 = {"sigmas": [1.0, 1 - 2**-24, 0.5, 0.0], "latent_dtype": rollout_pb2.TENSOR_DTYPE_FLOAT16}
+    float16["sampler"] = rollout_pb2.SAMPLER_TYPE_FLOW_SDE
     for fields, field in ((dance, "noise_level"), (float16, "latent_dtype")):
         with pytest.raises(grpc.RpcError) as raised:
             client.rollout(make_request(REQUEST, fields, num_steps=None, noise_level=3.0))
