@@ -35,7 +35,7 @@ from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import FamilyAdapter, MediaShape, Sound
 from rollout_server.prompt_cache import Conditioning, PromptCache
 from rollout_server.sampler import SamplerPlan, SamplerState, init, regroup, stochastic_steps
-from rollout_server.validation import check_prompt_tokens, initial_latents
+from rollout_server.validation import check_prompt_tokens, initial_latents, step_noise_levels
 
 if TYPE_CHECKING:
     from rollout_server.images import ConditionImage
@@ -214,10 +214,7 @@ class Runner:
         latent_shape = adapter.latent_shape(shape)
         call_form = adapter.call_form_for(shape)
         check_prompt_tokens(self.parallel.dims, adapter, conditioning.envs)
-        noise_levels = [request.noise_level] * request.num_steps
-        for branch in request.branches:
-            if branch.HasField("noise_level"):
-                noise_levels[branch.step] = branch.noise_level
+        noise_levels = step_noise_levels(request)
         stochastic = stochastic_steps(sampler_type, sigmas, noise_levels, list(request.stochastic_steps))
         if forks_in_vain := [
             f"branches[{k}].step"

@@ -21,6 +21,7 @@ from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape
 from rollout_server.limits import MAX_POLICY_VERSION, Limits
 from rollout_server.parallel import ParallelDims, split_inputs
+from rollout_server.sampler import LATENT_RANGE, unstable_step
 
 LATENT_SELECTIONS = {
     rollout_pb2.LATENT_SELECTION_ALL,
@@ -38,6 +39,12 @@ SCALE_FIELDS = ("guidance_scale", "true_cfg_scale")
 # Smallest positive noise level: below it sd is lost in the float32 rounding of the latents, so a
 # 'stochastic' step would be deterministic in all but name.
 MIN_NOISE_LEVEL = 1e-6
+# Smallest sigma of a trainer's schedule but its final 0: float32's smallest normal number, 2^-126. The
+# steps divide by sigma (the SDE means by 2 sigma, the solvers' ratios and log-SNRs), which overflows
+# or loses its precision on a subnormal one.
+MIN_SIGMA = torch.finfo(torch.float32).tiny
+# The fields a trainer's schedule is probed with (``sampler.unstable_step``): checked once these are valid.
+STEP_FIELDS = {"sigmas", "num_steps", "sampler", "noise_level", "solver", "stochastic_steps", "branches"}
 
 
 # Client strings quoted in messages and logs are cut to this many characters.
@@ -282,6 +289,10 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     bad.extend(_branch_problems(request, resolved, limits))
     resolved.branches.extend(request.branches)
     bad.extend(_prune_point_problems(request, num_steps, limits))
+    # Only a trainer's schedule is probed: a family's own is its pipeline scheduler's, whose sigmas
+    # are normal numbers well apart.
+    if request.sigmas and not any(field.partition("[")[0] in STEP_FIELDS for field, _ in bad):
+        bad.extend(_unstable_step_problems(resolved))
     if not request.HasField("log_prob_constants") and sampler is not None:
         resolved.log_prob_constants = sampler.log_prob_constants
 
@@ -335,6 +346,8 @@ def _initial_latents_problem(data: bytes, shape: tuple[int, ...]) -> str:
         return f"x_0 must have shape {list(shape)} (samples, *layout.shape), got {list(x0.shape)}"
     if not torch.isfinite(x0).all():
         return "x_0 must be finite"
+    if (peak := x0.abs().max().item()) > LATENT_RANGE:
+        return f"x_0's elements must be at most {LATENT_RANGE:g} in magnitude, got {peak:.3g}"
     return ""
 
 
@@ -351,11 +364,43 @@ def _sigmas_problem(request: rollout_pb2.RolloutRequest, limits: Limits) -> str:
         return "every value must be finite"
     if sigmas[-1] != 0:
         return f"the last value must be 0, got {sigmas[-1]}"
-    if not all(0 < s <= 1 for s in sigmas[:-1]):
-        return "every value but the last must be in (0, 1]"
+    if not all(MIN_SIGMA <= s <= 1 for s in sigmas[:-1]):
+        return (
+            f"every value but the last must be in [{MIN_SIGMA:.9g}, 1] (float32's smallest normal number: "
+            "the steps divide by sigma)"
+        )
     if any(b >= a for a, b in zip(sigmas, sigmas[1:], strict=False)):
         return "the values must be strictly decreasing"
     return ""
+
+
+def step_noise_levels(request: rollout_pb2.RolloutRequest) -> list[float]:
+    """[T]: the noise level of each step of a resolved request (a branch point's own, else the
+    request's)."""
+    levels = [request.noise_level] * request.num_steps
+    for branch in request.branches:
+        if branch.HasField("noise_level"):
+            levels[branch.step] = branch.noise_level
+    return levels
+
+
+def _unstable_step_problems(resolved: rollout_pb2.RolloutRequest) -> list[tuple[str, str]]:
+    """A trainer's schedule whose step coefficients are not finite in float32 for the request's
+    sampler, noise levels, stochastic steps and solver (each step probed as a rollout takes it)."""
+    sigmas = torch.tensor(list(resolved.sigmas), dtype=torch.float32)
+    sampler = steps.SAMPLERS_BY_ENUM[resolved.sampler]
+    solver = solvers.SOLVERS_BY_ENUM[resolved.solver].name
+    levels = step_noise_levels(resolved)
+    i = unstable_step(sampler.name, solver, sigmas, levels, list(resolved.stochastic_steps))
+    if i is None:
+        return []
+    return [
+        (
+            "sigmas",
+            f"step {i} (sigma {resolved.sigmas[i]:.9g} to {resolved.sigmas[i + 1]:.9g}): its coefficients "
+            f"are not finite in float32 (sampler {sampler.name}, noise level {levels[i]:g}, solver {solver})",
+        )
+    ]
 
 
 def _image_problems(request: rollout_pb2.RolloutRequest, context: ServingContext) -> list[tuple[str, str]]:

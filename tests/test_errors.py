@@ -14,6 +14,7 @@ from helpers import family_request, field_violations, make_request, vm_rss_bytes
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_core import wire
+from rollout_server.sampler import LATENT_RANGE
 
 VALID = {
     "prompts": ["a red fox"],
@@ -24,10 +25,25 @@ VALID = {
     "manifest_only": True,
     "images": False,
 }
-ODE = rollout_pb2.SAMPLER_TYPE_ODE
+ODE, DANCE = rollout_pb2.SAMPLER_TYPE_ODE, rollout_pb2.SAMPLER_TYPE_DANCE
 EPS, MEAN = rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_MEAN
 # tiny-flux's x_0 at 64 x 64 for VALID's one sample: 4 x 4 packed tokens of 16 channels.
 X0_SHAPE = (1, 16, 16)
+
+
+def sigmas_of_one_log_snr() -> list[float]:
+    """Two neighbouring float32 sigmas from 1e-30 down whose log-SNRs, log(1 - s) - log(s) in float32
+    as rollout_core.solvers computes them, are equal here: near log(1e-30) = -69 an ulp is 7.6e-6,
+    and neighbours' logs differ by about 1e-7, so most such pairs round together. UniPC's step
+    between them has h = 0, and the next step's corrector divides 0 by 0."""
+
+    def log_snr(s: torch.Tensor) -> torch.Tensor:
+        return torch.log(1 - s) - torch.log(s)
+
+    s, zero = torch.tensor(1e-30), torch.tensor(0.0)
+    while log_snr(s) != log_snr(s.nextafter(zero)):
+        s = s.nextafter(zero)
+    return [s.item(), s.nextafter(zero).item()]
 
 
 def x0_buffer(tensors: dict) -> bytes:
@@ -84,6 +100,25 @@ MALFORMED = [
     ("sigmas-above-one", {"sigmas": [1.5, 0.5, 0.0]}, "sigmas"),
     ("sigmas-zero-before-the-end", {"sigmas": [1.0, 0.0, 0.0]}, "sigmas"),
     ("sigmas-not-decreasing", {"sigmas": [0.5, 0.8, 0.0]}, "sigmas"),
+    # Subnormal, refused as such: at the default noise level 0.7 DANCE's x coefficient 1 + a^2 dt / (2 s)
+    # would overflow (0.49 / 2e-40 is beyond float32).
+    ("sigmas-subnormal", {"sampler": DANCE, "num_steps": None, "sigmas": [1.0, 0.5, 1e-40, 0.0]}, "sigmas"),
+    # Normal, but at noise level 3 a^2 / (2 s) = 9 / 2.4e-38 = 3.75e38 overflows float32 all the same.
+    (
+        "sigmas-dance-coefficient-overflows",
+        {"sampler": DANCE, "noise_level": 3.0, "num_steps": None, "sigmas": [1.0, 0.5, 1.2e-38, 0.0]},
+        "sigmas",
+    ),
+    (
+        "sigmas-unipc-log-snr-step-of-zero",
+        {
+            "sampler": ODE,
+            "solver": rollout_pb2.SOLVER_UNIPC,
+            "num_steps": None,
+            "sigmas": [1.0, 0.5, *sigmas_of_one_log_snr(), 0.0],
+        },
+        "sigmas",
+    ),
     ("initial-latents-not-safetensors", {"initial_latents": b"\x08" + bytes(20)}, "initial_latents"),
     ("initial-latents-too-large", {"initial_latents": bytes(16 * 16 * 4 + 4097)}, "initial_latents"),
     (
@@ -114,6 +149,11 @@ MALFORMED = [
     (
         "initial-latents-nan",
         {"initial_latents": wire.initial_latents_bytes(torch.full(X0_SHAPE, math.nan))},
+        "initial_latents",
+    ),
+    (
+        "initial-latents-beyond-the-latent-range",
+        {"initial_latents": wire.initial_latents_bytes(torch.full(X0_SHAPE, 1e20))},
         "initial_latents",
     ),
     ("unknown-latents", {"latents": 42}, "latents"),
@@ -152,6 +192,21 @@ def test_malformed_request_names_the_field(stub, overrides, field):
     violations = rejection(stub, make_request(VALID, overrides))
     assert [violation.field for violation in violations] == [field]
     assert violations[0].description
+
+
+def test_initial_latents_are_bounded_at_the_latent_range(stub, client):
+    """An x_0 whose elements reach LATENT_RANGE (1024) in magnitude, of either sign, runs from that
+    x_0 bitwise; one float32 step beyond it is refused naming initial_latents."""
+    x0 = torch.full(X0_SHAPE, LATENT_RANGE)
+    x0[0, 0, 0] = -LATENT_RANGE
+    (trajectory,) = client.rollout(
+        make_request(VALID, manifest_only=False, initial_latents=wire.initial_latents_bytes(x0))
+    )
+    # Bitwise: with float32 latents the x_0 sent is the x_0 used (its rounding to the dtype is none).
+    assert torch.equal(trajectory.latents[0], x0[0]) and trajectory.latents.isfinite().all()
+    x0[0, 0, 0] = torch.tensor(-LATENT_RANGE).nextafter(torch.tensor(-math.inf))
+    violations = rejection(stub, make_request(VALID, initial_latents=wire.initial_latents_bytes(x0)))
+    assert [violation.field for violation in violations] == ["initial_latents"]
 
 
 def test_every_violation_is_reported(stub):

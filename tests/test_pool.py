@@ -19,6 +19,7 @@ from peft import get_peft_model_state_dict
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient, RolloutPool, Started
 from rollout_client.trajectory import PathLatents
+from rollout_core import wire
 
 FIELDS = {
     "request_id": "pool-test",
@@ -113,6 +114,19 @@ def test_pool_returns_what_one_server_returns_with_groups_kept_whole(replicas, c
             with pytest.raises(grpc.RpcError) as refused:
                 pool.rollout(make_request(FIELDS, malformed, base_seed=None, samples_per_prompt=None))
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # A request whose own numbers fail is the caller's error, refused at admission (an x_0 beyond
+        # LATENT_RANGE) or mid-rollout (float16 latents that FLOW_SDE's step from sigma 1 - 2^-24 at
+        # noise level 3 carries past 65504, see test_nan_guard.py): raised at once, re-run on no
+        # other replica, and no replica counted failed (which would take it out of routing).
+        float16 = {"sigmas": [1.0, 1 - 2**-24, 0.5, 0.0], "latent_dtype": rollout_pb2.TENSOR_DTYPE_FLOAT16}
+        float16.update(num_steps=None, sampler=rollout_pb2.SAMPLER_TYPE_FLOW_SDE, noise_level=3.0)
+        x0 = {"initial_latents": wire.initial_latents_bytes(torch.full((6, 16, 16), 1e20))}
+        for fields, field in ((x0, "initial_latents"), (float16, "latent_dtype")):
+            with pytest.raises(grpc.RpcError) as refused:
+                pool.rollout(make_request(FIELDS, fields, request_id="caller-error"))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+            assert [violation.field for violation in field_violations(refused.value)] == [field]
+        assert pool.retries == 0 and not any(replica.failures for replica in pool.replicas)
         # No seed and no group size: the server's default group size, one request id, one seed each.
         drawn = pool.rollout(make_request(FIELDS, request_id=None, base_seed=None, samples_per_prompt=None))
         group_size = pool.server_info().defaults.samples_per_prompt

@@ -1,6 +1,6 @@
 """Sequence parallelism over two gloo ranks: the same request at SP=1 and SP=2 gives
-bitwise-equal noise and log-probs, latents and velocities within 1e-5, and a replayable stream; a
-rank that dies turns into a clear error and a non-zero exit, never a hang."""
+bitwise-equal noise and (with float32 latents) log-probs, latents and velocities within 1e-5, and a
+replayable stream; a rank that dies turns into a clear error and a non-zero exit, never a hang."""
 
 import os
 import re

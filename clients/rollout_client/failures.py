@@ -6,12 +6,12 @@ retries of an iteration all read their codes from here.
 |---|---|---|---|---|
 | RESOURCE_EXHAUSTED | its queue is full; another weight update is in progress | yes | yes | yes |
 | UNAVAILABLE | it drains or is unreachable; a rank died; a weight-sync group failed | yes | yes | yes |
-| INTERNAL | a step was not finite; an unexpected error | | yes | yes |
+| INTERNAL | the model's velocity was not finite for a latent in range; an unexpected error | | yes | yes |
 | ABORTED | a stream stalled past its write limit; a group update was dropped | | yes | yes |
 | UNKNOWN, CANCELLED | (gRPC's own) a connection broke; a call was cancelled | | yes | yes |
 | DEADLINE_EXCEEDED | the call's deadline passed; an upload went idle | | | yes |
 | UNAUTHENTICATED, PERMISSION_DENIED | a token, or a prune's control token, is missing or refused | | | |
-| INVALID_ARGUMENT | a field is wrong (its BadRequest details name it) | | | |
+| INVALID_ARGUMENT | a field is wrong (BadRequest names it), also one whose values overflow a step | | | |
 | FAILED_PRECONDITION | a stale version; a prune after the last step; no weight-sync group | | | |
 | NOT_FOUND | no such rollout (a prune) or weights file | | | |
 
@@ -26,8 +26,10 @@ retries of an iteration all read their codes from here.
   one of them to a pool's update (a deadline included) missed it: it leaves routing until the update
   is replayed on it. A rollout's DEADLINE_EXCEEDED the pool raises: the request's deadline passed.
 * ``CALLER_ERRORS``: every other code. The same call gets the same answer until the caller changes
-  it; of them, ``REFUSED_CREDENTIALS`` are raised even by the pool's health watcher, since waiting
-  never mends them.
+  it: a step that the request's own x_0, schedule, noise level or latent dtype takes out of range
+  fails the same way on every replica, so the pool re-runs it nowhere. Of them,
+  ``REFUSED_CREDENTIALS`` are raised even by the pool's health watcher, since waiting never mends
+  them.
 
 Imports grpc only, as ``rollout_client.channel`` does.
 """
