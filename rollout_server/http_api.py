@@ -12,13 +12,17 @@ the gRPC service, on the same event loop (``rollout-server serve --http-port``).
 Every request passes the gRPC service's own admission: the same tokens (``Authorization: Bearer``),
 validation and limits, the same queue, metrics and log line. The body is bounded before it is read,
 the answer's size before any work (``--max-http-response-bytes``), and a client that disconnects
-cancels its rollout. Errors are JSON: ``{"detail": ..., "violations": [{"field", "description"}]}``
-with 400 for a bad request (the field as the client named it), 401/403 for tokens, 429 and 503 with
-Retry-After for a full queue and a shutdown.
+cancels its rollout. Requests, not connections, are counted against what the server takes at once;
+the health probes are not counted. A connection's own bounds (reading a request) are in
+``http_connection.py``.
+Errors are JSON, ``{"detail": ..., "violations": [{"field", "description"}]}``, with 400 for a bad
+request (the field as the client named it), 401/403 for tokens, 429 and 503 with Retry-After for a
+full server and a shutdown.
 """
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import socket
@@ -31,14 +35,16 @@ import msgpack
 import uvicorn
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from rollout.v1 import rollout_pb2
 from rollout_server import sglang
 from rollout_server.auth import ServerTLS, TokenPolicy, method_path
 from rollout_server.errors import InvalidRequest, Overloaded, StartupError
+from rollout_server.http_connection import BoundedH11Protocol
 from rollout_server.service import Refused, RolloutService, failure_status
 
 log = logging.getLogger("rollout_server.http")
@@ -63,6 +69,10 @@ _ROLLOUT, _INFO, _LOAD, _UPDATE = (
     method_path(m) for m in ("Rollout", "GetServerInfo", "LoadWeights", "UpdateWeights")
 )
 _WEIGHT_BODY_BYTES = 64 * 1024  # the weight endpoints' bodies: a path and a few names
+# Requests at once besides the health probes: what the queue and the wait list hold, and a few for the
+# weight and checksum endpoints.
+SPARE_REQUESTS = 8
+_PROBES = frozenset({"/health", "/health_generate"})
 
 
 class HttpError(Exception):
@@ -118,9 +128,14 @@ class HttpFrontEnd:
         self.tokens = tokens
         self.max_response_bytes = max_response_bytes
         self.max_body_bytes = service.serving.max_request_bytes
+        limits = service.serving.limits
+        self.max_requests = limits.max_queued_requests + limits.max_waiting_requests + SPARE_REQUESTS
+        self._requests = 0  # requests in progress, the health probes aside
         self._answer_bytes = 0  # the bounds of the answers being built or sent
 
-    def app(self) -> Starlette:
+    def app(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+        """The ASGI application: the endpoints, at most ``max_requests`` requests at once besides the
+        health probes (429 beyond: each holds a body, and the answer built or sent for it)."""
         routes = [
             Route("/rollout/generate", self._endpoint(self.generate, _ROLLOUT), methods=["POST"]),
             Route(
@@ -135,7 +150,26 @@ class HttpFrontEnd:
             Route("/health", self._endpoint(self.health, None), methods=["GET"]),
             Route("/health_generate", self._endpoint(self.health_generate, None), methods=["GET"]),
         ]
-        return Starlette(routes=routes)
+        endpoints = Starlette(routes=routes)
+
+        async def bounded(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http" or scope["path"] in _PROBES:
+                return await endpoints(scope, receive, send)
+            if self._requests >= self.max_requests:
+                self.service.metrics.reject("overloaded")
+                full = HttpError(
+                    429,
+                    f"{self._requests} HTTP requests are in progress, the server's limit "
+                    "(--max-queued + --max-waiting + 8)",
+                )
+                return await full.response()(scope, receive, send)
+            self._requests += 1
+            try:
+                await endpoints(scope, receive, send)
+            finally:
+                self._requests -= 1
+
+        return bounded
 
     def _endpoint(self, handler, method: str | None):
         """``handler`` behind the token ``method`` needs, with every HttpError answered as JSON."""
@@ -147,6 +181,8 @@ class HttpFrontEnd:
                 return await handler(request)
             except HttpError as error:
                 return error.response()
+            except ClientDisconnect:  # gone before its body was in (or closed for taking too long)
+                return Response(status_code=499)  # nobody reads it
 
         return endpoint
 
@@ -341,7 +377,9 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """The HTTP front end on a port: ``await start()``, then ``await stop()``."""
 
-    def __init__(self, front_end: HttpFrontEnd, host: str, port: int, tls: ServerTLS | None):
+    def __init__(
+        self, front_end: HttpFrontEnd, host: str, port: int, tls: ServerTLS | None, read_seconds: float
+    ):
         try:
             self._socket = socket.create_server((host.strip("[]"), port), family=_family(host), backlog=2048)
         except OSError as error:
@@ -349,16 +387,20 @@ class HttpServer:
         self.port = self._socket.getsockname()[1]
         scheme = "https" if tls else "http"
         self.address = f"{scheme}://{host}:{self.port}"
-        limits = front_end.service.serving.limits
+        # No limit_concurrency: uvicorn would count idle connections against it and answer even
+        # /health with 503; the front end counts requests instead, and each connection has a deadline
+        # for its request.
+        protocol = functools.partial(BoundedH11Protocol, read_seconds=read_seconds)
         config = uvicorn.Config(
             front_end.app(),
+            http=protocol,
+            ws="none",
+            interface="asgi3",
             log_config=None,
             log_level="warning",  # our own lines say what it serves; its errors still show
             access_log=False,
             lifespan="off",
             server_header=False,
-            # Connections at once: what the queue and the wait list hold, and a few for health checks.
-            limit_concurrency=limits.max_queued_requests + limits.max_waiting_requests + 8,
             timeout_graceful_shutdown=2,
             h11_max_incomplete_event_size=64 * 1024,  # headers
             **(_tls_options(tls) if tls else {}),

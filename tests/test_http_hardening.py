@@ -1,0 +1,100 @@
+"""The HTTP front end against peers that hold what they can: idle connections, requests that never
+arrive whole, answers nobody reads, a flood of /health_generate, and weight-endpoint errors named as
+SGLang's body names its fields. One server with small limits and short deadlines, real sockets."""
+
+import json
+import re
+import select
+import socket
+import time
+
+import httpx
+import pytest
+from helpers import http_url, start_server
+
+from rollout_server.http_api import SPARE_REQUESTS
+
+READ_SECONDS = 4  # --http-read-seconds
+STALL_SECONDS = 3  # --stall-seconds
+MAX_QUEUED, MAX_WAITING = 3, 1
+# Requests the front end takes at once, the health probes aside.
+MAX_REQUESTS = MAX_QUEUED + MAX_WAITING + SPARE_REQUESTS
+# More idle connections than shut the API when uvicorn counted connections (about 330 of them under
+# the default limits, MAX_REQUESTS here).
+IDLE_CONNECTIONS = 340
+SMALL = {"prompt": "a red fox", "width": 64, "height": 64, "num_inference_steps": 4, "rollout": False}
+# Two 512 x 512 images and nothing else: the answer's bound is 2 x (3 x 512 x 512 x 4 + 64 KiB) =
+# 6,422,528 bytes (sglang.response_bound), so one fits under MAX_RESPONSE_BYTES and two do not; its
+# 6.3 MB are more than loopback's socket buffers hold for a client that does not read.
+LARGE = {**SMALL, "width": 512, "height": 512, "num_inference_steps": 1, "num_outputs_per_prompt": 2}
+MAX_RESPONSE_BYTES = 10_000_000
+
+
+@pytest.fixture(scope="module")
+def hardened(cache_dir, tiny_flux_folder, tmp_path_factory):
+    """A tiny-flux server with the HTTP front end under small limits and short deadlines."""
+    weights_root = tmp_path_factory.mktemp("weights-root")
+    server = start_server(
+        cache_dir,
+        tmp_path_factory.mktemp("logs") / "http-hardening.log",
+        *("--http-port", "0", "--metrics-port", "0", "--weights-root", str(weights_root)),
+        *("--max-queued", str(MAX_QUEUED), "--max-waiting", str(MAX_WAITING)),
+        *("--http-read-seconds", str(READ_SECONDS), "--stall-seconds", str(STALL_SECONDS)),
+        *("--max-http-response-bytes", str(MAX_RESPONSE_BYTES)),
+    )
+    yield server
+    assert server.stop() == 0
+
+
+def address(url: str) -> tuple[str, int]:
+    host, port = re.match(r"http://(.+):(\d+)", url).groups()
+    return host, int(port)
+
+
+def request_bytes(body: dict) -> bytes:
+    content = json.dumps(body).encode()
+    head = (
+        "POST /rollout/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(content)}\r\n\r\n"
+    )
+    return head.encode() + content
+
+
+def test_idle_connections_leave_health_answered_and_are_closed_after_the_read_bound(hardened):
+    """340 connections that never send a byte, and MAX_REQUESTS requests whose body never comes whole:
+    /health is answered (200, within a second) throughout, a further request is refused (429: the
+    half-sent ones hold the request places), and every one of them is closed once --http-read-seconds
+    have passed since it opened, after which requests are served again."""
+    url = http_url(hardened)
+    host, port = address(url)
+    opened_at = time.monotonic()
+    held = [socket.create_connection((host, port)) for _ in range(IDLE_CONNECTIONS)]
+    try:
+        whole = request_bytes(SMALL)
+        for _ in range(MAX_REQUESTS):
+            held.append(socket.create_connection((host, port)))
+            held[-1].sendall(whole[:-1])
+        with httpx.Client(base_url=url, timeout=60) as client:
+            # Answered after the half-sent requests were read: their places are taken by now.
+            assert client.get("/health").status_code == 200
+            refused = client.post("/rollout/generate", json=SMALL)
+            assert refused.status_code == 429 and "HTTP requests are in progress" in refused.text, (
+                refused.text
+            )
+            open_sockets, closed_at = list(held), []
+            while open_sockets:
+                assert time.monotonic() < opened_at + READ_SECONDS + 60, f"{len(open_sockets)} still open"
+                probed_at = time.perf_counter()
+                assert client.get("/health").status_code == 200
+                assert time.perf_counter() - probed_at < 1.0  # the issue's bound: health within a second
+                readable, _, _ = select.select(open_sockets, [], [], 0.1)
+                for connection in readable:
+                    assert connection.recv(1) == b""  # closed by the server, without an answer
+                    open_sockets.remove(connection)
+                    closed_at.append(time.monotonic())
+            # The server's deadline runs from its accept, after opened_at.
+            assert min(closed_at) - opened_at >= READ_SECONDS
+            assert client.post("/rollout/generate", json=SMALL).status_code == 200
+    finally:
+        for connection in held:
+            connection.close()
