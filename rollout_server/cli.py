@@ -88,7 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--stall-seconds",
         type=float,
         default=Limits.stall_seconds,
-        help="end a stream (ABORTED) whose client has read nothing for this long, freeing its work",
+        help="end a stream (ABORTED) whose client has read nothing for this long, freeing its work; "
+        "an HTTP client that takes too little of its answer for this long is dropped",
     )
     s.add_argument(
         "--prune-hold-seconds",
@@ -144,7 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--max-http-response-bytes",
         type=parse_bytes,
         default=DEFAULT_MAX_HTTP_RESPONSE_BYTES,
-        help="the largest answer of the HTTP API, refused before any work (default 1GiB)",
+        help="the largest answer of the HTTP API, refused before any work (default 1GiB); an answer counts "
+        "until it has left, and a client that takes too little of it for --stall-seconds is dropped",
     )
     s.add_argument(
         "--http-read-seconds",

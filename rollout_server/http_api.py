@@ -11,10 +11,10 @@ the gRPC service, on the same event loop (``rollout-server serve --http-port``).
 
 Every request passes the gRPC service's own admission: the same tokens (``Authorization: Bearer``),
 validation and limits, the same queue, metrics and log line. The body is bounded before it is read,
-the answer's size before any work (``--max-http-response-bytes``), and a client that disconnects
-cancels its rollout. Requests, not connections, are counted against what the server takes at once;
-the health probes are not counted. A connection's own bounds (reading a request) are in
-``http_connection.py``.
+the answer's size before any work (``--max-http-response-bytes``, held until the answer has left),
+and a client that disconnects cancels its rollout. Requests, not connections, are counted against
+what the server takes at once; the health probes are not counted. A connection's own bounds (reading
+a request, an answer not taken) are in ``http_connection.py``.
 Errors are JSON, ``{"detail": ..., "violations": [{"field", "description"}]}``, with 400 for a bad
 request (the field as the client named it), 401/403 for tokens, 429 and 503 with Retry-After for a
 full server and a shutdown.
@@ -34,7 +34,6 @@ import grpc
 import msgpack
 import uvicorn
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -73,6 +72,8 @@ _WEIGHT_BODY_BYTES = 64 * 1024  # the weight endpoints' bodies: a path and a few
 # weight and checksum endpoints.
 SPARE_REQUESTS = 8
 _PROBES = frozenset({"/health", "/health_generate"})
+# An answer is handed to its connection this much at a time (see _Answer).
+_ANSWER_CHUNK_BYTES = 256 * 1024
 
 
 class HttpError(Exception):
@@ -118,6 +119,30 @@ async def _disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
 async def _collect(stream, messages: list) -> None:
     async for message in stream:
         messages.append(message)
+
+
+class _Answer(Response):
+    """An answer handed to its connection a chunk at a time, and ``release`` called once it has left
+    or its connection is gone. uvicorn's send waits while the connection's write buffer is above its
+    high-water mark (64 KiB), so each chunk goes only once the client has taken those before it, and at
+    the end at most that much of the answer is still in the process. A client that takes too little
+    has its connection dropped after --stall-seconds (http_connection.py), which ends the wait."""
+
+    def __init__(self, payload: bytes, release: Callable[[], None]):
+        super().__init__(payload, media_type=MSGPACK)
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
+            for start in range(0, len(self.body), _ANSWER_CHUNK_BYTES):
+                chunk = self.body[start : start + _ANSWER_CHUNK_BYTES]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.release()
 
 
 class HttpFrontEnd:
@@ -253,20 +278,24 @@ class HttpFrontEnd:
             resolved, stream = await self.service.admit(sglang.to_rollout_request(typed, ""), check)
         except Refused as refusal:
             raise _status_error(refusal.status, refusal.error) from None
-        # Held from here until the answer is sent, or its client has left.
+        # Held from here until the answer has left, or its client has.
         self._answer_bytes += bound
-        release = BackgroundTask(self._release, bound)
+        release = functools.partial(self._release, bound)
         try:
-            return await self._answer(request, typed, resolved, stream, release)
+            payload = await self._answer(request, typed, resolved, stream)
         except BaseException:
-            self._release(bound)
+            release()
             raise
+        if payload is None:  # the client left: nobody reads an answer
+            release()
+            return Response(status_code=499)
+        return _Answer(payload, release)
 
     def _release(self, nbytes: int) -> None:
         self._answer_bytes -= nbytes
 
-    async def _answer(self, request, typed, resolved, stream, release: BackgroundTask) -> Response:
-        """Run the admitted rollout to its end (or its client's leaving), then encode the answer."""
+    async def _answer(self, request, typed, resolved, stream) -> bytes | None:
+        """Run the admitted rollout to its end, then encode its answer; None if its client left first."""
         submitted_at = time.perf_counter()
         outcome, messages = "OK", []
         collecting = asyncio.ensure_future(_collect(stream, messages))
@@ -275,7 +304,7 @@ class HttpFrontEnd:
             await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
             if not collecting.done():
                 outcome = "CANCELLED"  # the client left: its rollout stops with the stream
-                return Response(status_code=499, background=release)  # nobody reads it
+                return None
             collecting.result()
         except asyncio.CancelledError:
             outcome = "CANCELLED"
@@ -290,8 +319,7 @@ class HttpFrontEnd:
             self.service.rollout_ended(resolved, submitted_at, outcome)
         seconds = time.perf_counter() - submitted_at
         answers = await asyncio.to_thread(sglang.responses, messages, typed, seconds)
-        payload = await asyncio.to_thread(msgpack.packb, answers, use_bin_type=True)
-        return Response(payload, media_type=MSGPACK, background=release)
+        return await asyncio.to_thread(msgpack.packb, answers, use_bin_type=True)
 
     async def update_from_disk(self, request: Request) -> Response:
         body = await self._body(request, _WEIGHT_BODY_BYTES)
@@ -389,8 +417,12 @@ class HttpServer:
         self.address = f"{scheme}://{host}:{self.port}"
         # No limit_concurrency: uvicorn would count idle connections against it and answer even
         # /health with 503; the front end counts requests instead, and each connection has a deadline
-        # for its request.
-        protocol = functools.partial(BoundedH11Protocol, read_seconds=read_seconds)
+        # for its request and for an answer it does not take.
+        protocol = functools.partial(
+            BoundedH11Protocol,
+            read_seconds=read_seconds,
+            write_seconds=front_end.service.serving.limits.stall_seconds,
+        )
         config = uvicorn.Config(
             front_end.app(),
             http=protocol,

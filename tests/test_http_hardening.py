@@ -60,6 +60,13 @@ def request_bytes(body: dict) -> bytes:
     return head.encode() + content
 
 
+def wait_for_log(server, pattern: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, server.log()):
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.05)
+
+
 def test_idle_connections_leave_health_answered_and_are_closed_after_the_read_bound(hardened):
     """340 connections that never send a byte, and MAX_REQUESTS requests whose body never comes whole:
     /health is answered (200, within a second) throughout, a further request is refused (429: the
@@ -98,3 +105,27 @@ def test_idle_connections_leave_health_answered_and_are_closed_after_the_read_bo
     finally:
         for connection in held:
             connection.close()
+
+
+def test_an_unread_answer_holds_its_bytes_until_it_is_dropped_after_the_stall_limit(hardened):
+    """A client that never reads keeps its answer's bytes reserved (a second answer that would pass
+    --max-http-response-bytes is refused, 429) until --stall-seconds after its connection stopped
+    taking them; then the connection is dropped, and the same request is served in full."""
+    url = http_url(hardened)
+    host, port = address(url)
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+    reader.connect((host, port))
+    try:
+        reader.sendall(request_bytes(LARGE))
+        assert select.select([reader], [], [], 120)[0]  # its answer is being sent
+        with httpx.Client(base_url=url, timeout=120) as client:
+            refused = client.post("/rollout/generate", json=LARGE)
+            assert refused.status_code == 429, (refused.status_code, refused.text[:300])
+            assert "--max-http-response-bytes" in refused.text
+            wait_for_log(hardened, r"HTTP connection of \S+ dropped: it took too little of its answer")
+            served = client.post("/rollout/generate", json=LARGE)
+            assert served.status_code == 200
+            assert int(served.headers["content-length"]) == len(served.content) > 2 * 3 * 512 * 512 * 4
+    finally:
+        reader.close()
