@@ -14,7 +14,7 @@ validation and limits, the same queue, metrics and log line. The body is bounded
 the answer's size before any work (``--max-http-response-bytes``, held until the answer has left),
 and a client that disconnects cancels its rollout. Requests, not connections, are counted against
 what the server takes at once; the health probes are not counted. A connection's own bounds (reading
-a request, an answer not taken) are in ``http_connection.py``.
+a request, an answer not taken, a half-close) are in ``http_connection.py``.
 Errors are JSON, ``{"detail": ..., "violations": [{"field", "description"}]}``, with 400 for a bad
 request (the field as the client named it), 401/403 for tokens, 429 and 503 with Retry-After for a
 full server and a shutdown.

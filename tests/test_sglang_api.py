@@ -381,6 +381,30 @@ def test_a_client_that_disconnects_cancels_its_rollout(family_resources):
     assert_serving(server, url)
 
 
+def test_a_client_that_half_closes_after_its_body_gets_its_answer(family_resources):
+    """shutdown(SHUT_WR) after the body ends what the client sends, not its call: the rollout runs to
+    its end and the whole answer comes back, after the interim 100 Continue with which the server
+    probes a half-closed connection (HTTP/1.1 clients skip it)."""
+    server = family_resources.server("flux")
+    host, port = re.match(r"http://(.+):(\d+)", http_url(server)).groups()
+    body = json.dumps(
+        {"prompt": "a half-closed fox", "seed": 3, "width": 64, "height": 64, "num_inference_steps": 4}
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=120) as connection:
+        head = f"POST /rollout/generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+        connection.sendall(head.encode() + body)
+        connection.shutdown(socket.SHUT_WR)
+        answer = b"".join(iter(lambda: connection.recv(65536), b""))
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    while answer.startswith(interim):
+        answer = answer[len(interim) :]
+    status, _, content = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 200 "), status
+    (decoded,) = msgpack.unpackb(content)
+    assert (decoded["prompt"], decoded["seed"]) == ("a half-closed fox", 3)
+    assert re.search(rf"rollout id={decoded['request_id']} .* status=OK", server.log())
+
+
 def test_health_generate_runs_the_model(family_resources):
     server = family_resources.server("flux")
     url = http_url(server)
