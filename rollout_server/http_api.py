@@ -13,8 +13,9 @@ Every request passes the gRPC service's own admission: the same tokens (``Author
 validation and limits, the same queue, metrics and log line. The body is bounded before it is read,
 the answer's size before any work (``--max-http-response-bytes``, held until the answer has left),
 and a client that disconnects cancels its rollout. Requests, not connections, are counted against
-what the server takes at once; the health probes are not counted. A connection's own bounds (reading
-a request, an answer not taken, a half-close) are in ``http_connection.py``.
+what the server takes at once; the health probes are not counted, and /health_generate's probes
+share one rollout. A connection's own bounds (reading a request, an answer not taken, a half-close)
+are in ``http_connection.py``.
 Errors are JSON, ``{"detail": ..., "violations": [{"field", "description"}]}``, with 400 for a bad
 request (the field as the client named it), 401/403 for tokens, 429 and 503 with Retry-After for a
 full server and a shutdown.
@@ -72,6 +73,8 @@ _WEIGHT_BODY_BYTES = 64 * 1024  # the weight endpoints' bodies: a path and a few
 # weight and checksum endpoints.
 SPARE_REQUESTS = 8
 _PROBES = frozenset({"/health", "/health_generate"})
+# /health_generate's answer serves the probes of this many seconds after its rollout ended.
+PROBE_REUSE_SECONDS = 5.0
 # An answer is handed to its connection this much at a time (see _Answer).
 _ANSWER_CHUNK_BYTES = 256 * 1024
 
@@ -157,6 +160,8 @@ class HttpFrontEnd:
         self.max_requests = limits.max_queued_requests + limits.max_waiting_requests + SPARE_REQUESTS
         self._requests = 0  # requests in progress, the health probes aside
         self._answer_bytes = 0  # the bounds of the answers being built or sent
+        self._probe: asyncio.Future | None = None  # /health_generate's rollout: running, or its answer
+        self._probe_ended_at = 0.0
 
     def app(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         """The ASGI application: the endpoints, at most ``max_requests`` requests at once besides the
@@ -364,7 +369,20 @@ class HttpFrontEnd:
         return Response(status_code=200)
 
     async def health_generate(self, request: Request) -> Response:
-        """Healthy once a one-step rollout of the smallest size has gone through the model."""
+        """Healthy once a one-step rollout of the smallest size has gone through the model. Probes
+        share one such rollout: those that come while it runs wait for it, and its answer serves those
+        of the next PROBE_REUSE_SECONDS. A flood of probes costs one small rollout per period and
+        holds at most one queue place."""
+        reusable = self._probe is not None and (
+            not self._probe.done() or time.monotonic() - self._probe_ended_at <= PROBE_REUSE_SECONDS
+        )
+        if not reusable:
+            self._probe = asyncio.ensure_future(self._probe_rollout())
+        failure = await asyncio.shield(self._probe)  # a caller that leaves leaves it to the others
+        return Response(status_code=200) if failure is None else failure.response()
+
+    async def _probe_rollout(self) -> HttpError | None:
+        """Run /health_generate's rollout: None if it went through, else the answer's error."""
         serving = self.service.serving
         side = serving.side_multiple
         probe = rollout_pb2.RolloutRequest(
@@ -379,20 +397,23 @@ class HttpFrontEnd:
         if serving.max_frames > 1:
             probe.num_frames = 1
         try:
-            resolved, stream = await self.service.admit(probe)
-        except Refused as refusal:
-            raise _status_error(refusal.status, refusal.error) from None
-        submitted_at, outcome = time.perf_counter(), "OK"
-        try:
-            async for _ in stream:
-                pass
-        except Exception as error:  # noqa: BLE001 - an unhealthy model is the answer
-            outcome, status = failure_status("health_generate", error)
-            raise _status_error(status) from None
+            try:
+                resolved, stream = await self.service.admit(probe)
+            except Refused as refusal:
+                return _status_error(refusal.status, refusal.error)
+            submitted_at, outcome = time.perf_counter(), "OK"
+            try:
+                async for _ in stream:
+                    pass
+            except Exception as error:  # noqa: BLE001 - an unhealthy model is the answer
+                outcome, status = failure_status("health_generate", error)
+                return _status_error(status)
+            finally:
+                stream.close()
+                self.service.rollout_ended(resolved, submitted_at, outcome)
+            return None
         finally:
-            stream.close()
-            self.service.rollout_ended(resolved, submitted_at, outcome)
-        return Response(status_code=200)
+            self._probe_ended_at = time.monotonic()
 
 
 class _Server(uvicorn.Server):

@@ -6,13 +6,14 @@ import json
 import re
 import select
 import socket
+import threading
 import time
 
 import httpx
 import pytest
-from helpers import http_url, start_server
+from helpers import http_url, metrics_url, scrape, start_server
 
-from rollout_server.http_api import SPARE_REQUESTS
+from rollout_server.http_api import PROBE_REUSE_SECONDS, SPARE_REQUESTS
 
 READ_SECONDS = 4  # --http-read-seconds
 STALL_SECONDS = 3  # --stall-seconds
@@ -60,6 +61,12 @@ def request_bytes(body: dict) -> bytes:
     return head.encode() + content
 
 
+def rollouts_ended(server) -> float:
+    """Rollouts the server has admitted and ended, whatever their status."""
+    samples = scrape(metrics_url(server))
+    return sum(value for (name, _), value in samples.items() if name == "rollout_server_rollouts_total")
+
+
 def wait_for_log(server, pattern: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not re.search(pattern, server.log()):
@@ -105,6 +112,43 @@ def test_idle_connections_leave_health_answered_and_are_closed_after_the_read_bo
     finally:
         for connection in held:
             connection.close()
+
+
+def test_a_flood_of_health_generate_shares_one_probe_and_refuses_no_rollout(hardened):
+    """Eight clients ask /health_generate again and again while two trainers run four rollouts each:
+    every probe is answered 200, no trainer's rollout is refused (at most one probe rollout holds a
+    queue place at a time, and the queue takes three), and the flood costs one probe rollout per
+    PROBE_REUSE_SECONDS."""
+    url = http_url(hardened)
+    before = rollouts_ended(hardened)
+    flooding, probe_answers, trainer_answers = threading.Event(), [], []
+
+    def flood():
+        with httpx.Client(base_url=url, timeout=120) as client:
+            while flooding.is_set():
+                probe_answers.append(client.get("/health_generate").status_code)
+
+    def train():
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for _ in range(4):
+                trainer_answers.append(client.post("/rollout/generate", json=SMALL).status_code)
+
+    flooding.set()
+    started_at = time.monotonic()
+    floods = [threading.Thread(target=flood) for _ in range(8)]
+    trainers = [threading.Thread(target=train) for _ in range(2)]
+    for thread in floods + trainers:
+        thread.start()
+    for thread in trainers:
+        thread.join()
+    flooding.clear()
+    for thread in floods:
+        thread.join()
+    elapsed = time.monotonic() - started_at
+    assert trainer_answers == [200] * 8
+    assert probe_answers and set(probe_answers) == {200}
+    probes = rollouts_ended(hardened) - before - len(trainer_answers)
+    assert probes <= 1 + elapsed // PROBE_REUSE_SECONDS, (probes, elapsed, len(probe_answers))
 
 
 def test_an_unread_answer_holds_its_bytes_until_it_is_dropped_after_the_stall_limit(hardened):
