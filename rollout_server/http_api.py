@@ -96,16 +96,27 @@ class HttpError(Exception):
         return JSONResponse(self.body, self.status, headers)
 
 
-def _status_error(
-    status: grpc.Status, error: Exception | None = None, extra: dict | None = None
-) -> HttpError:
-    """The HttpError of a gRPC status (and of the InvalidRequest behind it, which names fields)."""
-    violations = sglang.sglang_violations(error) if isinstance(error, InvalidRequest) else []
-    return HttpError(HTTP_STATUS.get(status.code, 500), status.details, violations, extra)
+def _status_error(status: grpc.Status, error: Exception | None = None) -> HttpError:
+    """The HttpError of a rollout's gRPC status (a 400 naming the client's fields for the
+    InvalidRequest behind it)."""
+    if isinstance(error, InvalidRequest):
+        return _invalid(sglang.sglang_violations(error))
+    return HttpError(HTTP_STATUS.get(status.code, 500), status.details)
 
 
-def _invalid(error: InvalidRequest, extra: dict | None = None) -> HttpError:
-    return HttpError(400, str(error), sglang.sglang_violations(error), extra)
+def _weights_error(status: grpc.Status, error: Exception | None) -> HttpError:
+    """The HttpError of a failed weight update: its gRPC status, or a 400 naming the fields of
+    SGLang's body for the InvalidRequest behind it; SGLang's failure answer beside ours."""
+    if isinstance(error, InvalidRequest):
+        return _invalid(sglang.weight_violations(error), weights=True)
+    return HttpError(HTTP_STATUS.get(status.code, 500), status.details, extra=_failed(status.details))
+
+
+def _invalid(violations: list[dict[str, str]], weights: bool = False) -> HttpError:
+    """A 400 for ``violations`` (named as the client named its fields); a weight endpoint's carries
+    SGLang's failure answer too."""
+    detail = "invalid request: " + "; ".join(f"{v['field']}: {v['description']}" for v in violations)
+    return HttpError(400, detail, violations, _failed(detail) if weights else None)
 
 
 def _failed(detail: str) -> dict:
@@ -224,6 +235,14 @@ class HttpFrontEnd:
             self.service.metrics.reject(code.name.lower())
             raise HttpError(HTTP_STATUS[code], message)
 
+    def _rejected(self, error: InvalidRequest, weights: bool = False) -> HttpError:
+        """The 400 of a body the front end itself refuses (its fields are SGLang's), counted and
+        logged in one line as the service's rejections are."""
+        rejection = _invalid(sglang.sglang_violations(error), weights)
+        log.info("rejected over HTTP: %s", rejection.body["detail"])
+        self.service.metrics.reject("invalid_argument")
+        return rejection
+
     async def _body(self, request: Request, limit: int) -> object:
         """The decoded body (JSON, or msgpack by content type; empty: an empty object), read only up to
         ``limit`` bytes."""
@@ -255,10 +274,9 @@ class HttpFrontEnd:
     async def generate(self, request: Request) -> Response:
         body = await self._body(request, self.max_body_bytes)
         try:
-            typed = sglang.read_request(body)
+            typed = sglang.read_request(body, self.service.serving.limits.max_samples)
         except InvalidRequest as error:
-            self.service.metrics.reject("invalid_argument")
-            raise _invalid(error) from None
+            raise self._rejected(error) from None
 
         bound = 0
 
@@ -316,7 +334,7 @@ class HttpFrontEnd:
             raise
         except Exception as error:  # noqa: BLE001 - each failure becomes the answer's status
             outcome, status = failure_status(f"request {resolved.request_id}", error)
-            raise _status_error(status) from None
+            raise _status_error(status, error) from None
         finally:
             for task in (collecting, watching):
                 task.cancel()
@@ -331,15 +349,13 @@ class HttpFrontEnd:
         try:
             load = sglang.load_weights_request(body, self.service.engine.status().policy_version)
         except InvalidRequest as error:
-            self.service.metrics.reject("invalid_argument")
-            raise _invalid(error, _failed(str(error))) from None
+            raise self._rejected(error, weights=True) from None
         try:
             applied = await self.service.load_weights(load)
         except Refused as refusal:
-            raise _status_error(refusal.status, refusal.error, _failed(refusal.status.details)) from None
+            raise _weights_error(refusal.status, refusal.error) from None
         except Exception as error:  # noqa: BLE001 - each failure becomes the answer's status
-            status = self.service.update_failure(error)
-            raise _status_error(status, error, _failed(status.details)) from None
+            raise _weights_error(self.service.update_failure(error), error) from None
         message = (
             f"loaded {applied['tensors']} tensors ({applied['bytes']} bytes) as policy version "
             f"{applied['policy_version']}"
@@ -359,7 +375,7 @@ class HttpFrontEnd:
         try:
             names = sglang.checksum_modules(body)
         except InvalidRequest as error:
-            raise _invalid(error) from None
+            raise self._rejected(error) from None
         served = self.service.engine.status().transformer_checksums
         return JSONResponse({name: served.get(name, "not_found") for name in (names or served)})
 

@@ -173,3 +173,39 @@ def test_an_unread_answer_holds_its_bytes_until_it_is_dropped_after_the_stall_li
             assert int(served.headers["content-length"]) == len(served.content) > 2 * 3 * 512 * 512 * 4
     finally:
         reader.close()
+
+
+WEIGHT_BODIES = [
+    # LoadWeights's own checks name its path and target; the answer names SGLang's fields.
+    ('{"model_path": "a\\u0000b"}', "model_path"),
+    ('{"model_path": "w", "target_modules": ["nope"]}', "target_modules"),
+    ('{"model_path": "\\ud800"}', "model_path"),  # a lone surrogate (once a 500)
+    ('{"model_path": "w", "target_modules": ["\\udfff"]}', "target_modules"),
+    ('{"model_path": "w", "policy_version": -1}', "policy_version"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), WEIGHT_BODIES, ids=[str(i) for i in range(len(WEIGHT_BODIES))])
+def test_weight_endpoint_errors_name_sglangs_fields_in_one_log_line(hardened, body, field):
+    url = http_url(hardened)
+    logged = hardened.log()
+    answer = httpx.post(
+        f"{url}/update_weights_from_disk", content=body, headers={"content-type": "application/json"}
+    )
+    assert answer.status_code == 400, answer.text
+    assert [violation["field"] for violation in answer.json()["violations"]] == [field]
+    assert answer.json()["success"] is False and answer.json()["message"].startswith(
+        f"invalid request: {field}:"
+    )
+    new_lines = hardened.log()[len(logged) :].splitlines()
+    assert len(new_lines) == 1 and "rejected" in new_lines[0], new_lines
+
+
+def test_a_checksum_request_with_a_lone_surrogate_is_a_400(hardened):
+    answer = httpx.post(
+        f"{http_url(hardened)}/get_weights_checksum",
+        content='{"module_names": ["\\ud800"]}',
+        headers={"content-type": "application/json"},
+    )
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["violations"][0]["field"] == "module_names"
