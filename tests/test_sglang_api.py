@@ -449,3 +449,5 @@ def test_health_generate_runs_the_model(family_resources):
 def test_the_http_port_is_checked_before_the_model_loads():
     message = command_line_exit("serve", "--http-port", "70000")
     assert message == "rollout-server: --http-port must be in [0, 65535]"
+    message = command_line_exit("serve", "--http-read-seconds", "0")
+    assert message == "rollout-server: --http-read-seconds must be above 0"
