@@ -17,7 +17,12 @@ from typing import NoReturn
 from rollout.v1 import rollout_pb2
 from rollout_server.auth import ServerTLS, TokenPolicy, load_token
 from rollout_server.errors import ParallelismUnsupported, RankFailure, StartupError, UnsupportedModel
-from rollout_server.limits import DEFAULT_MAX_HTTP_RESPONSE_BYTES, Limits, parse_bytes
+from rollout_server.limits import (
+    DEFAULT_HTTP_READ_SECONDS,
+    DEFAULT_MAX_HTTP_RESPONSE_BYTES,
+    Limits,
+    parse_bytes,
+)
 from rollout_server.presets import PRESETS, resolve_model
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
 
@@ -83,7 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--stall-seconds",
         type=float,
         default=Limits.stall_seconds,
-        help="end a stream (ABORTED) whose client has read nothing for this long, freeing its work",
+        help="end a stream (ABORTED) whose client has read nothing for this long, freeing its work; "
+        "an HTTP client that takes too little of its answer for this long is dropped",
     )
     s.add_argument(
         "--prune-hold-seconds",
@@ -139,7 +145,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--max-http-response-bytes",
         type=parse_bytes,
         default=DEFAULT_MAX_HTTP_RESPONSE_BYTES,
-        help="the largest answer of the HTTP API, refused before any work (default 1GiB)",
+        help="the largest answer of the HTTP API, refused before any work (default 1GiB); an answer counts "
+        "until it has left, and a client that takes too little of it for --stall-seconds is dropped",
+    )
+    s.add_argument(
+        "--http-read-seconds",
+        type=float,
+        default=DEFAULT_HTTP_READ_SECONDS,
+        help="seconds an HTTP request, headers and body, may take to arrive, from the connection's opening "
+        "or the previous answer's end; a slower or silent connection is closed (default 30)",
     )
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
@@ -230,6 +244,8 @@ def main(argv=None) -> None:
         sys.exit("rollout-server: --prompt-cache-entries must be 0 (off) or more")
     if not args.upload_idle_seconds > 0:
         sys.exit("rollout-server: --upload-idle-seconds must be above 0")
+    if not args.http_read_seconds > 0:
+        sys.exit("rollout-server: --http-read-seconds must be above 0")
     if args.http_port is not None and not 0 <= args.http_port <= 65535:
         sys.exit("rollout-server: --http-port must be in [0, 65535]")
     if args.weights_root is not None and not args.weights_root.is_dir():
@@ -287,6 +303,7 @@ def main(argv=None) -> None:
         prompt_cache_entries=args.prompt_cache_entries,
         http_port=args.http_port,
         max_http_response_bytes=args.max_http_response_bytes,
+        http_read_seconds=args.http_read_seconds,
     )
     try:
         code = asyncio.run(serve(options)) if parallel.is_leader else follow(options)

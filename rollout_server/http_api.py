@@ -11,14 +11,19 @@ the gRPC service, on the same event loop (``rollout-server serve --http-port``).
 
 Every request passes the gRPC service's own admission: the same tokens (``Authorization: Bearer``),
 validation and limits, the same queue, metrics and log line. The body is bounded before it is read,
-the answer's size before any work (``--max-http-response-bytes``), and a client that disconnects
-cancels its rollout. Errors are JSON: ``{"detail": ..., "violations": [{"field", "description"}]}``
-with 400 for a bad request (the field as the client named it), 401/403 for tokens, 429 and 503 with
-Retry-After for a full queue and a shutdown.
+the answer's size before any work (``--max-http-response-bytes``, held until the answer has left),
+and a client that disconnects cancels its rollout. Requests, not connections, are counted against
+what the server takes at once; the health probes are not counted, and /health_generate's probes
+share one rollout. A connection's own bounds (reading a request, an answer not taken, a half-close)
+are in ``http_connection.py``.
+Errors are JSON, ``{"detail": ..., "violations": [{"field", "description"}]}``, with 400 for a bad
+request (the field as the client named it), 401/403 for tokens, 429 and 503 with Retry-After for a
+full server and a shutdown.
 """
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import socket
@@ -30,15 +35,16 @@ import grpc
 import msgpack
 import uvicorn
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from rollout.v1 import rollout_pb2
 from rollout_server import sglang
 from rollout_server.auth import ServerTLS, TokenPolicy, method_path
 from rollout_server.errors import InvalidRequest, Overloaded, StartupError
+from rollout_server.http_connection import BoundedH11Protocol
 from rollout_server.service import Refused, RolloutService, failure_status
 
 log = logging.getLogger("rollout_server.http")
@@ -63,6 +69,14 @@ _ROLLOUT, _INFO, _LOAD, _UPDATE = (
     method_path(m) for m in ("Rollout", "GetServerInfo", "LoadWeights", "UpdateWeights")
 )
 _WEIGHT_BODY_BYTES = 64 * 1024  # the weight endpoints' bodies: a path and a few names
+# Requests at once besides the health probes: what the queue and the wait list hold, and a few for the
+# weight and checksum endpoints.
+SPARE_REQUESTS = 8
+_PROBES = frozenset({"/health", "/health_generate"})
+# /health_generate's answer serves the probes of this many seconds after its rollout ended.
+PROBE_REUSE_SECONDS = 5.0
+# An answer is handed to its connection this much at a time (see _Answer).
+_ANSWER_CHUNK_BYTES = 256 * 1024
 
 
 class HttpError(Exception):
@@ -82,16 +96,27 @@ class HttpError(Exception):
         return JSONResponse(self.body, self.status, headers)
 
 
-def _status_error(
-    status: grpc.Status, error: Exception | None = None, extra: dict | None = None
-) -> HttpError:
-    """The HttpError of a gRPC status (and of the InvalidRequest behind it, which names fields)."""
-    violations = sglang.sglang_violations(error) if isinstance(error, InvalidRequest) else []
-    return HttpError(HTTP_STATUS.get(status.code, 500), status.details, violations, extra)
+def _status_error(status: grpc.Status, error: Exception | None = None) -> HttpError:
+    """The HttpError of a rollout's gRPC status (a 400 naming the client's fields for the
+    InvalidRequest behind it)."""
+    if isinstance(error, InvalidRequest):
+        return _invalid(sglang.sglang_violations(error))
+    return HttpError(HTTP_STATUS.get(status.code, 500), status.details)
 
 
-def _invalid(error: InvalidRequest, extra: dict | None = None) -> HttpError:
-    return HttpError(400, str(error), sglang.sglang_violations(error), extra)
+def _weights_error(status: grpc.Status, error: Exception | None) -> HttpError:
+    """The HttpError of a failed weight update: its gRPC status, or a 400 naming the fields of
+    SGLang's body for the InvalidRequest behind it; SGLang's failure answer beside ours."""
+    if isinstance(error, InvalidRequest):
+        return _invalid(sglang.weight_violations(error), weights=True)
+    return HttpError(HTTP_STATUS.get(status.code, 500), status.details, extra=_failed(status.details))
+
+
+def _invalid(violations: list[dict[str, str]], weights: bool = False) -> HttpError:
+    """A 400 for ``violations`` (named as the client named its fields); a weight endpoint's carries
+    SGLang's failure answer too."""
+    detail = "invalid request: " + "; ".join(f"{v['field']}: {v['description']}" for v in violations)
+    return HttpError(400, detail, violations, _failed(detail) if weights else None)
 
 
 def _failed(detail: str) -> dict:
@@ -110,6 +135,30 @@ async def _collect(stream, messages: list) -> None:
         messages.append(message)
 
 
+class _Answer(Response):
+    """An answer handed to its connection a chunk at a time, and ``release`` called once it has left
+    or its connection is gone. uvicorn's send waits while the connection's write buffer is above its
+    high-water mark (64 KiB), so each chunk goes only once the client has taken those before it, and at
+    the end at most that much of the answer is still in the process. A client that takes too little
+    has its connection dropped after --stall-seconds (http_connection.py), which ends the wait."""
+
+    def __init__(self, payload: bytes, release: Callable[[], None]):
+        super().__init__(payload, media_type=MSGPACK)
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
+            for start in range(0, len(self.body), _ANSWER_CHUNK_BYTES):
+                chunk = self.body[start : start + _ANSWER_CHUNK_BYTES]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.release()
+
+
 class HttpFrontEnd:
     """The endpoints, over a RolloutService."""
 
@@ -118,9 +167,16 @@ class HttpFrontEnd:
         self.tokens = tokens
         self.max_response_bytes = max_response_bytes
         self.max_body_bytes = service.serving.max_request_bytes
+        limits = service.serving.limits
+        self.max_requests = limits.max_queued_requests + limits.max_waiting_requests + SPARE_REQUESTS
+        self._requests = 0  # requests in progress, the health probes aside
         self._answer_bytes = 0  # the bounds of the answers being built or sent
+        self._probe: asyncio.Future | None = None  # /health_generate's rollout: running, or its answer
+        self._probe_ended_at = 0.0
 
-    def app(self) -> Starlette:
+    def app(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+        """The ASGI application: the endpoints, at most ``max_requests`` requests at once besides the
+        health probes (429 beyond: each holds a body, and the answer built or sent for it)."""
         routes = [
             Route("/rollout/generate", self._endpoint(self.generate, _ROLLOUT), methods=["POST"]),
             Route(
@@ -135,7 +191,26 @@ class HttpFrontEnd:
             Route("/health", self._endpoint(self.health, None), methods=["GET"]),
             Route("/health_generate", self._endpoint(self.health_generate, None), methods=["GET"]),
         ]
-        return Starlette(routes=routes)
+        endpoints = Starlette(routes=routes)
+
+        async def bounded(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http" or scope["path"] in _PROBES:
+                return await endpoints(scope, receive, send)
+            if self._requests >= self.max_requests:
+                self.service.metrics.reject("overloaded")
+                full = HttpError(
+                    429,
+                    f"{self._requests} HTTP requests are in progress, the server's limit "
+                    "(--max-queued + --max-waiting + 8)",
+                )
+                return await full.response()(scope, receive, send)
+            self._requests += 1
+            try:
+                await endpoints(scope, receive, send)
+            finally:
+                self._requests -= 1
+
+        return bounded
 
     def _endpoint(self, handler, method: str | None):
         """``handler`` behind the token ``method`` needs, with every HttpError answered as JSON."""
@@ -147,6 +222,8 @@ class HttpFrontEnd:
                 return await handler(request)
             except HttpError as error:
                 return error.response()
+            except ClientDisconnect:  # gone before its body was in (or closed for taking too long)
+                return Response(status_code=499)  # nobody reads it
 
         return endpoint
 
@@ -157,6 +234,14 @@ class HttpFrontEnd:
             log.info("refused %s over HTTP: %s", method, code.name)
             self.service.metrics.reject(code.name.lower())
             raise HttpError(HTTP_STATUS[code], message)
+
+    def _rejected(self, error: InvalidRequest, weights: bool = False) -> HttpError:
+        """The 400 of a body the front end itself refuses (its fields are SGLang's), counted and
+        logged in one line as the service's rejections are."""
+        rejection = _invalid(sglang.sglang_violations(error), weights)
+        log.info("rejected over HTTP: %s", rejection.body["detail"])
+        self.service.metrics.reject("invalid_argument")
+        return rejection
 
     async def _body(self, request: Request, limit: int) -> object:
         """The decoded body (JSON, or msgpack by content type; empty: an empty object), read only up to
@@ -189,10 +274,9 @@ class HttpFrontEnd:
     async def generate(self, request: Request) -> Response:
         body = await self._body(request, self.max_body_bytes)
         try:
-            typed = sglang.read_request(body)
+            typed = sglang.read_request(body, self.service.serving.limits.max_samples)
         except InvalidRequest as error:
-            self.service.metrics.reject("invalid_argument")
-            raise _invalid(error) from None
+            raise self._rejected(error) from None
 
         bound = 0
 
@@ -217,20 +301,24 @@ class HttpFrontEnd:
             resolved, stream = await self.service.admit(sglang.to_rollout_request(typed, ""), check)
         except Refused as refusal:
             raise _status_error(refusal.status, refusal.error) from None
-        # Held from here until the answer is sent, or its client has left.
+        # Held from here until the answer has left, or its client has.
         self._answer_bytes += bound
-        release = BackgroundTask(self._release, bound)
+        release = functools.partial(self._release, bound)
         try:
-            return await self._answer(request, typed, resolved, stream, release)
+            payload = await self._answer(request, typed, resolved, stream)
         except BaseException:
-            self._release(bound)
+            release()
             raise
+        if payload is None:  # the client left: nobody reads an answer
+            release()
+            return Response(status_code=499)
+        return _Answer(payload, release)
 
     def _release(self, nbytes: int) -> None:
         self._answer_bytes -= nbytes
 
-    async def _answer(self, request, typed, resolved, stream, release: BackgroundTask) -> Response:
-        """Run the admitted rollout to its end (or its client's leaving), then encode the answer."""
+    async def _answer(self, request, typed, resolved, stream) -> bytes | None:
+        """Run the admitted rollout to its end, then encode its answer; None if its client left first."""
         submitted_at = time.perf_counter()
         outcome, messages = "OK", []
         collecting = asyncio.ensure_future(_collect(stream, messages))
@@ -239,14 +327,14 @@ class HttpFrontEnd:
             await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
             if not collecting.done():
                 outcome = "CANCELLED"  # the client left: its rollout stops with the stream
-                return Response(status_code=499, background=release)  # nobody reads it
+                return None
             collecting.result()
         except asyncio.CancelledError:
             outcome = "CANCELLED"
             raise
         except Exception as error:  # noqa: BLE001 - each failure becomes the answer's status
             outcome, status = failure_status(f"request {resolved.request_id}", error)
-            raise _status_error(status) from None
+            raise _status_error(status, error) from None
         finally:
             for task in (collecting, watching):
                 task.cancel()
@@ -254,23 +342,20 @@ class HttpFrontEnd:
             self.service.rollout_ended(resolved, submitted_at, outcome)
         seconds = time.perf_counter() - submitted_at
         answers = await asyncio.to_thread(sglang.responses, messages, typed, seconds)
-        payload = await asyncio.to_thread(msgpack.packb, answers, use_bin_type=True)
-        return Response(payload, media_type=MSGPACK, background=release)
+        return await asyncio.to_thread(msgpack.packb, answers, use_bin_type=True)
 
     async def update_from_disk(self, request: Request) -> Response:
         body = await self._body(request, _WEIGHT_BODY_BYTES)
         try:
             load = sglang.load_weights_request(body, self.service.engine.status().policy_version)
         except InvalidRequest as error:
-            self.service.metrics.reject("invalid_argument")
-            raise _invalid(error, _failed(str(error))) from None
+            raise self._rejected(error, weights=True) from None
         try:
             applied = await self.service.load_weights(load)
         except Refused as refusal:
-            raise _status_error(refusal.status, refusal.error, _failed(refusal.status.details)) from None
+            raise _weights_error(refusal.status, refusal.error) from None
         except Exception as error:  # noqa: BLE001 - each failure becomes the answer's status
-            status = self.service.update_failure(error)
-            raise _status_error(status, error, _failed(status.details)) from None
+            raise _weights_error(self.service.update_failure(error), error) from None
         message = (
             f"loaded {applied['tensors']} tensors ({applied['bytes']} bytes) as policy version "
             f"{applied['policy_version']}"
@@ -290,7 +375,7 @@ class HttpFrontEnd:
         try:
             names = sglang.checksum_modules(body)
         except InvalidRequest as error:
-            raise _invalid(error) from None
+            raise self._rejected(error) from None
         served = self.service.engine.status().transformer_checksums
         return JSONResponse({name: served.get(name, "not_found") for name in (names or served)})
 
@@ -300,7 +385,20 @@ class HttpFrontEnd:
         return Response(status_code=200)
 
     async def health_generate(self, request: Request) -> Response:
-        """Healthy once a one-step rollout of the smallest size has gone through the model."""
+        """Healthy once a one-step rollout of the smallest size has gone through the model. Probes
+        share one such rollout: those that come while it runs wait for it, and its answer serves those
+        of the next PROBE_REUSE_SECONDS. A flood of probes costs one small rollout per period and
+        holds at most one queue place."""
+        reusable = self._probe is not None and (
+            not self._probe.done() or time.monotonic() - self._probe_ended_at <= PROBE_REUSE_SECONDS
+        )
+        if not reusable:
+            self._probe = asyncio.ensure_future(self._probe_rollout())
+        failure = await asyncio.shield(self._probe)  # a caller that leaves leaves it to the others
+        return Response(status_code=200) if failure is None else failure.response()
+
+    async def _probe_rollout(self) -> HttpError | None:
+        """Run /health_generate's rollout: None if it went through, else the answer's error."""
         serving = self.service.serving
         side = serving.side_multiple
         probe = rollout_pb2.RolloutRequest(
@@ -315,20 +413,23 @@ class HttpFrontEnd:
         if serving.max_frames > 1:
             probe.num_frames = 1
         try:
-            resolved, stream = await self.service.admit(probe)
-        except Refused as refusal:
-            raise _status_error(refusal.status, refusal.error) from None
-        submitted_at, outcome = time.perf_counter(), "OK"
-        try:
-            async for _ in stream:
-                pass
-        except Exception as error:  # noqa: BLE001 - an unhealthy model is the answer
-            outcome, status = failure_status("health_generate", error)
-            raise _status_error(status) from None
+            try:
+                resolved, stream = await self.service.admit(probe)
+            except Refused as refusal:
+                return _status_error(refusal.status, refusal.error)
+            submitted_at, outcome = time.perf_counter(), "OK"
+            try:
+                async for _ in stream:
+                    pass
+            except Exception as error:  # noqa: BLE001 - an unhealthy model is the answer
+                outcome, status = failure_status("health_generate", error)
+                return _status_error(status)
+            finally:
+                stream.close()
+                self.service.rollout_ended(resolved, submitted_at, outcome)
+            return None
         finally:
-            stream.close()
-            self.service.rollout_ended(resolved, submitted_at, outcome)
-        return Response(status_code=200)
+            self._probe_ended_at = time.monotonic()
 
 
 class _Server(uvicorn.Server):
@@ -341,7 +442,9 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """The HTTP front end on a port: ``await start()``, then ``await stop()``."""
 
-    def __init__(self, front_end: HttpFrontEnd, host: str, port: int, tls: ServerTLS | None):
+    def __init__(
+        self, front_end: HttpFrontEnd, host: str, port: int, tls: ServerTLS | None, read_seconds: float
+    ):
         try:
             self._socket = socket.create_server((host.strip("[]"), port), family=_family(host), backlog=2048)
         except OSError as error:
@@ -349,16 +452,24 @@ class HttpServer:
         self.port = self._socket.getsockname()[1]
         scheme = "https" if tls else "http"
         self.address = f"{scheme}://{host}:{self.port}"
-        limits = front_end.service.serving.limits
+        # No limit_concurrency: uvicorn would count idle connections against it and answer even
+        # /health with 503; the front end counts requests instead, and each connection has a deadline
+        # for its request and for an answer it does not take.
+        protocol = functools.partial(
+            BoundedH11Protocol,
+            read_seconds=read_seconds,
+            write_seconds=front_end.service.serving.limits.stall_seconds,
+        )
         config = uvicorn.Config(
             front_end.app(),
+            http=protocol,
+            ws="none",
+            interface="asgi3",
             log_config=None,
             log_level="warning",  # our own lines say what it serves; its errors still show
             access_log=False,
             lifespan="off",
             server_header=False,
-            # Connections at once: what the queue and the wait list hold, and a few for health checks.
-            limit_concurrency=limits.max_queued_requests + limits.max_waiting_requests + 8,
             timeout_graceful_shutdown=2,
             h11_max_incomplete_event_size=64 * 1024,  # headers
             **(_tls_options(tls) if tls else {}),

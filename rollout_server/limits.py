@@ -30,6 +30,9 @@ _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]i?)?b?", re.IGNO
 
 # The HTTP front end's largest answer (the whole rollout in one msgpack body, built in memory).
 DEFAULT_MAX_HTTP_RESPONSE_BYTES = 1024**3
+# Seconds an HTTP request, headers and body, may take to arrive (the largest body a server takes,
+# about 68 MiB, at 2.3 MB/s and more).
+DEFAULT_HTTP_READ_SECONDS = 30.0
 
 
 def parse_bytes(text: str) -> int:

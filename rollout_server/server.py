@@ -22,7 +22,7 @@ from rollout_server.auth import HANDLER_KINDS, ServerTLS, TokenInterceptor, Toke
 from rollout_server.engine import Engine
 from rollout_server.errors import StartupError
 from rollout_server.http_api import HttpFrontEnd, HttpServer
-from rollout_server.limits import DEFAULT_MAX_HTTP_RESPONSE_BYTES, Limits
+from rollout_server.limits import DEFAULT_HTTP_READ_SECONDS, DEFAULT_MAX_HTTP_RESPONSE_BYTES, Limits
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import SequenceParallel
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
@@ -62,6 +62,7 @@ class ServerOptions:
     prompt_cache_entries: int = DEFAULT_PROMPT_CACHE_ENTRIES  # distinct texts kept encoded; 0: none
     http_port: int | None = None  # SGLang's HTTP rollout API on this port too (see http_api.py)
     max_http_response_bytes: int = DEFAULT_MAX_HTTP_RESPONSE_BYTES
+    http_read_seconds: float = DEFAULT_HTTP_READ_SECONDS  # to read one HTTP request, headers and body
 
 
 def versions() -> dict[str, str]:
@@ -288,7 +289,9 @@ async def serve(options: ServerOptions) -> int:
         http = None
         if options.http_port is not None:
             front_end = HttpFrontEnd(service, options.tokens, options.max_http_response_bytes)
-            http = HttpServer(front_end, options.host, options.http_port, options.tls)
+            http = HttpServer(
+                front_end, options.host, options.http_port, options.tls, options.http_read_seconds
+            )
         server = RolloutServer(
             service, options.host, options.port, options.grace_seconds, options.tls, options.tokens, http
         )

@@ -41,6 +41,7 @@ from rollout_client.events import Finished, Step, decode_stream
 from rollout_client.trajectory import Collector, Trajectory
 from rollout_core import wire
 from rollout_server.errors import InvalidRequest
+from rollout_server.limits import MAX_POLICY_VERSION
 from rollout_server.validation import quoted
 
 SDE_TYPES = {
@@ -50,6 +51,7 @@ SDE_TYPES = {
 }
 _MAX_SEED = 2**64 - 1
 _MAX_SHORT_STRING = 64  # generator_device
+_MAX_FPS = 1000
 # One response's fixed cost beyond its tensors (keys, shapes, scalars): a generous bound.
 _RESPONSE_OVERHEAD_BYTES = 64 * 1024
 _DEBUG_TENSORS = [
@@ -77,6 +79,7 @@ SGLANG_NAMES = {
 }
 
 # SGLang's RolloutRequest fields: (type, default). "ints" is a list of integers; None a null value.
+# An integer takes the range of the proto field it becomes (uint32; see _INT_RANGES).
 _OPTIONAL = None
 FIELDS: dict[str, tuple[str, Any]] = {
     "prompt": ("str", ...),
@@ -104,8 +107,10 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "suppress_logs": ("bool", False),
     "extra_sampling_params": ("dict", _OPTIONAL),
 }
-# An int field takes an int64 (JSON and msgpack integers are unbounded); a list at most this long.
-_INT_RANGE = (-(2**63), 2**64 - 1)
+# JSON and msgpack integers are unbounded: an integer field takes the range of the proto field it
+# becomes, uint32 (a list's items too), the seed a uint64; fps, which becomes none, a frame rate.
+_UINT32 = (0, 2**32 - 1)
+_INT_RANGES = {"seed": (0, _MAX_SEED), "fps": (1, _MAX_FPS), "policy_version": (0, MAX_POLICY_VERSION)}
 _MAX_LIST = 1024
 
 
@@ -135,32 +140,54 @@ _EXPECTED = {
     "strs": f"a list of at most {_MAX_LIST} strings",
     "dict": "an object",
 }
+_TYPES = {"str": str, "bool": bool, "int": int, "float": int | float, "dict": dict}
 
 
-def _typed(kind: str, value: Any) -> tuple[Any, bool]:
-    """(value, True) if ``value`` is of ``kind`` (a float field takes an integer too), else (None, False)."""
-    if kind == "str":
-        ok = isinstance(value, str)
-    elif kind == "bool":
-        ok = isinstance(value, bool)
-    elif kind == "int":
-        ok = (
-            isinstance(value, int) and not isinstance(value, bool) and _INT_RANGE[0] <= value <= _INT_RANGE[1]
+def _is_kind(kind: str, value: Any) -> bool:
+    """Whether ``value`` has the type of ``kind`` (a float field takes an integer too; a bool is not
+    a number)."""
+    if kind in ("ints", "strs"):
+        return (
+            isinstance(value, list) and len(value) <= _MAX_LIST and all(_is_kind(kind[:-1], v) for v in value)
         )
-    elif kind == "float":
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        value = float(value) if ok else None
-    elif kind in ("ints", "strs"):
-        item = "int" if kind == "ints" else "str"
-        ok = isinstance(value, list) and len(value) <= _MAX_LIST and all(_typed(item, v)[1] for v in value)
-    else:  # dict
-        ok = isinstance(value, dict)
-    return (value, True) if ok else (None, False)
+    return isinstance(value, _TYPES[kind]) and (kind == "bool" or not isinstance(value, bool))
+
+
+def _value_problem(kind: str, value: Any, bounds: tuple[int, int]) -> str | None:
+    """What is wrong with ``value``, of ``kind``'s type, as a value (None: nothing): an integer outside
+    ``bounds``, a number no float holds, a string that is not Unicode (JSON's \\ud800 escapes decode
+    to lone surrogates, which neither a protobuf nor an answer can carry)."""
+    if kind in ("ints", "strs"):
+        problems = ((i, _value_problem(kind[:-1], v, bounds)) for i, v in enumerate(value))
+        return next((f"item {i} {problem}" for i, problem in problems if problem), None)
+    if kind == "int" and not bounds[0] <= value <= bounds[1]:
+        return f"must be an integer in [{bounds[0]}, {bounds[1]}]"
+    if kind == "float" and not math.isfinite(_as_float(value)):
+        return "must be a finite number"
+    if kind == "str" and not _is_unicode(value):
+        return "must be valid Unicode: it holds a lone surrogate"
+    return None
+
+
+def _as_float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float
+        return math.inf
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _read_fields(body: dict, fields: dict[str, tuple[str, Any]]) -> tuple[dict[str, Any], list]:
     """(values by name, violations) of ``body`` read as ``fields``: (type, default), where the
-    default ``...`` makes a field required and None lets it be null."""
+    default ``...`` makes a field required and None lets it be null. An integer must lie in the
+    field's range (``_INT_RANGES``, uint32 by default)."""
     values, violations = {}, []
     for name, (kind, default) in fields.items():
         value = body.get(name, default)
@@ -168,19 +195,20 @@ def _read_fields(body: dict, fields: dict[str, tuple[str, Any]]) -> tuple[dict[s
             violations.append((name, "is required"))
         elif value is None and default is _OPTIONAL:
             values[name] = None
+        elif not _is_kind(kind, value):
+            violations.append((name, f"must be {_EXPECTED[kind]}" + (" or null" if default is None else "")))
+        elif problem := _value_problem(kind, value, _INT_RANGES.get(name, _UINT32)):
+            violations.append((name, problem))
         else:
-            values[name], ok = _typed(kind, value)
-            if not ok:
-                violations.append(
-                    (name, f"must be {_EXPECTED[kind]}" + (" or null" if default is None else ""))
-                )
+            values[name] = float(value) if kind == "float" else value
     return values, violations
 
 
-def read_request(body: Any) -> GenerateRequest:
+def read_request(body: Any, max_samples: int) -> GenerateRequest:
     """The typed request of a decoded body; InvalidRequest naming every field that is wrong. Fields
     SGLang does not know are ignored, as its model ignores them; ``extra_sampling_params`` may set any
-    of the known ones (SGLang merges it over them), and nothing else."""
+    of the known ones (SGLang merges it over them), and nothing else. ``num_outputs_per_prompt`` is
+    bounded by the server's ``max_samples`` here, before a seed is expanded into one per sample."""
     if not isinstance(body, dict):
         raise InvalidRequest([("request", "the body must be a JSON or msgpack object")])
     merged = dict(body)
@@ -201,7 +229,7 @@ def read_request(body: Any) -> GenerateRequest:
     values, wrong = _read_fields(merged, FIELDS)
     violations += wrong
     if not violations:
-        violations += _value_problems(values)
+        violations += _value_problems(values, max_samples)
     if violations:
         raise InvalidRequest(violations)
     return GenerateRequest(values)
@@ -223,8 +251,6 @@ def load_weights_request(body: Any, policy_version: int) -> rollout_pb2.LoadWeig
     values, violations = _read_fields(body, fields)
     if not violations and len(values["target_modules"] or ()) > 1:
         violations.append(("target_modules", "names one transformer per update (or none: the transformer)"))
-    if not violations and values["policy_version"] is not None and not 0 <= values["policy_version"] < 2**63:
-        violations.append(("policy_version", "must be in [0, 2^63)"))
     if violations:
         raise InvalidRequest(violations)
     version = values["policy_version"]
@@ -250,7 +276,7 @@ def quoted_reason(error: Exception) -> str:
     return quoted(f"{type(error).__name__}: {error}")
 
 
-def _value_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
+def _value_problems(values: dict[str, Any], max_samples: int) -> list[tuple[str, str]]:
     problems = []
     if values["rollout_sde_type"] not in SDE_TYPES:
         problems.append(("rollout_sde_type", f"must be one of {', '.join(SDE_TYPES)}"))
@@ -270,14 +296,13 @@ def _value_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
             )
         )
     samples = values["num_outputs_per_prompt"]
-    if samples is not None and samples < 1:
-        problems.append(("num_outputs_per_prompt", "must be at least 1"))
+    if samples is not None and not 1 <= samples <= max_samples:
+        problems.append(
+            ("num_outputs_per_prompt", f"must be in [1, {max_samples}] (the server's --max-samples)")
+        )
     seed = values["seed"]
-    if seed is not None and not 0 <= seed <= _MAX_SEED - (samples or 1) + 1:
+    if seed is not None and seed > _MAX_SEED - (samples or 1) + 1:
         problems.append(("seed", "must be in [0, 2^64 - num_outputs_per_prompt]: samples take seed + k"))
-    for name in ("rollout_sde_step_indices", "rollout_return_step_indices"):
-        if values[name] and min(values[name]) < 0:
-            problems.append((name, "holds step indices, which are 0 or more"))
     return problems
 
 
@@ -316,9 +341,21 @@ def to_rollout_request(request: GenerateRequest, request_id: str) -> rollout_pb2
 
 
 def sglang_violations(error: InvalidRequest) -> list[dict[str, str]]:
-    """The violations of a rejected request, each under the SGLang field the client set."""
+    """The violations of a rejected rollout request, each under the SGLang field the client set."""
     return [
         {"field": SGLANG_NAMES.get(field.split("[")[0].split(".")[0], field), "description": description}
+        for field, description in error.violations
+    ]
+
+
+def weight_violations(error: InvalidRequest) -> list[dict[str, str]]:
+    """The violations of a rejected ``update_weights_from_disk``, each under the field of its body it
+    concerns: ``target_modules`` and ``policy_version`` for LoadWeights's target and version, and
+    ``model_path`` for everything about what lies there (LoadWeights's path, kind and the tensors,
+    adapter config and sizes read from it)."""
+    names = {"target": "target_modules", "policy_version": "policy_version"}
+    return [
+        {"field": names.get(field, "model_path"), "description": description}
         for field, description in error.violations
     ]
 

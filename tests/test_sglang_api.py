@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from types import SimpleNamespace
@@ -274,6 +275,17 @@ HOSTILE = [
     ({"prompt": "a", "image_path": ["/etc/passwd"]}, ["image_path"]),
     ({"prompt": "a", "extra_sampling_params": {"__class__": 1}}, ["extra_sampling_params"]),
     ({"prompt": "a", "rollout_noise_level": float("nan")}, ["rollout_noise_level"]),
+    # Integers take the range of the proto field they become (uint32 here): none reaches it unchecked.
+    ({"prompt": "a", "height": 2**40, "width": -1}, ["height", "width"]),
+    ({"prompt": "a", "num_inference_steps": 2**32, "num_frames": -1}, ["num_inference_steps", "num_frames"]),
+    (
+        {"prompt": "a", "rollout_sde_step_indices": [1, 2**40], "rollout_return_step_indices": [-1]},
+        ["rollout_sde_step_indices", "rollout_return_step_indices"],
+    ),
+    ({"prompt": "a", "guidance_scale": 10**400}, ["guidance_scale"]),  # an integer no float holds
+    ({"prompt": "a", "fps": 10**6}, ["fps"]),
+    # JSON's \ud800 escapes decode to lone surrogates, which no protobuf or answer can carry.
+    ({"prompt": "a\ud800", "negative_prompt": "\udfff"}, ["prompt", "negative_prompt"]),
     # The whole answer (every sample's image, trajectory and debug tensors) is bounded before any work.
     (
         {
@@ -298,14 +310,36 @@ def assert_serving(server, url: str) -> None:
 
 @pytest.mark.parametrize(("body", "fields"), HOSTILE, ids=[str(i) for i in range(len(HOSTILE))])
 def test_a_bad_request_is_a_400_naming_its_fields(family_resources, body, fields):
+    """... in the answer, and in one log line (no traceback)."""
     server = family_resources.server("flux")
     url = http_url(server)
+    logged = server.log()
     raw = json.dumps(body, allow_nan=True)  # NaN as JSON's NaN extension, as Python writes it
     answer = post(url, "/rollout/generate", content=raw, headers={"content-type": "application/json"})
     assert answer.status_code == 400, answer.text
     named = {violation["field"] for violation in answer.json()["violations"]}
     assert set(fields) <= named, answer.json()
+    new_lines = server.log()[len(logged) :].splitlines()
+    assert len(new_lines) == 1 and "rejected" in new_lines[0], new_lines
     assert_serving(server, url)
+
+
+def test_a_seed_with_a_huge_sample_count_is_refused_before_its_seeds_are_made(family_resources):
+    """A seed and ten million samples: refused (400, num_outputs_per_prompt) from the server's
+    --max-samples, before a seed per sample is made, so /health is answered within a second
+    throughout (making them took the event loop for seconds)."""
+    url = http_url(family_resources.server("flux"))
+    body = {"prompt": "a", "seed": 1, "num_outputs_per_prompt": 10**7}
+    answers = []
+    hostile = threading.Thread(target=lambda: answers.append(post(url, "/rollout/generate", body)))
+    hostile.start()
+    while hostile.is_alive():
+        probed_at = time.perf_counter()
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        assert time.perf_counter() - probed_at < 1.0  # the issue's bound: health within a second
+    hostile.join()
+    assert answers[0].status_code == 400
+    assert answers[0].json()["violations"][0]["field"] == "num_outputs_per_prompt"
 
 
 def raw_post(url: str, head: bytes, body: bytes = b"") -> bytes:
@@ -381,6 +415,30 @@ def test_a_client_that_disconnects_cancels_its_rollout(family_resources):
     assert_serving(server, url)
 
 
+def test_a_client_that_half_closes_after_its_body_gets_its_answer(family_resources):
+    """shutdown(SHUT_WR) after the body ends what the client sends, not its call: the rollout runs to
+    its end and the whole answer comes back, after the interim 100 Continue with which the server
+    probes a half-closed connection (HTTP/1.1 clients skip it)."""
+    server = family_resources.server("flux")
+    host, port = re.match(r"http://(.+):(\d+)", http_url(server)).groups()
+    body = json.dumps(
+        {"prompt": "a half-closed fox", "seed": 3, "width": 64, "height": 64, "num_inference_steps": 4}
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=120) as connection:
+        head = f"POST /rollout/generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+        connection.sendall(head.encode() + body)
+        connection.shutdown(socket.SHUT_WR)
+        answer = b"".join(iter(lambda: connection.recv(65536), b""))
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    while answer.startswith(interim):
+        answer = answer[len(interim) :]
+    status, _, content = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 200 "), status
+    (decoded,) = msgpack.unpackb(content)
+    assert (decoded["prompt"], decoded["seed"]) == ("a half-closed fox", 3)
+    assert re.search(rf"rollout id={decoded['request_id']} .* status=OK", server.log())
+
+
 def test_health_generate_runs_the_model(family_resources):
     server = family_resources.server("flux")
     url = http_url(server)
@@ -391,3 +449,5 @@ def test_health_generate_runs_the_model(family_resources):
 def test_the_http_port_is_checked_before_the_model_loads():
     message = command_line_exit("serve", "--http-port", "70000")
     assert message == "rollout-server: --http-port must be in [0, 65535]"
+    message = command_line_exit("serve", "--http-read-seconds", "0")
+    assert message == "rollout-server: --http-read-seconds must be above 0"
