@@ -123,7 +123,9 @@ def bare_log_probs(transformer, trajectory) -> dict[int, float]:
             v = {
                 branch: bare_velocity(model, x, timestep, env, call) for branch, env in trajectory.env.items()
             }
-        velocity = guidance(call.guidance_rule, call.guidance_rule_scale, v)
+        # Wan 2.2: the scale of this step's expert, when the call lists one per step.
+        scale = call.guidance_rule_scales[i] if call.guidance_rule_scales else call.guidance_rule_scale
+        velocity = guidance(call.guidance_rule, scale, v)
         sigmas = trajectory.sigmas.double().numpy()
         mean, sd = mean_and_sd(
             trajectory.sampler_type, x.double().numpy(), velocity, sigmas, i, trajectory.noise_level_at(i)

@@ -174,7 +174,7 @@ def step_transitions(
             call.form,
             call.batched_env_keys,
         )
-    v = apply_guidance(call.guidance_rule, call.guidance_rule_scale, velocities)
+    v = apply_guidance(call.guidance_rule, call.guidance_scale_at(i), velocities)
     means, stds, log_probs, per_stream = [], [], [], []
     for row, trajectory in enumerate(trajectories):
         kind, sigmas, level = trajectory.sampler_type, trajectory.sigmas, trajectory.noise_level_at(i)

@@ -154,11 +154,17 @@ class TransformerCall:
     timestep_divisor: float  # fed: (timesteps[i] - form.timestep_offset) / timestep_divisor
     timestep_rule: str  # the same, in words
     guidance_rule: str  # one of GUIDANCE_RULES
-    guidance_rule_scale: float
+    guidance_rule_scale: float  # the scale at every step, unless guidance_rule_scales lists them
     branches: tuple[str, ...]  # "positive", and "negative" with CFG
     batched_env_keys: tuple[str, ...]  # env entries with a leading batch dimension of 1 (see stack_envs)
     conditioning: LatentConditioning = NO_CONDITIONING
     form: CallForm = BATCHED_CALL
+    # [T]: each step's scale, where experts have their own (Wan 2.2's guidance_scale_2); empty otherwise.
+    guidance_rule_scales: tuple[float, ...] = ()
+
+    def guidance_scale_at(self, i: int) -> float:
+        """The scale of the guidance rule at step ``i``."""
+        return self.guidance_rule_scales[i] if self.guidance_rule_scales else self.guidance_rule_scale
 
     @classmethod
     def from_proto(cls, message: rollout_pb2.TransformerCall) -> "TransformerCall":
@@ -173,6 +179,7 @@ class TransformerCall:
             batched_env_keys=tuple(message.batched_env_keys),
             conditioning=LatentConditioning.from_proto(message.conditioning),
             form=CallForm.from_proto(message),
+            guidance_rule_scales=tuple(message.guidance_rule_scales),
         )
 
     def to_proto(self) -> rollout_pb2.TransformerCall:
@@ -186,6 +193,7 @@ class TransformerCall:
             branches=self.branches,
             batched_env_keys=self.batched_env_keys,
             conditioning=self.conditioning.to_proto(),
+            guidance_rule_scales=self.guidance_rule_scales,
             **self.form.proto_fields(),
         )
 
