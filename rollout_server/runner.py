@@ -68,7 +68,7 @@ class Rollout:
     timesteps: torch.Tensor  # float32 [T + 1], as fed (before the family's divisor)
     experts: list[str]  # [T]: the transformer (pipeline component) each step runs
     guidance_rule: str
-    cfg_scale: float
+    cfg_scales: list[float]  # [T]: the scale of the guidance rule at each step (its expert's)
     conditioning: Conditioning
     prompt_indices: list[int]
     tree: Tree  # a flat rollout's has its samples as roots only
@@ -198,7 +198,6 @@ class Runner:
         adapter = self.adapter
         group = request.samples_per_prompt
         prompt_indices = [k // group for k in range(len(request.prompts) * group)]
-        cfg_scale = getattr(request, adapter.cfg_scale_field)
         cfg = adapter.runs_cfg(request)
         shape = MediaShape.of(request)
         negative_prompt = request.negative_prompt if cfg else None
@@ -246,6 +245,8 @@ class Runner:
                 if id(env) not in signatures:
                     signatures[id(env)] = env_signature(env, conditioning.batched_keys)
                 envs[branch, p] = (env, signatures[id(env)])
+        boundary_ratio = request.boundary_ratio if request.HasField("boundary_ratio") else None
+        experts = [adapter.expert_for(t, boundary_ratio) for t in timesteps[:-1].tolist()]
         return Rollout(
             key=key,
             request=request,
@@ -253,9 +254,9 @@ class Runner:
             call_form=call_form,
             state=init(plan),
             timesteps=timesteps,
-            experts=[adapter.expert_for(t) for t in timesteps[:-1].tolist()],
+            experts=experts,
             guidance_rule=adapter.cfg_rule if cfg else "none",
-            cfg_scale=cfg_scale,
+            cfg_scales=[adapter.cfg_scale_for(request, expert) for expert in experts],
             conditioning=conditioning,
             prompt_indices=prompt_indices,
             tree=tree_of(request),
@@ -315,7 +316,7 @@ class Runner:
                     shared.update(keys)
         self._stacked = stacked
         guided = {
-            r.key: apply_guidance(r.guidance_rule, r.cfg_scale, per_branch[r.key])
+            r.key: apply_guidance(r.guidance_rule, r.cfg_scales[r.state.step], per_branch[r.key])
             for r in rollouts
             if r.key not in failures and r.key not in cancelled
         }

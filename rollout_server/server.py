@@ -108,6 +108,8 @@ def features(adapter: families.base.FamilyAdapter, weights_root: Path | None) ->
         names.append(wire.FEATURE_VIDEO)
     if len(adapter.experts) > 1:
         names.append(wire.FEATURE_EXPERTS)
+    if adapter.boundary_ratio is not None:
+        names += [wire.FEATURE_GUIDANCE_SCALE_2, wire.FEATURE_BOUNDARY_RATIO]
     if adapter.takes_images:
         names.append(wire.FEATURE_CONDITION_IMAGES)
     defaults = adapter.defaults()

@@ -90,7 +90,9 @@ def started_event(
             timestep_divisor=adapter.timestep_divisor,
             timestep_rule=adapter.timestep_rule,
             guidance_rule=rollout.guidance_rule,
-            guidance_rule_scale=rollout.cfg_scale,
+            guidance_rule_scale=getattr(request, adapter.cfg_scale_field),
+            # Experts with scales of their own: each step's.
+            guidance_rule_scales=rollout.cfg_scales if adapter.boundary_ratio is not None else [],
             branches=list(rollout.conditioning.envs),
             batched_env_keys=rollout.conditioning.batched_keys,
             conditioning=adapter.conditioning.to_proto(),

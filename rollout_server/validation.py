@@ -73,6 +73,9 @@ class ServingContext:
     cfg_scale_field: str = "true_cfg_scale"
     cfg_off_scale: float = 1.0  # the CFG scale at and below which no negative branch runs
     scale_fields: tuple[str, ...] = SCALE_FIELDS  # the scales the model reads
+    # Models with two experts (Wan 2.2): the pipeline's boundary_ratio; they take guidance_scale_2 and
+    # boundary_ratio. None: one expert.
+    boundary_ratio: float | None = None
     max_frames: int = 1  # the family's; image families take 1
     frame_step: int = 0  # video families: num_frames - 1 is a multiple of it
     min_steps: int = 1  # the fewest steps the model's schedule is defined for
@@ -107,6 +110,7 @@ class ServingContext:
             cfg_scale_field=adapter.cfg_scale_field,
             cfg_off_scale=adapter.cfg_off_scale,
             scale_fields=adapter.scale_fields,
+            boundary_ratio=adapter.boundary_ratio,
             max_frames=adapter.max_frames,
             frame_step=adapter.frame_step,
             min_steps=adapter.min_steps,
@@ -137,6 +141,7 @@ def defaults_proto(context: ServingContext) -> rollout_pb2.RolloutRequest:
         latents=rollout_pb2.LATENT_SELECTION_ALL,
         latent_dtype=rollout_pb2.TENSOR_DTYPE_FLOAT32,
         images=True,
+        boundary_ratio=context.boundary_ratio,
     )
 
 
@@ -260,6 +265,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
         bad.append(("negative_prompt", needs))
     if len(request.negative_prompt) > limits.max_prompt_chars:
         bad.append(("negative_prompt", f"longer than {limits.max_prompt_chars} characters"))
+    bad.extend(_expert_problems(request, resolved, context))
 
     # An unset sampler or solver (0) is not merged over the defaults: they stay the served ones.
     sampler = steps.SAMPLERS_BY_ENUM.get(resolved.sampler)
@@ -320,6 +326,34 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     if bad:
         raise InvalidRequest(bad)
     return resolved
+
+
+def _expert_problems(
+    request: rollout_pb2.RolloutRequest, resolved: rollout_pb2.RolloutRequest, context: ServingContext
+) -> list[tuple[str, str]]:
+    """The second expert's fields: refused on a model with one; on one with two, guidance_scale_2
+    resolved to guidance_scale when unset (WanPipeline's default), and bounded as it is."""
+    fields = ("guidance_scale_2", "boundary_ratio")
+    if context.boundary_ratio is None:
+        return [
+            (field, "this model has one expert: no transformer_2")
+            for field in fields
+            if request.HasField(field)
+        ]
+    bad = []
+    if not request.HasField("guidance_scale_2"):
+        resolved.guidance_scale_2 = resolved.guidance_scale
+    elif not _finite_in(resolved.guidance_scale_2, 0.0, 100.0):
+        bad.append(("guidance_scale_2", f"must be finite and in [0, 100], got {resolved.guidance_scale_2}"))
+    elif (
+        resolved.guidance_scale <= context.cfg_off_scale
+        and resolved.guidance_scale_2 != resolved.guidance_scale
+    ):
+        # The pipeline runs CFG on guidance_scale alone: the second scale would be ignored.
+        bad.append(("guidance_scale_2", f"is only used with guidance_scale > {context.cfg_off_scale:g}"))
+    if not _finite_in(resolved.boundary_ratio, 0.0, 1.0):
+        bad.append(("boundary_ratio", f"must be finite and in [0, 1], got {resolved.boundary_ratio}"))
+    return bad
 
 
 def initial_latents(data: bytes) -> torch.Tensor:

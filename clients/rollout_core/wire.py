@@ -76,6 +76,11 @@ FEATURE_INITIAL_LATENTS = "initial_latents"
 FEATURE_LATENT_STREAMS = "latent_streams"
 # The stream sends each sample's sound (RolloutAudio events, WAV).
 FEATURE_AUDIO = "audio"
+# Two experts with a scale each (Wan 2.2): requests take guidance_scale_2, and transformer_call lists
+# each step's scale (guidance_rule_scales).
+FEATURE_GUIDANCE_SCALE_2 = "guidance_scale_2"
+# Two experts: requests take their own boundary_ratio, where the second expert's steps begin.
+FEATURE_BOUNDARY_RATIO = "boundary_ratio"
 
 _ENV_PREFIX = "env/"
 # An env JSON entry that stands for a tensor of the buffer: {"tensor": "<name>"}.

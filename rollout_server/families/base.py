@@ -166,9 +166,20 @@ class FamilyAdapter(ABC):
         """The denoising transformers by pipeline component name; one for most families."""
         return {"transformer": self.pipe.transformer}
 
-    def expert_for(self, timestep: float) -> str:
-        """The component that computes the velocity at ``timestep`` (as fed, before the divisor)."""
+    @property
+    def boundary_ratio(self) -> float | None:
+        """Models with two experts: the pipeline's own ``boundary_ratio`` (see ``expert_for``), the
+        default of a request's. None for a model with one."""
+        return None
+
+    def expert_for(self, timestep: float, boundary_ratio: float | None = None) -> str:
+        """The component that computes the velocity at ``timestep`` (as fed, before the divisor) under
+        a request's ``boundary_ratio`` (a float32; None: the pipeline's)."""
         return "transformer"
+
+    def cfg_scale_for(self, request, expert: str) -> float:
+        """The CFG scale of a resolved request on the steps ``expert`` runs: its ``cfg_scale_field``."""
+        return getattr(request, self.cfg_scale_field)
 
     @property
     @abstractmethod

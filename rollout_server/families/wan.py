@@ -11,13 +11,16 @@ consumes them (it patchifies 1x2x2 itself).
 
 Wan 2.2 (a folder with ``transformer_2`` and a ``boundary_ratio``): as in the pipeline, a step whose
 timestep is at least ``boundary_ratio * num_train_timesteps`` runs ``transformer`` (the high-noise
-expert), the later ones ``transformer_2``. The started event names each step's expert, and weight
-updates name the expert they change. Its second guidance scale (``guidance_scale_2``) is not
-exposed: both experts take the request's ``guidance_scale``, as the pipeline does by default.
+expert), the later ones ``transformer_2``; a request may set its own ``boundary_ratio``. The CFG
+scale of ``transformer``'s steps is ``guidance_scale``, that of ``transformer_2``'s
+``guidance_scale_2`` (``guidance_scale`` when unset, as the pipeline defaults it); CFG runs when
+``guidance_scale`` is above 1, on both experts' steps alike. The started event names each step's
+expert and scale, and weight updates name the expert they change.
 """
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from diffusers import WanPipeline
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
@@ -63,11 +66,25 @@ class WanAdapter(FamilyAdapter):
             experts["transformer_2"] = self.pipe.transformer_2
         return experts
 
-    def expert_for(self, timestep: float) -> str:
-        ratio = self.pipe.config.boundary_ratio
-        if ratio is None or timestep >= ratio * self.pipe.scheduler.config.num_train_timesteps:
+    @property
+    def boundary_ratio(self) -> float | None:
+        return self.pipe.config.boundary_ratio
+
+    def expert_for(self, timestep: float, boundary_ratio: float | None = None) -> str:
+        ratio = self.boundary_ratio
+        if ratio is None:
+            return "transformer"
+        if boundary_ratio is not None:
+            # A request's float32, read as the shortest decimal that rounds to it (0.3, not
+            # 0.30000001) as the pipeline reads its config's, so a timestep on the boundary takes the
+            # pipeline's expert.
+            ratio = float(str(np.float32(boundary_ratio)))
+        if timestep >= ratio * self.pipe.scheduler.config.num_train_timesteps:
             return "transformer"
         return "transformer_2"
+
+    def cfg_scale_for(self, request, expert: str) -> float:
+        return request.guidance_scale_2 if expert == "transformer_2" else request.guidance_scale
 
     @property
     def side_multiple(self) -> int:
