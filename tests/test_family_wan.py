@@ -1,16 +1,22 @@
 """Wan text-to-video on the tiny-wan (2.1) and tiny-wan2.2 (two experts) presets: the server's
-schedule, transformer call, expert choice, CFG and decoding are WanPipeline's own; frames are
-validated as 4k + 1 and streamed as one PNG each; a weight update names the expert it changes.
-Replay parity is in test_replay.py with the other families."""
+schedule, transformer call, expert choice, CFG (Wan 2.2's second scale and boundary included) and
+decoding are WanPipeline's own; frames are validated as 4k + 1 and streamed as one PNG each; a
+weight update names the expert it changes. Replay parity is in test_replay.py with the other
+families, and here for Wan 2.2's two scales."""
+
+import dataclasses
+import json
+import math
 
 import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from helpers import FAMILIES, TOLERANCE, family_request, refused_rollout
+from helpers import FAMILIES, TOLERANCE, assert_replays, family_request, refused_rollout, split_events
 
 from rollout_client.images import LABEL_HEIGHT
 from rollout_core import solvers
+from rollout_server.presets.wan import WAN22_BOUNDARY_RATIO
 
 BOTH = pytest.mark.parametrize("family", ["wan", "wan2.2"])
 
@@ -26,8 +32,16 @@ def test_server_info(family_client, family):
     )
     assert list(info.transformers) == list(FAMILIES[family].experts)
     served = ["lora", "tree", "prune_points", "weight_sync", "sigmas", "initial_latents", "video"]
-    assert list(info.features) == ([*served, "experts"] if family == "wan2.2" else served)
+    two_experts = [*served, "experts", "guidance_scale_2", "boundary_ratio"]
+    assert list(info.features) == (two_experts if family == "wan2.2" else served)
     defaults = info.defaults
+    # The pipeline's boundary; guidance_scale_2 left unset: it follows guidance_scale.
+    assert (defaults.HasField("boundary_ratio"), defaults.HasField("guidance_scale_2")) == (
+        family == "wan2.2",
+        False,
+    )
+    if family == "wan2.2":
+        assert defaults.boundary_ratio == WAN22_BOUNDARY_RATIO  # 0.875, exact in float32
     assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)
     assert defaults.guidance_scale == 5.0  # Wan 2.1's
     limits = info.limits
@@ -45,22 +59,58 @@ def test_frames_must_be_4k_plus_1_and_bounded(family_client, family, frames):
     assert [violation.field for violation in violations] == ["num_frames"]
 
 
+# Wan 2.2's second scale (2.5, below the first's 5), alone and with a boundary of the request's own:
+# of the timesteps 999, 900, 750 and 500, 0.875 puts the last two on transformer_2, 0.999 the last
+# three. 0.999 rounds up in float32 (0.99900001), which read as such would put timestep 999 on
+# transformer_2 too: the pipeline's 0.999 keeps it on transformer.
+SECOND_SCALE = {"guidance_scale_2": 2.5}
+SECOND_SCALE_AND_BOUNDARY = {"guidance_scale_2": 2.5, "boundary_ratio": 0.999}
+
+
 @pytest.mark.parametrize(
-    ("family", "solver", "cfg"),
-    [("wan", "unipc", True), ("wan", "unipc", False), ("wan", "euler", True), ("wan2.2", "unipc", True)],
+    ("family", "solver", "cfg", "second_expert"),
+    [
+        ("wan", "unipc", True, {}),
+        ("wan", "unipc", False, {}),
+        ("wan", "euler", True, {}),
+        ("wan2.2", "unipc", True, {}),
+        ("wan2.2", "unipc", True, SECOND_SCALE),
+        ("wan2.2", "unipc", True, SECOND_SCALE_AND_BOUNDARY),
+    ],
+    ids=[
+        "wan-unipc-cfg",
+        "wan-unipc",
+        "wan-euler-cfg",
+        "wan2.2-cfg",
+        "wan2.2-scale2",
+        "wan2.2-scale2-boundary",
+    ],
 )
-def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family, solver, cfg):
+def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family, solver, cfg, second_expert):
     """Schedule (UniPC's shifted flow sigmas and integer timesteps), env, raw timestep, expert per step
     and CFG all as WanPipeline: from the same x_0, its own ``__call__`` with its own UniPC scheduler
     reaches the streamed final latents of the family's default solver, and its loop stepping with
-    Euler over the same sigmas those of ``solver=euler``. With CFG the pipeline runs both branches in
-    one forward and the server each apart: Batch and split rounding (docs/testing.md), TOLERANCE in v
-    times up to 2s - 1 = 9 at scale 5, 1e-4. Without CFG both run the two prompts' rows in one forward
-    of one branch, and the UniPC steps are diffusers' own arithmetic: TOLERANCE."""
+    Euler over the same sigmas those of ``solver=euler``; Wan 2.2's ``guidance_scale_2`` as the
+    pipeline's argument, and a request's ``boundary_ratio`` as the pipeline's config. With CFG the
+    pipeline runs both branches in one forward and the server each apart: Batch and split rounding
+    (docs/testing.md), TOLERANCE in v times up to 2s - 1 = 9 at scale 5 (less at 2.5), 1e-4. Without
+    CFG both run the two prompts' rows in one forward of one branch, and the UniPC steps are
+    diffusers' own arithmetic: TOLERANCE."""
     fields = {} if solver == "unipc" else {"solver": solvers.SOLVERS[solver].enum}
-    request = family_request(family, "ODE", cfg=cfg, samples_per_prompt=1, **fields)
+    request = family_request(family, "ODE", cfg=cfg, samples_per_prompt=1, **fields, **second_expert)
     trajectories = family_client.rollout(request)
     assert trajectories[0].solver == solver
+    call = trajectories[0].transformer_call
+    if second_expert:
+        # Each step's scale is its expert's.
+        scales = {"transformer": 5.0, "transformer_2": second_expert["guidance_scale_2"]}
+        assert list(call.guidance_rule_scales) == [scales[e] for e in trajectories[0].step_transformers]
+        ratio = second_expert.get("boundary_ratio", WAN22_BOUNDARY_RATIO)
+        assert trajectories[0].step_transformers == [
+            "transformer" if t >= ratio * 1000 else "transformer_2" for t in trajectories[0].timesteps[:-1]
+        ]
+    else:
+        assert call.guidance_rule_scales == ((5.0,) * 4 if family == "wan2.2" else ())
     sigmas, timesteps = trajectories[0].sigmas, trajectories[0].timesteps
     pipe = family_pipeline
     unipc = pipe.scheduler
@@ -81,6 +131,8 @@ def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family
 
         scheduler.set_timesteps = set_timesteps
     pipe.scheduler = scheduler
+    boundary_ratio = pipe.config.boundary_ratio
+    pipe.register_to_config(boundary_ratio=second_expert.get("boundary_ratio", boundary_ratio))
     try:
         final = pipe(
             prompt=list(request.prompts),
@@ -91,10 +143,12 @@ def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, family
             num_frames=5,
             num_inference_steps=4,
             guidance_scale=request.guidance_scale,
+            guidance_scale_2=second_expert.get("guidance_scale_2"),
             output_type="latent",
         ).frames
     finally:
         pipe.scheduler = unipc
+        pipe.register_to_config(boundary_ratio=boundary_ratio)
     bound = 1e-4 if cfg else TOLERANCE
     torch.testing.assert_close(
         final, torch.stack([t.latents[-1] for t in trajectories]), atol=bound, rtol=bound
@@ -143,6 +197,18 @@ def test_the_cli_writes_an_animated_preview_and_a_sheet_of_first_frames(family_r
     assert Image.open(out / "contact-sheet.png").size == (2 * 64, 2 * (LABEL_HEIGHT + 64))
 
 
+@pytest.mark.parametrize("family", ["wan2.2"])
+def test_the_cli_sets_the_second_experts_fields(family_resources, family, tmp_path):
+    from rollout_client.cli import main
+
+    address = family_resources.server(family).address
+    options = ["--guidance", "5", "--guidance-2", "2.5", "--boundary-ratio", "0.999", "--steps", "2"]
+    assert main(["rollout", "--address", address, "a red fox", *options, "--out", str(tmp_path)]) == 0
+    request = json.loads((tmp_path / "rollout.json").read_text())["request"]
+    assert (request["guidance_scale"], request["guidance_scale_2"]) == (5.0, 2.5)
+    assert request["boundary_ratio"] == pytest.approx(0.999, rel=2**-24)  # float32, as JSON
+
+
 @pytest.mark.parametrize("family", ["wan"])
 def test_a_latent_above_the_servers_bound_is_refused(family, family_folder):
     """``--max-latent-elements`` bounds one sample's latent: 9 frames at 64 x 64 are 16 x 3 x 8 x 8 =
@@ -164,3 +230,69 @@ def test_a_latent_above_the_servers_bound_is_refused(family, family_folder):
     with pytest.raises(InvalidRequest) as refused:
         resolve(family_request(family, "ODE", cfg=False, num_frames=9), serving)
     assert [field for field, _ in refused.value.violations] == ["num_frames"]
+
+
+@pytest.mark.parametrize("family", ["wan2.2"])
+@pytest.mark.parametrize(
+    "second_expert", [SECOND_SCALE, SECOND_SCALE_AND_BOUNDARY], ids=["scale2", "boundary"]
+)
+def test_each_step_replays_under_its_experts_scale(family_client, family_transformer, family, second_expert):
+    """Every stochastic step of a rollout under two scales replays within TOLERANCE through the client
+    (``step_transformers`` picks the expert, ``guidance_rule_scales`` its scale) and through a bare
+    diffusers call with the float64 formulas; with the first scale at every step instead, the steps
+    of transformer_2 do not."""
+    trajectories = family_client.rollout(family_request(family, "FLOW_SDE", cfg=True, **second_expert))
+    assert "transformer_2" in trajectories[0].step_transformers
+    assert_replays(family_transformer, trajectories, bare_reference=True)
+    one_scale = [
+        dataclasses.replace(
+            t, transformer_call=dataclasses.replace(t.transformer_call, guidance_rule_scales=())
+        )
+        for t in trajectories
+    ]
+    with pytest.raises(AssertionError):
+        assert_replays(family_transformer, one_scale)
+
+
+@pytest.mark.parametrize("family", ["wan2.2"])
+def test_the_second_experts_fields_are_echoed_resolved(family_client, family):
+    """Unset, guidance_scale_2 resolves to guidance_scale (WanPipeline's default) and boundary_ratio to
+    the pipeline's; set, they are echoed as sent (float32)."""
+    one_step = {"samples_per_prompt": 1, "num_steps": 1}
+    default = split_events(
+        family_client.stream(family_request(family, "ODE", cfg=True, **one_step))
+    ).started.message
+    assert (default.resolved.guidance_scale_2, default.resolved.boundary_ratio) == (5.0, WAN22_BOUNDARY_RATIO)
+    request = family_request(family, "ODE", cfg=True, **one_step, **SECOND_SCALE_AND_BOUNDARY)
+    sent = split_events(family_client.stream(request)).started.message
+    assert (sent.resolved.guidance_scale_2, sent.resolved.boundary_ratio) == (2.5, np.float32(0.999))
+    assert list(sent.transformer_call.guidance_rule_scales) == [5.0]  # timestep 999: transformer
+
+
+@pytest.mark.parametrize(
+    ("family", "fields", "refused"),
+    [
+        ("wan2.2", {"guidance_scale_2": math.nan}, "guidance_scale_2"),
+        ("wan2.2", {"guidance_scale_2": math.inf}, "guidance_scale_2"),
+        ("wan2.2", {"guidance_scale_2": -0.5}, "guidance_scale_2"),
+        ("wan2.2", {"guidance_scale_2": 100.5}, "guidance_scale_2"),
+        ("wan2.2", {"boundary_ratio": math.nan}, "boundary_ratio"),
+        ("wan2.2", {"boundary_ratio": -0.25}, "boundary_ratio"),
+        ("wan2.2", {"boundary_ratio": 1.5}, "boundary_ratio"),
+        # CFG off (guidance_scale 1): the pipeline would ignore a second scale.
+        (
+            "wan2.2",
+            {"guidance_scale": 1.0, "negative_prompt": None, "guidance_scale_2": 3.0},
+            "guidance_scale_2",
+        ),
+        # One expert: Wan 2.1, and a family of another kind.
+        ("wan", {"guidance_scale_2": 3.0}, "guidance_scale_2"),
+        ("wan", {"boundary_ratio": 0.5}, "boundary_ratio"),
+        ("flux", {"guidance_scale_2": 3.0}, "guidance_scale_2"),
+    ],
+)
+def test_the_second_experts_fields_are_bounded_and_refused_without_one(
+    family_client, family, fields, refused
+):
+    violations = refused_rollout(family_client, family_request(family, "ODE", cfg=True, **fields))
+    assert [violation.field for violation in violations] == [refused]
