@@ -34,6 +34,8 @@ REQUEST_FIELDS = (
     "sampler",
     "noise_level",
     "guidance_scale",
+    "guidance_scale_2",
+    "boundary_ratio",
     "true_cfg_scale",
     "negative_prompt",
     "stochastic_steps",
@@ -108,6 +110,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--sampler", choices=("flow-sde", "dance", "cps", "ode"), help="step rule")
     r.add_argument("--noise-level", type=float, help="noise level a of the stochastic steps")
     r.add_argument("--guidance", dest="guidance_scale", type=float, help="embedded (distilled) guidance")
+    r.add_argument(
+        "--guidance-2",
+        dest="guidance_scale_2",
+        type=float,
+        help="Wan 2.2: the CFG scale of the low-noise expert's steps (default: --guidance)",
+    )
+    r.add_argument(
+        "--boundary-ratio",
+        type=float,
+        help="Wan 2.2: the low-noise expert runs the steps whose timestep is below this x 1000",
+    )
     r.add_argument("--true-cfg", dest="true_cfg_scale", type=float, help="true CFG scale (> 1 enables it)")
     r.add_argument("--negative-prompt", help="negative prompt for true CFG")
     r.add_argument(
