@@ -12,7 +12,9 @@ the adapter (``forward_activation``, ``text_elements``, ``audio_values``, ``meas
 factors below, live tensors per widest activation, were measured on the tiny presets
 (docs/architecture.md has the table). What grows with the square of a sequence (an attention mask
 materialised query by key, the scores of SDPA's math kernel) is no multiple of a widest activation:
-the adapter counts it (``attention_matrix_bytes``, ``decode_attention_bytes``).
+the adapter counts it (``attention_matrix_bytes``, ``decode_attention_bytes``). The text sizes are
+bounds: a family whose pipeline truncates no text refuses one above them once it is tokenised
+(``errors.TextTooLong``), never by its characters alone.
 
 The estimate is an upper bound on the memory above the loaded model. Rollouts run together only
 while the sum of what they hold plus the largest piece of work among them fits the budget; a
