@@ -24,6 +24,16 @@ class InvalidRequest(Exception):
         )
 
 
+class TextTooLong(Exception):
+    """A text's tokens, once tokenised, are more than the model's encoding takes (``tokens`` above
+    ``limit``): the memory estimate sizes a text's env by that bound. The prompt cache names the
+    request field that held the text."""
+
+    def __init__(self, tokens: int, limit: int):
+        super().__init__(f"{tokens} tokens once tokenised, above the {limit} this model takes")
+        self.tokens, self.limit = tokens, limit
+
+
 class UnknownRollout(Exception):
     """No running rollout has the request id a call names."""
 

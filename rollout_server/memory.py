@@ -10,7 +10,11 @@ rank runs its share of the forward's tokens) or one decode piece (one image, one
 frames or a whole video, as the VAE decodes it, or a sample's sound). The per-family sizes come from
 the adapter (``forward_activation``, ``text_elements``, ``audio_values``, ``measure_decode``); the
 factors below, live tensors per widest activation, were measured on the tiny presets
-(docs/architecture.md has the table).
+(docs/architecture.md has the table). What grows with the square of a sequence (an attention mask
+materialised query by key, the scores of SDPA's math kernel) is no multiple of a widest activation:
+the adapter counts it (``attention_matrix_bytes``, ``decode_attention_bytes``). The text sizes are
+bounds: a family whose pipeline truncates no text refuses one above them once it is tokenised
+(``errors.TextTooLong``), never by its characters alone.
 
 The estimate is an upper bound on the memory above the loaded model. Rollouts run together only
 while the sum of what they hold plus the largest piece of work among them fits the budget; a
@@ -173,6 +177,7 @@ def estimate(
     tokens, width = adapter.forward_activation(shape)
     tokens = -(-tokens // sequence_split)  # this rank's share; the generated ones split evenly
     row_bytes = (tokens * width * FORWARD_LIVE_FACTOR + adapter.text_elements()) * model_bytes
+    row_bytes += adapter.attention_matrix_bytes(shape)  # whole on every rank: none is split
     decode_bytes = decode_state = wav = 0
     frame_pixels = shape.height * shape.width
     if request.images:
@@ -183,6 +188,7 @@ def estimate(
             activations
             + math.ceil(piece_pixels * decode.workspace) * vae_bytes
             + piece_pixels * FRAME_BYTES_PER_PIXEL
+            + adapter.decode_attention_bytes(shape)
         )
         # What a decode keeps between pieces (a few frames of each causal convolution's input) is
         # part of a piece's activations.

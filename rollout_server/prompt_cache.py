@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rollout_server.errors import InvalidRequest, TextTooLong
+
 if TYPE_CHECKING:  # the families load diffusers; the command line reads the default below without it
     from rollout_server.families.base import FamilyAdapter, MediaShape
     from rollout_server.images import ConditionImage
@@ -69,7 +71,9 @@ class PromptCache:
     ) -> Encoded:
         """The conditioning of ``prompts`` (and of the negative branch, when ``negative_prompt`` is
         given), each distinct text encoded alone or taken from the cache. ``images``: the prompts'
-        conditioning images, whose entries are merged over the text's env of each branch."""
+        conditioning images, whose entries are merged over the text's env of each branch.
+        InvalidRequest naming the first text (``prompts[i]``, ``negative_prompt``) whose tokens are
+        more than the model takes (``TextTooLong``): its encoding stops once it is tokenised."""
         per_prompt = images or [None] * len(prompts)
         seen: dict[tuple, dict[str, Any]] = {}  # this request's entries, each counted once
         counts = {"hits": 0, "misses": 0}
@@ -95,9 +99,18 @@ class PromptCache:
             )
             return {**text_env, **image_env}
 
-        branches = {"positive": [env(text, image) for text, image in zip(prompts, per_prompt, strict=True)]}
+        def field_env(field: str, *args, **kwargs) -> dict[str, Any]:
+            try:
+                return env(*args, **kwargs)
+            except TextTooLong as error:
+                raise InvalidRequest([(field, str(error))]) from None
+
+        pairs = enumerate(zip(prompts, per_prompt, strict=True))
+        branches = {"positive": [field_env(f"prompts[{p}]", text, image) for p, (text, image) in pairs]}
         if negative_prompt is not None:
-            branches["negative"] = [env(negative_prompt, image, negative=True) for image in per_prompt]
+            branches["negative"] = [
+                field_env("negative_prompt", negative_prompt, image, negative=True) for image in per_prompt
+            ]
         conditioning = Conditioning(envs=branches, batched_keys=self.adapter.batched_env_keys)
         return Encoded(conditioning, hits=counts["hits"], misses=counts["misses"])
 

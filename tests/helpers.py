@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import urllib.request
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +25,13 @@ import PIL.Image
 import pytest
 import reference
 import torch
+import torch.utils._pytree as pytree
 from forked import ForkedProcess
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.utils import is_torchvision_available
 
 from rollout.v1 import rollout_pb2
@@ -557,13 +560,25 @@ def adapter_ode(
     return x
 
 
+def env_at(adapter, prompt: str, shape) -> dict[str, Any]:
+    """The env of ``prompt`` at ``shape``, with an image-conditioned family's entries of
+    ``condition_image(0)`` at that size (its text encoding reading the image where the family's does)."""
+    image = condition_image(0).resize((shape.width, shape.height)) if adapter.takes_images else None
+    env = adapter.encode_text(prompt, 1.0, shape, image if adapter.text_reads_image else None)
+    return env if image is None else {**env, **adapter.encode_image(image, shape)}
+
+
 def forward_at(adapter, prompt: str, shape) -> torch.Tensor:
     """One forward of the adapter's transformer on zero latents at ``shape`` with ``prompt``'s env, by
     the adapter's whole transformer-call rule (its conditioning, its call form at the shape, its
     batched entries): the velocity."""
+    return forward_of(adapter, env_at(adapter, prompt, shape), shape)
+
+
+def forward_of(adapter, env: dict[str, Any], shape) -> torch.Tensor:
+    """``forward_at`` with the env given (the call takes its conditioning entry out of it)."""
     from rollout_core.transformer_call import call_transformer
 
-    env = adapter.encode_text(prompt, 1.0, shape)
     x = torch.zeros(1, *adapter.latent_shape(shape))
     with torch.no_grad():
         return call_transformer(
@@ -624,6 +639,46 @@ def qwen_text_length(pipe, prompt: str) -> int:
     """The prompt's token count after QwenImagePipeline drops its template's system prefix."""
     tokens = pipe.tokenizer(pipe.prompt_template_encode.format(prompt)).input_ids
     return len(tokens) - pipe.prompt_template_encode_start_idx
+
+
+# Memory --------------------------------------------------------------------------------------------
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The most bytes of tensors that the ops run under it made and that were alive at once: a storage
+    counts from the op that makes it until no tensor on it (its views included) is left. Views of
+    tensors made before are not counted, nor the kernels' own scratch buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.tensors: dict[int, list[int]] = {}  # storage address: [tensors on it, its bytes]
+
+    def _released(self, address: int) -> None:
+        entry = self.tensors[address]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self.tensors[address]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        before = {t.untyped_storage().data_ptr() for t in inputs} - set(self.tensors)
+        for tensor in pytree.tree_leaves(output):
+            if not isinstance(tensor, torch.Tensor) or any(tensor is t for t in inputs):
+                continue  # an in-place op's
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+            if address in before:
+                continue  # a view of a tensor made before
+            if address not in self.tensors:
+                self.tensors[address] = [0, storage.nbytes()]
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+            self.tensors[address][0] += 1
+            weakref.finalize(tensor, self._released, address)
+        return output
 
 
 # Requests and events -------------------------------------------------------------------------------

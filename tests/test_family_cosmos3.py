@@ -2,19 +2,22 @@
 Karras sigmas on flow sigmas), env (the prompt's token ids with the pipeline's templates, the negative
 prompt's with the inverse ones, and the packed sequence's indexes and mRoPE ids), transformer call (one
 packed sample per call, a float32 timestep per noisy vision token), CFG, UniPC steps and decoding are
-Cosmos3OmniPipeline's own; frames are validated as 4k + 1 and bounded; --sp splits over Ulysses (the
-transformer's seams and our processor), never ring attention. Replay parity is in test_replay.py,
+Cosmos3OmniPipeline's own; frames are validated as 4k + 1 and bounded; a text's tokens are bounded
+once tokenised; --sp splits over Ulysses (the transformer's seams and our processor), never ring
+attention. Replay parity is in test_replay.py,
 SP=2 against SP=1 in test_sp.py, with the other families."""
 
+import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import FAMILIES, TOLERANCE, family_request, forward_at, refused_rollout
+from helpers import FAMILIES, TOLERANCE, family_request, forward_at, http_url, refused_rollout
 
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import TransformerCall
 from rollout_server.errors import ParallelismUnsupported
 from rollout_server.families.base import MediaShape
+from rollout_server.families.cosmos3 import TEXT_TOKENS
 from rollout_server.parallel import ParallelDims, check_splittable
 from rollout_server.prompt_cache import PromptCache
 
@@ -163,3 +166,40 @@ def test_generated_tokens_are_the_vision_tokens_the_seams_split(adapter):
     finally:
         transformer._cp_shard_fn = shard
     assert seen == [(adapter.generated_tokens(shape),) * 2] == [(3 * 2 * 3,) * 2]
+
+
+# 4096 characters, the server's limit (--max-prompt-chars), of a fox emoji: 4 UTF-8 bytes, and as many
+# tokens (the byte-level BPE merges none of them), 16,384 tokens, 4 times the env's TEXT_TOKENS.
+EMOJI_TEXT = "\U0001f98a" * 4096
+ONE_STEP = {"prompts": ["a red fox"], "samples_per_prompt": 1, "num_steps": 1}
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [({"prompts": [EMOJI_TEXT]}, "prompts[0]"), ({"negative_prompt": EMOJI_TEXT}, "negative_prompt")],
+    ids=["prompt", "negative"],
+)
+def test_a_text_is_bounded_by_its_tokens_not_its_characters(family_client, adapter, fields, field):
+    """A text within the character limit whose tokens are above TEXT_TOKENS (what the memory estimate
+    sizes a text's env and a forward's text by; the pipeline truncates nothing) is refused once
+    tokenised, INVALID_ARGUMENT naming its field, before any step: a prompt and the negative prompt
+    (encoded with the inverse templates) alike. A prompt within the bound runs."""
+    tokens = len(adapter.pipe.tokenize_prompt(EMOJI_TEXT, EMOJI_TEXT)[0])
+    assert tokens > 4 * TEXT_TOKENS
+    request = family_request("cosmos3", "ODE", cfg=True, **{**ONE_STEP, **fields})
+    violations = refused_rollout(family_client, request)
+    assert [violation.field for violation in violations] == [field]
+    assert f"above the {TEXT_TOKENS} this model takes" in violations[0].description
+    within = family_request("cosmos3", "ODE", cfg=True, **ONE_STEP, negative_prompt="fox " * 1000)
+    assert len(family_client.rollout(within)) == 1
+
+
+def test_the_http_front_end_answers_400(family_resources):
+    """The same bound over SGLang's API: 400 (the answer was 2.5 times its own size bound before),
+    its detail naming the prompt."""
+    url = http_url(family_resources.server("cosmos3"))
+    body = {"prompt": EMOJI_TEXT, "num_inference_steps": 1, "width": 64, "height": 64}
+    answer = httpx.post(f"{url}/rollout/generate", json=body, timeout=300)
+    assert answer.status_code == 400, answer.text
+    detail = answer.json()["detail"]
+    assert "prompts[0]: " in detail and f"above the {TEXT_TOKENS} this model takes" in detail

@@ -1,22 +1,29 @@
 """HunyuanVideo 1.5 text-to-video on the tiny-hunyuan-video15 preset: the server's schedule, env
 (both text encoders, the zero image embeddings and conditioning channels), transformer call, CFG and
 decoding are HunyuanVideo15Pipeline's own; frames are validated as 4k + 1 and bounded; a guider the
-server cannot serve is refused; --sp splits over Ulysses (our plan), never ring attention. Replay
-parity is in test_replay.py, SP=2 against SP=1 in test_sp.py, with the other families."""
+server cannot serve is refused; --sp splits over Ulysses (our plan), never ring attention; the blocks
+attend as diffusers' processor does without its S x S masks, and what grows with the square of a
+sequence is what the memory estimate counts. Replay parity is in test_replay.py, SP=2 against SP=1
+in test_sp.py, with the other families."""
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import (
     extract_glyph_texts,
     retrieve_timesteps,
 )
-from helpers import TOLERANCE, family_request, refused_rollout
+from helpers import TOLERANCE, LiveTensorBytes, family_request, forward_at, refused_rollout
+from torch.overrides import TorchFunctionMode
 
 from rollout_core.transformer_call import apply_guidance
 from rollout_server.errors import ParallelismUnsupported, UnsupportedModel
-from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter
+from rollout_server.families.base import MediaShape
+from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter, UlyssesAttnProcessor
+from rollout_server.memory import DECODE_LIVE_FACTOR
 from rollout_server.parallel import ParallelDims, check_splittable
 
 
@@ -166,3 +173,62 @@ def test_sp_splits_over_ulysses_and_refuses_ring_attention(adapter):
             ParallelismUnsupported, match="runs on Ulysses alone: use --attention-split ulysses"
         ):
             check_splittable(adapter.transformer, ParallelDims(sp=4, attention_split=split, world_size=4))
+
+
+class AttentionMasks(TorchFunctionMode):
+    """The shapes of the masks handed to ``scaled_dot_product_attention`` under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is not None:
+            self.shapes.append(tuple(kwargs["attn_mask"].shape))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("prompt", ["a red fox", 'a sign that reads "OPEN"'], ids=["text", "glyphs"])
+def test_the_blocks_attend_as_diffusers_processor_does_without_a_square_mask(adapter, prompt):
+    """Unsplit, our processor masks the keys alone ([1, 1, 1, S]) where diffusers' builds
+    [1, 1, S, S]: the velocities are the same bits (the same CPU flash kernel on the same q, k and v,
+    and the same scores for every unmasked query; the masked context tokens' rows never reach the
+    video tokens), with and without quoted glyph text (the ByT5 tokens masked or not). The token
+    refiner's masks, over the 1000 text tokens, are diffusers' (the estimate counts them)."""
+    shape = MediaShape(5, 64, 96)
+    sequence = adapter.generated_tokens(shape) + sum(adapter._context_tokens())
+    blocks = adapter.transformer.transformer_blocks
+    with AttentionMasks() as ours:
+        velocity = forward_at(adapter, prompt, shape)
+    try:
+        for block in blocks:
+            block.attn.set_processor(HunyuanVideo15AttnProcessor2_0())
+        with AttentionMasks() as theirs:
+            expected = forward_at(adapter, prompt, shape)
+    finally:
+        for block in blocks:
+            block.attn.set_processor(UlyssesAttnProcessor())
+    assert torch.equal(velocity, expected)
+    assert (1, 1, sequence, sequence) in theirs.shapes
+    assert all(mask[-2] != sequence for mask in ours.shapes)
+    assert (1, 1, 1, sequence) in ours.shapes
+
+
+def test_the_decoders_attention_holds_what_the_estimate_counts(adapter):
+    """The VAE decoder's mid-block attends over every latent token of a video at once through a causal
+    S x S mask, on SDPA's math kernel: at 1024 tokens (a 5-frame 256 x 512 video) its tensors hold, at
+    once, the mask and two float32 scores, as ``decode_attention_bytes`` counts them, besides [S, C]
+    tensors (the norm, q, k, v and their copies): 6 of them, what the decode piece's activations
+    count of its widest (DECODE_LIVE_FACTOR)."""
+    shape = MediaShape(5, 256, 512)
+    channels, frames, rows, cols = adapter.latent_shape(shape)
+    attention = adapter.pipe.vae.decoder.mid_block.attentions[0]
+    width = attention.in_channels
+    tokens = frames * rows * cols
+    assert tokens == 1024
+    with torch.no_grad(), LiveTensorBytes() as held:
+        attention(torch.zeros(1, width, frames, rows, cols))
+    counted = adapter.decode_attention_bytes(shape)
+    assert counted == tokens**2 * (4 + 2 * 4)
+    assert counted <= held.peak <= counted + DECODE_LIVE_FACTOR * tokens * width * 4

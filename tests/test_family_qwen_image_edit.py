@@ -1,7 +1,8 @@
 """Qwen-Image-Edit on the tiny-qwen-image-edit preset: a prompt's env is QwenImageEditPipeline's own
 encoding of the text with its image (the Qwen2.5-VL encoder reads the image), the image's env its own
 packed VAE latents and both grids of img_shapes, and a rollout steps as the pipeline's own loop does,
-through the adapter and over gRPC. Detection is in test_families.py, replay parity in test_replay.py
+through the adapter and over gRPC; a prompt's tokens are bounded once tokenised (the pipeline's
+encoding truncates none). Detection is in test_families.py, replay parity in test_replay.py
 with the other families.
 
 The pipeline resizes its image to about 1024 x 1024 pixels (``calculate_dimensions``) where the server
@@ -12,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
-from helpers import FAMILIES, adapter_ode, condition_image, family_request, joint_attention_tokens
+from helpers import (
+    FAMILIES,
+    adapter_ode,
+    condition_image,
+    family_request,
+    joint_attention_tokens,
+    refused_rollout,
+)
 
 from rollout.v1 import rollout_pb2
 from rollout_core import wire
@@ -193,3 +201,19 @@ def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline, at_req
     for trajectory, image in zip(trajectories, pipe.image_processor.postprocess(decoded), strict=True):
         diff = np.asarray(trajectory.image(), dtype=int) - np.asarray(image, dtype=int)
         assert np.abs(diff).max() <= 1  # uint8 rounding of nearly equal latents
+
+
+def test_a_prompt_is_bounded_by_its_tokens_not_its_characters(family_client, family_pipeline):
+    """A prompt within the character limit whose own tokens are above the pipeline's
+    tokenizer_max_length (what the adapter sizes a text's env and a forward's text by) is refused
+    before the vision-language encoder runs, INVALID_ARGUMENT naming it: 4096 emoji of 4 bytes each
+    (a byte-level BPE), 16,384 tokens."""
+    prompt = "\U0001f98a" * 4096
+    template = family_pipeline.prompt_template_encode
+    tokens = len(family_pipeline.tokenizer(template.format(prompt)).input_ids)
+    assert tokens - len(family_pipeline.tokenizer(template.format("")).input_ids) > 1024
+    request = family_request("qwen-image-edit", "ODE", cfg=False, samples_per_prompt=1, num_steps=1)
+    request.prompts[1] = prompt
+    violations = refused_rollout(family_client, request)
+    assert [violation.field for violation in violations] == ["prompts[1]"]
+    assert "above the 1024 this model takes" in violations[0].description

@@ -1,17 +1,30 @@
 """The memory budget on a real tiny-flux server: a request whose estimated peak cannot fit is refused
 at once, naming the fields that make it large, and the server stays SERVING with its memory
 untouched; a request that fits completes, its images decoded one sample at a time, its peak resident
-memory within the estimate."""
+memory within the estimate. On every family, what a forward holds grows no faster than its estimated
+row; on a tiny-hunyuan-video15 server under a small budget, what is admitted peaks within the
+estimate and the budget, and what would not fit is refused."""
 
 import time
 
 import grpc
 import pytest
 import torch
-from helpers import field_violations, health_status, make_request, start_server
+from helpers import (
+    FAMILIES,
+    LiveTensorBytes,
+    condition_png,
+    env_at,
+    field_violations,
+    forward_of,
+    health_status,
+    make_request,
+    start_server,
+)
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server import families, memory
+from rollout_server.families.base import MediaShape
 from rollout_server.limits import Limits, parse_bytes
 from rollout_server.memory import RUNTIME_OVERHEAD, MemoryBudget, RolloutMemory
 from rollout_server.presets import defaults_for
@@ -96,15 +109,19 @@ def test_a_request_above_the_budget_is_refused_at_once(budgeted):
     assert server.process.poll() is None
 
 
-def estimated_peak(folder, request: rollout_pb2.RolloutRequest) -> int:
-    """The server's estimate of ``request``'s peak, computed here as the server does."""
-    adapter = families.load(folder, torch.device("cpu"), torch.float32)
+def estimate_of(adapter, preset: str, request: rollout_pb2.RolloutRequest) -> RolloutMemory:
+    """The server's estimate of ``request`` on ``adapter`` (loaded from ``preset``), computed here as
+    the server does."""
     limits = Limits()
-    serving = ServingContext.of(adapter, defaults_for("tiny-flux", adapter.defaults()), limits)
-    estimate = memory.estimate(
-        adapter, adapter.measure_decode(), resolve(request, serving), STREAM_BUFFER * limits.max_message_bytes
-    )
-    return MemoryBudget(parse_bytes(BUDGET), limits).peak([estimate])
+    serving = ServingContext.of(adapter, defaults_for(preset, adapter.defaults()), limits)
+    backlog = STREAM_BUFFER * limits.max_message_bytes
+    return memory.estimate(adapter, adapter.measure_decode(), resolve(request, serving), backlog)
+
+
+def estimated_peak(folder, request: rollout_pb2.RolloutRequest, preset: str = "tiny-flux") -> int:
+    """The server's estimate of ``request``'s peak on the model in ``folder``."""
+    adapter = families.load(folder, torch.device("cpu"), torch.float32)
+    return MemoryBudget(parse_bytes(BUDGET), Limits()).peak([estimate_of(adapter, preset, request)])
 
 
 def test_a_request_that_fits_decodes_its_images_one_sample_at_a_time(budgeted, tiny_flux_folder):
@@ -124,4 +141,94 @@ def test_a_request_that_fits_decodes_its_images_one_sample_at_a_time(budgeted, t
     # the eight decoded in one batch took about 640 MiB.
     assert peak <= estimate, (memory.format_bytes(peak), memory.format_bytes(estimate))
     assert estimate < parse_bytes(BUDGET)
+    assert health_status(channel) == 1
+
+
+def row_bytes(adapter, family: str, shape: MediaShape) -> int:
+    """The estimate's bytes of one transformer row at ``shape``."""
+    request = make_request(
+        {"prompts": ["a red fox"], "samples_per_prompt": 1, "images": False},
+        height=shape.height,
+        width=shape.width,
+        num_frames=shape.frames,
+        condition_images=[rollout_pb2.ConditionImage(data=condition_png(0))] if adapter.takes_images else [],
+    )
+    return estimate_of(adapter, FAMILIES[family].preset, request).row_bytes
+
+
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family != "shapes"])  # shapes: FLUX
+def test_what_a_forward_holds_grows_no_faster_than_its_estimated_row(adapter, family):
+    """One row's forward at 64 and at 128 pixels a side (a video's fewest frames past one), 4 times the
+    generated tokens: what its tensors hold at once (LiveTensorBytes) grows by no more than the
+    estimate's row. A tensor that grows with the square of the sequence (an attention mask built query
+    by key, SDPA's copy of it, the scores of its math kernel) outgrows an estimate linear in the tokens
+    unless the adapter counts it (``attention_matrix_bytes``): HunyuanVideo 1.5's dense [1, 1, S, S]
+    masks grew by 6 bytes a query and key here, 8 times its row's growth. What does not grow with the
+    size (the keys and values of a cross-attended text) is the runtime overhead's."""
+    frames = 1 + adapter.frame_step if adapter.frame_step else 1
+    held, estimated = [], []
+    for side in (64, 128):
+        shape = MediaShape(frames, side, side)
+        env = env_at(adapter, "a red fox", shape)
+        with LiveTensorBytes() as forward:
+            forward_of(adapter, env, shape)
+        held.append(forward.peak)
+        estimated.append(row_bytes(adapter, family, shape))
+    assert held[1] - held[0] <= estimated[1] - estimated[0], (held, estimated)
+
+
+# HunyuanVideo 1.5 without images, CFG on (2 rows a forward). At 2048 x 1024 its joint sequence is
+# 8192 video and 1985 context tokens: diffusers' dense masks took 1.2 GB there, outside an estimate of
+# 235 MiB; the estimate now counts what is left (the token refiner's masks, 12 MB a row), 258 MiB.
+HUNYUAN_BUDGET = "256MiB"
+HUNYUAN_FITS = {
+    "prompts": ["a red fox"],
+    "samples_per_prompt": 1,
+    "num_frames": 1,
+    "height": 1024,
+    "width": 1024,
+}
+HUNYUAN_LARGE = {**HUNYUAN_FITS, "height": 2048}
+
+
+@pytest.fixture(scope="module")
+def hunyuan_budgeted(cache_dir, family_resources, tmp_path_factory):
+    family_resources.folder("hunyuan-video15")  # built here first, not by the server
+    log = tmp_path_factory.mktemp("hunyuan-budget") / "server.log"
+    server = start_server(
+        cache_dir, log, "--model", "tiny-hunyuan-video15", "--memory-budget", HUNYUAN_BUDGET
+    )
+    with grpc.insecure_channel(server.address) as channel:
+        yield server, channel
+    server.stop()
+
+
+def test_what_fits_the_budget_peaks_within_it_and_what_does_not_is_refused(
+    hunyuan_budgeted, family_resources
+):
+    """Under a 256 MiB budget a 1024 x 1024 rollout is admitted and its resident memory peaks within
+    its estimate, and so within the budget (diffusers' dense masks, 6 bytes a query and key of its
+    6081-token sequence in each of its 2 rows, took 444 MB there, outside an estimate of 200 MiB); a
+    2048 x 1024 rollout, whose estimate is above the budget, is refused at once, naming its fields."""
+    server, channel = hunyuan_budgeted
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+    adapter = family_resources.adapter("hunyuan-video15")
+    budget = MemoryBudget(parse_bytes(HUNYUAN_BUDGET), Limits())
+    request = make_request(HUNYUAN_FITS, num_steps=1, images=False, base_seed=5)
+    estimate = budget.peak([estimate_of(adapter, "tiny-hunyuan-video15", request)])
+    warm_up = make_request(HUNYUAN_FITS, num_steps=1, images=False, height=64, width=64)
+    list(stub.Rollout(warm_up, timeout=60))
+    resident = memory_of(server.process.pid, "VmRSS")
+    reset_peak(server.process.pid)
+    messages = list(stub.Rollout(request, timeout=120))
+    peak = memory_of(server.process.pid, "VmHWM") - resident
+    assert messages[-1].HasField("finished")
+    assert peak <= estimate <= budget.limit, (memory.format_bytes(peak), memory.format_bytes(estimate))
+
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Rollout(make_request(HUNYUAN_LARGE, num_steps=1, images=False), timeout=30))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    violations = {violation.field: violation.description for violation in field_violations(refused.value)}
+    assert set(violations) == {"prompts", "height", "width", "num_frames"}
+    assert f"memory budget of {memory.format_bytes(budget.limit)}" in violations["height"]
     assert health_status(channel) == 1

@@ -30,13 +30,11 @@ import functools
 import io
 import math
 import tempfile
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
@@ -73,10 +71,9 @@ from diffusers import (
 )
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
-from helpers import FAMILIES
+from helpers import FAMILIES, LiveTensorBytes
 from peft import LoraConfig
 from PIL import Image
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
@@ -887,6 +884,10 @@ class Checkpoint:
     # the sound decode's widest activation on the adapter's probe, in bytes per waveform value.
     audio_values: int = 0
     sound_width: float = 0.0
+    # Bytes of the tensors that grow with the square of a sequence: in one transformer row's forward,
+    # and in one decode piece at the default size.
+    attention_matrix_bytes: int = 0
+    decode_attention_bytes: int = 0
 
 
 # FLUX.1 at 1024 x 1024: 8x VAE, 2x2 packing: 64 x 64 = 4096 tokens of 4 x 16 channels; the joint
@@ -1100,6 +1101,12 @@ CHECKPOINTS = (
         # 31 x 30 x 53 = 2 x 24645 tokens split across 2 ranks, not 4 or 8 (848 x 480 is the size
         # the pipeline picks for 16:9; 832 x 480, 31 x 30 x 52 = 8 x 6045 tokens, splits across 8).
         uneven_splits=frozenset({4, 8}),
+        # The token refiner's masks over the 1000 Qwen2.5-VL tokens: two booleans, and per head (16) a
+        # boolean and SDPA's bf16 copy (the blocks' joint attention takes a key mask: none).
+        attention_matrix_bytes=1000**2 * (2 + 16 * (1 + 2)),
+        # The VAE decoder's mid-block attention over the 31 x 30 x 53 latent tokens: its causal mask
+        # in bf16 and the math kernel's two float32 scores.
+        decode_attention_bytes=(31 * 30 * 53) ** 2 * (2 + 2 * 4),
     ),
     Checkpoint(
         "nvidia/Cosmos3-Nano",
@@ -1332,10 +1339,11 @@ def test_the_split_across_2_4_and_8_ranks(adapters, checkpoint):
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=lambda c: c.name)
 def test_the_memory_estimate_at_scale(adapters, checkpoint):
     """A trainer's group at the default size: each forward row is 6 x its tokens x the widest
-    activation plus its text, in bf16, each rank's share of the tokens under SP; a forward takes the
-    rows the runner gives it; a decode piece is the larger of a video piece (a whole video where the
-    VAE decodes one at once) and the sound's decode; a component's parameters are its published
-    checkpoint's bytes, or its published count."""
+    activation plus its text, in bf16, each rank's share of the tokens under SP, plus what grows with
+    the square of a sequence; a forward takes the rows the runner gives it; a decode piece is the
+    larger of a video piece (a whole video where the VAE decodes one at once, with its attention's
+    squares) and the sound's decode; a component's parameters are its published checkpoint's bytes,
+    or its published count."""
     adapter = adapters(checkpoint)
     tokens, width = checkpoint.forward
     profile = adapter.measure_decode()
@@ -1356,10 +1364,12 @@ def test_the_memory_estimate_at_scale(adapters, checkpoint):
     values = checkpoint.audio_values
     sound_bytes = values and math.ceil(values * checkpoint.sound_width * 6) + 20 * values + 4 * pixels
     assert memory.sound_piece(adapter, profile, shape, pixels) == sound_bytes
+    video_piece_bytes += checkpoint.decode_attention_bytes
     budget = memory.MemoryBudget(0, Limits())
     for split in (1, *SPLITS):
         estimate = memory.estimate(adapter, profile, group_request(adapter, 1), BACKLOG, split)
-        assert estimate.row_bytes == (-(-tokens // split) * width * 6 + checkpoint.text_elements) * 2
+        activations = (-(-tokens // split) * width * 6 + checkpoint.text_elements) * 2
+        assert estimate.row_bytes == activations + checkpoint.attention_matrix_bytes
         assert budget.forward_rows(estimate, estimate.rows) == checkpoint.forward_rows
         assert estimate.decode_bytes == max(video_piece_bytes, sound_bytes)
     for component, size in checkpoint.published_bytes.items():
@@ -1455,43 +1465,6 @@ def table(adapter: Callable[[Checkpoint], FamilyAdapter], figures: Callable[[Che
 def test_the_table_in_the_docs_is_the_one_computed_here(adapters, figures):
     docs = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
     assert table(adapters, figures) in docs
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """The most bytes of tensors that the ops run under it made and that were alive at once: a storage
-    counts from the op that makes it until no tensor on it (its views included) is left. Views of
-    tensors made before are not counted, nor the kernels' own scratch buffers."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.tensors: dict[int, list[int]] = {}  # storage address: [tensors on it, its bytes]
-
-    def _released(self, address: int) -> None:
-        entry = self.tensors[address]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self.tensors[address]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        output = func(*args, **(kwargs or {}))
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        before = {t.untyped_storage().data_ptr() for t in inputs} - set(self.tensors)
-        for tensor in pytree.tree_leaves(output):
-            if not isinstance(tensor, torch.Tensor) or any(tensor is t for t in inputs):
-                continue  # an in-place op's
-            storage = tensor.untyped_storage()
-            address = storage.data_ptr()
-            if address in before:
-                continue  # a view of a tensor made before
-            if address not in self.tensors:
-                self.tensors[address] = [0, storage.nbytes()]
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-            self.tensors[address][0] += 1
-            weakref.finalize(tensor, self._released, address)
-        return output
 
 
 def test_the_decode_piece_covers_a_real_decode_of_the_tiny_ltx2_presets_longest_sound(family_resources):

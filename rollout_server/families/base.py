@@ -287,6 +287,20 @@ class FamilyAdapter(ABC):
         over (image and text, for joint attention), and the widest per-token activation in elements
         (the feed-forward's hidden width, or a fused projection's)."""
 
+    def attention_matrix_bytes(self, shape: MediaShape) -> int:
+        """The bytes one transformer row's forward at ``shape`` holds at once in tensors that grow with
+        the square of a sequence: an attention mask materialised query by key, SDPA's float copy of a
+        boolean one, the scores of SDPA's math kernel (the CPU's for a mask its flash kernel cannot
+        broadcast). 0 where every attention runs in a fused kernel with at most a key mask, as the CPU's
+        flash kernel runs every family's but the masks these methods count."""
+        return 0
+
+    def decode_attention_bytes(self, shape: MediaShape) -> int:
+        """The bytes one decode piece at ``shape`` holds at once in tensors that grow with the square of
+        its latent tokens (``attention_matrix_bytes`` for the decoder): 0 where the decoder attends
+        within a frame's tokens, without a mask, in a fused kernel."""
+        return 0
+
     def audio_values(self, shape: MediaShape) -> int:
         """The values of one sample's decoded waveform at ``shape`` (channels x samples), which the
         memory estimate sizes its sound decode by: 0 without sound (families with ``decodes_audio``)."""

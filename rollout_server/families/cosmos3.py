@@ -97,7 +97,7 @@ from PIL import Image
 
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import CallForm
-from rollout_server.errors import UnsupportedModel
+from rollout_server.errors import TextTooLong, UnsupportedModel
 from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape, set_up_schedule
 from rollout_server.families.wan import wan_vae_frames
 
@@ -107,8 +107,10 @@ DEFAULT_FRAMES, DEFAULT_HEIGHT, DEFAULT_WIDTH = 189, 720, 1280  # __call__ fills
 DEFAULT_STEPS = _CALL_DEFAULTS["num_inference_steps"].default
 DEFAULT_GUIDANCE = _CALL_DEFAULTS["guidance_scale"].default
 FPS = _CALL_DEFAULTS["fps"].default
-# The most text tokens one prompt's env holds, for the memory estimate: the chat template, the
-# templates and a prompt of the server's longest (a JSON-upsampled Cosmos prompt is about 1000).
+# The most text tokens one text's env holds: the chat template, the duration and resolution templates
+# and the text (a JSON-upsampled Cosmos prompt is about 1000 tokens). The pipeline truncates nothing,
+# and a character may take several tokens (4 for an emoji, byte by byte), so a longer text is refused
+# once tokenised (TextTooLong): the memory estimate sizes a text's env and a forward's text by it.
 TEXT_TOKENS = 4096
 # The env entries with a batch dimension of 1, one row per sample of a call.
 BATCHED_ENV_KEYS = (
@@ -388,19 +390,26 @@ class Cosmos3Adapter(FamilyAdapter):
             "return_dict": False,
         }
 
-    def _token_ids(self, prompt: str, negative: str, shape: MediaShape) -> tuple[list[int], list[int]]:
-        return self.pipe.tokenize_prompt(
-            prompt, negative, num_frames=shape.frames, height=shape.height, width=shape.width, fps=FPS
+    def _token_ids(self, text: str, shape: MediaShape, negative: bool) -> list[int]:
+        """The token ids of ``text`` as a prompt, or as the negative prompt (with the inverse templates),
+        as ``tokenize_prompt`` makes them; TextTooLong above TEXT_TOKENS."""
+        prompt, negative_prompt = ("", text) if negative else (text, "")
+        prompt_ids, negative_ids = self.pipe.tokenize_prompt(
+            prompt, negative_prompt, num_frames=shape.frames, height=shape.height, width=shape.width, fps=FPS
         )
+        ids = negative_ids if negative else prompt_ids
+        if len(ids) > TEXT_TOKENS:
+            raise TextTooLong(len(ids), TEXT_TOKENS)
+        return ids
 
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape, image=None) -> dict:
         # guidance_scale is the CFG scale, applied when the branches are combined.
-        return self._env(self._token_ids(text, "", shape)[0], shape)
+        return self._env(self._token_ids(text, shape, negative=False), shape)
 
     @torch.no_grad()
     def encode_negative_text(self, text: str, guidance_scale: float, shape: MediaShape, image=None) -> dict:
-        return self._env(self._token_ids("", text, shape)[1], shape)
+        return self._env(self._token_ids(text, shape, negative=True), shape)
 
     @torch.no_grad()
     def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:

@@ -47,9 +47,15 @@ of the heads, over the unsplit sequence in its own order (all video tokens, then
 the unsplit context mask it is given whole (the plan does not split it). It masks keys only
 (mask[j], not mask[i] & mask[j]) and zeroes the rows of masked context tokens, which is what the
 dense mask gives them (no key to attend to): the same attention in every row, without an S x S mask
-(on the CPU, in float32 on one thread, SP = 2 gives SP = 1's velocities bitwise). At SP = 1 it is
-diffusers' processor. Ring attention is refused at start-up (``_cp_ulysses_only``): the exchange is
-Ulysses'. The video tokens are exchanged in equal parts: validation checks that they divide.
+(on the CPU, in float32 on one thread, SP = 2 gives SP = 1's velocities bitwise). At SP = 1 it runs
+the same key-masked attention on the whole sequence: diffusers' velocities bitwise, without the
+S x S masks (6 bytes a query and key, 14.7 GiB a row at the default 480p x 121 frames). Ring
+attention is refused at start-up (``_cp_ulysses_only``): the exchange is Ulysses'. The video tokens
+are exchanged in equal parts: validation checks that they divide.
+
+The memory estimate counts what still grows with the square of a sequence: the token refiner's
+masks over the 1000 Qwen2.5-VL tokens (``attention_matrix_bytes``), and the VAE decoder's causal
+attention over every latent token of the video, on SDPA's math kernel (``decode_attention_bytes``).
 """
 
 import inspect
@@ -119,16 +125,18 @@ def _to_tokens(heads: torch.Tensor, sizes: list[int], rank: int, group) -> torch
 
 
 class UlyssesAttnProcessor(HunyuanVideo15AttnProcessor2_0):
-    """The dual-stream blocks' joint attention under our plan's Ulysses split (inference: no autograd
-    through the exchange); diffusers' own processor when the transformer is not split. The
+    """The dual-stream blocks' joint attention, with the context mask on the keys alone (no S x S
+    mask), whole or under our plan's Ulysses split (inference: no autograd through the exchange). The
     projections, norms and RoPE mirror ``HunyuanVideo15AttnProcessor2_0.__call__`` (diffusers 0.41)
-    line for line: its mask is built between them and the attention, from the sequence it is given."""
+    line for line: its mask is built between them and the attention, from the sequence it is given.
+
+    diffusers builds mask[i] & mask[j] for all i, j. A key mask gives every unmasked query the same
+    scores, so the same kernel on the same q, k and v gives it the same output; a masked query (a
+    padded context token), with no key to attend to in diffusers' mask, gets its zero output here by
+    ``masked_fill``. Unsplit, the velocities are diffusers' bitwise (on the CPU's flash kernel, which
+    both take), without the [B, 1, S, S] masks and SDPA's float copy of one, 6 S^2 bytes a row."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
-        if self._parallel_config is None:
-            return super().__call__(
-                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
-            )
         query, key, value = (
             projection(hidden_states).unflatten(2, (attn.heads, -1))
             for projection in (attn.to_q, attn.to_k, attn.to_v)
@@ -145,41 +153,55 @@ class UlyssesAttnProcessor(HunyuanVideo15AttnProcessor2_0):
         if attn.norm_added_k is not None:
             context_key = attn.norm_added_k(context_key)
 
-        # Gather every rank's video tokens, then every rank's context tokens, for this rank's heads:
-        # the unsplit sequence in its own order. The context was cut as diffusers' sharder cuts it
-        # (tensor_split: ulysses_anything); attention_mask, not split, is the whole context's.
-        config = self._parallel_config.context_parallel_config
-        group, rank = config._ulysses_mesh.get_group(), config._ulysses_local_rank
-        video_sizes = [hidden_states.shape[1]] * config.ulysses_degree  # validation: an even split
-        context_sizes = [part.shape[1] for part in attention_mask.tensor_split(config.ulysses_degree, dim=1)]
-        if context_sizes[rank] != encoder_hidden_states.shape[1]:
-            raise RuntimeError(
-                f"rank {rank} holds {encoder_hidden_states.shape[1]} context tokens, not "
-                f"{context_sizes[rank]}: the transformer was not split by our plan"
+        split = self._parallel_config is not None
+        if split:
+            # Gather every rank's video tokens, then every rank's context tokens, for this rank's
+            # heads: the unsplit sequence in its own order. The context was cut as diffusers' sharder
+            # cuts it (tensor_split: ulysses_anything); attention_mask, not split, is the whole
+            # context's.
+            config = self._parallel_config.context_parallel_config
+            group, rank = config._ulysses_mesh.get_group(), config._ulysses_local_rank
+            video_sizes = [hidden_states.shape[1]] * config.ulysses_degree  # validation: an even split
+            context_sizes = [
+                part.shape[1] for part in attention_mask.tensor_split(config.ulysses_degree, dim=1)
+            ]
+            if context_sizes[rank] != encoder_hidden_states.shape[1]:
+                raise RuntimeError(
+                    f"rank {rank} holds {encoder_hidden_states.shape[1]} context tokens, not "
+                    f"{context_sizes[rank]}: the transformer was not split by our plan"
+                )
+            video = sum(video_sizes)
+            batch, _, heads, dim = query.shape
+            gathered = query.new_empty(
+                video + attention_mask.shape[1], 3, batch, heads // config.ulysses_degree, dim
             )
-        video = sum(video_sizes)
-        batch, _, heads, dim = query.shape
-        gathered = query.new_empty(
-            video + attention_mask.shape[1], 3, batch, heads // config.ulysses_degree, dim
-        )
-        _to_heads(torch.stack([query, key, value]), gathered[:video], video_sizes, group)
-        _to_heads(
-            torch.stack([context_query, context_key, context_value]), gathered[video:], context_sizes, group
-        )
-        query, key, value = gathered.permute(1, 2, 0, 3, 4).unbind(0)
+            _to_heads(torch.stack([query, key, value]), gathered[:video], video_sizes, group)
+            _to_heads(
+                torch.stack([context_query, context_key, context_value]),
+                gathered[video:],
+                context_sizes,
+                group,
+            )
+            query, key, value = gathered.permute(1, 2, 0, 3, 4).unbind(0)
+        else:
+            video = hidden_states.shape[1]
+            query, key, value = (
+                torch.cat(pair, dim=1)
+                for pair in ((query, context_query), (key, context_key), (value, context_value))
+            )
 
-        # The mask: diffusers builds mask[i] & mask[j] for all i, j (S x S); a key mask gives the
-        # unmasked queries the same attention, and a masked query, with no key in diffusers', its
-        # zero output.
         mask = F.pad(attention_mask.bool(), (video, 0), value=True)
         hidden_states = dispatch_attention_fn(
             query, key, value, attn_mask=mask[:, None, None, :], backend=self._attention_backend
         )
         hidden_states = hidden_states.masked_fill(~mask[:, :, None, None], 0.0).to(query.dtype)
-        encoder_hidden_states = _to_tokens(hidden_states[:, video:], context_sizes, rank, group).flatten(2, 3)
-        hidden_states = _to_tokens(hidden_states[:, :video], video_sizes, rank, group).flatten(2, 3)
-        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
-        return hidden_states, attn.to_add_out(encoder_hidden_states)
+        if split:
+            encoder_hidden_states = _to_tokens(hidden_states[:, video:], context_sizes, rank, group)
+            hidden_states = _to_tokens(hidden_states[:, :video], video_sizes, rank, group)
+        else:
+            encoder_hidden_states, hidden_states = hidden_states[:, video:], hidden_states[:, :video]
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.flatten(2, 3)))
+        return hidden_states, attn.to_add_out(encoder_hidden_states.flatten(2, 3))
 
 
 class HunyuanVideo15Adapter(FamilyAdapter):
@@ -289,6 +311,23 @@ class HunyuanVideo15Adapter(FamilyAdapter):
         inner = config.num_attention_heads * config.attention_head_dim
         tokens = self.generated_tokens(shape) + sum(self._context_tokens())
         return tokens, max(int(config.mlp_ratio * inner), 3 * inner)
+
+    def attention_matrix_bytes(self, shape: MediaShape) -> int:
+        # The blocks' joint attention takes a key mask (UlyssesAttnProcessor). The token refiner, run
+        # over the Qwen2.5-VL tokens before the blocks (whole on every rank), builds diffusers' T x T
+        # masks: mask[i] and mask[i] & mask[j] (booleans), the per-head copy its Attention makes, and
+        # SDPA's copy of that in the transformer's dtype.
+        tokens, heads = self.pipe.tokenizer_max_length, self.pipe.transformer.config.num_attention_heads
+        return tokens**2 * (2 + heads * (1 + self.dtype.itemsize))
+
+    def decode_attention_bytes(self, shape: MediaShape) -> int:
+        # The decoder's mid-block attends over every latent token of the video at once, causally by
+        # frame, through an S x S mask in the VAE's dtype; a 3-D mask the CPU's flash kernel does not
+        # take, so SDPA's math kernel runs, with two float32 S x S scores (q k^T, then the mask added)
+        # beside it at its peak.
+        _, frames, rows, cols = self.latent_shape(shape)
+        tokens = frames * rows * cols
+        return tokens**2 * (self.pipe.vae.dtype.itemsize + 2 * torch.float32.itemsize)
 
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape, image=None) -> dict:

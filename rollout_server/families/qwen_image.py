@@ -17,6 +17,7 @@ from PIL import Image
 
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import LatentConditioning
+from rollout_server.errors import TextTooLong
 from rollout_server.families.base import (
     FamilyDefaults,
     MediaShape,
@@ -129,11 +130,15 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def _text_tokens(self, vision_tokens: int) -> int:
         """The longest prompt embedding around ``vision_tokens`` image tokens: the edit template's
         tokens after the dropped system prefix (its one image placeholder expanded) and the
-        pipeline's longest prompt (``tokenizer_max_length``; its encode_prompt truncates nothing)."""
+        pipeline's longest prompt (``tokenizer_max_length``; its encode_prompt truncates nothing, so
+        ``encode_text`` refuses a longer one)."""
         pipe = self.pipe
-        template = pipe.tokenizer(pipe.prompt_template_encode.format("")).input_ids
-        tail = len(template) - pipe.prompt_template_encode_start_idx - 1  # less the placeholder
+        tail = self._template_tokens("") - pipe.prompt_template_encode_start_idx - 1  # less the placeholder
         return tail + vision_tokens + pipe.tokenizer_max_length
+
+    def _template_tokens(self, text: str) -> int:
+        """The tokens of the edit template around ``text`` (its image placeholder one token)."""
+        return len(self.pipe.tokenizer(self.pipe.prompt_template_encode.format(text)).input_ids)
 
     def text_elements(self) -> int:
         # At its longest the image fills the processor's max pixels.
@@ -151,6 +156,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     @torch.no_grad()
     def encode_text(self, text: str, guidance_scale: float, shape: MediaShape, image=None) -> dict:
+        # The text sits between special tokens, which no merge crosses: its own tokens are the
+        # template's with it less the template's without it. Counted before the VL encoder runs.
+        tokens = self._template_tokens(text) - self._template_tokens("")
+        if tokens > self.pipe.tokenizer_max_length:
+            raise TextTooLong(tokens, self.pipe.tokenizer_max_length)
         # img_shapes cover the image's tokens too: encode_image gives them.
         embeds, mask = self.pipe.encode_prompt(prompt=text, image=image, device=self.device)
         return self._text_env(embeds, mask, guidance_scale)
