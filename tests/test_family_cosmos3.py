@@ -196,10 +196,11 @@ def test_a_text_is_bounded_by_its_tokens_not_its_characters(family_client, adapt
 
 def test_the_http_front_end_answers_400(family_resources):
     """The same bound over SGLang's API: 400 (the answer was 2.5 times its own size bound before),
-    its detail naming the prompt."""
+    naming the prompt as SGLang's request does (``prompt``)."""
     url = http_url(family_resources.server("cosmos3"))
     body = {"prompt": EMOJI_TEXT, "num_inference_steps": 1, "width": 64, "height": 64}
     answer = httpx.post(f"{url}/rollout/generate", json=body, timeout=300)
     assert answer.status_code == 400, answer.text
-    detail = answer.json()["detail"]
-    assert "prompts[0]: " in detail and f"above the {TEXT_TOKENS} this model takes" in detail
+    detail, violations = answer.json()["detail"], answer.json()["violations"]
+    assert "prompt: " in detail and f"above the {TEXT_TOKENS} this model takes" in detail
+    assert [v["field"] for v in violations] == ["prompt"], violations
