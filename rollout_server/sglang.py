@@ -5,15 +5,26 @@ The fields and their meanings follow SGLang's released package (``sglang.multimo
 entrypoints.post_training``); where ours differ, the request is mapped as follows
 (docs/sglang-compat.md has the whole table):
 
-* ``rollout_sde_type`` sde, cps, ode -> FLOW_SDE, CPS, ODE; ``rollout=False`` (evaluation) -> ODE with
-  no trajectory; ``rollout_sde_step_indices`` -> ``stochastic_steps`` (any order, repeats ignored; an
-  empty list leaves no stochastic step, so ODE); ``rollout_log_prob_no_const`` -> not
-  ``log_prob_constants`` (SGLang's default, constants included, for CPS too).
+* ``rollout_sde_type`` sde, cps, ode, dance -> FLOW_SDE, CPS, ODE, DANCE (dance beside SGLang's
+  three); ``rollout=False`` (evaluation) -> ODE with no trajectory; ``rollout_sde_step_indices`` ->
+  ``stochastic_steps`` (any order, repeats ignored; an empty list leaves no stochastic step, so ODE);
+  ``rollout_log_prob_no_const`` -> not ``log_prob_constants`` (SGLang's default, constants included,
+  for CPS too).
 * ``seed`` s with ``num_outputs_per_prompt`` n -> the explicit seeds s, s + 1, .. s + n - 1, as SGLang
   numbers its outputs; each response carries its own sample's seed. Without a seed the server draws
   a base seed, and each response still names its sample's seed.
 * ``rollout_debug_mode``: SGLang's model defaults it to true, which multiplies the payload by four;
   a body that leaves it out gets false here.
+* ``extra_sampling_params``: SGLang merges it into its ``SamplingParams``. A RolloutRequest field set
+  there is merged over the body's; ``seed`` may be a list (one per output, as SGLang takes it);
+  Wan 2.2's ``guidance_scale_2`` and ``boundary_ratio`` become ours; options that change nothing this
+  server returns (output files, logs, profiling) are read and ignored; any other is refused by name.
+
+Where SGLang accepts a field and does not use it, so does this front end, and says so: the answer's
+``X-Rollout-Ignored-Fields`` header and a log line name it (gRPC stays strict). These are keys
+SGLang's model does not know, a scale the model does not read, the negative prompt while CFG is off,
+the second expert's fields on a model with one, and the read-only fields (``generator_device``,
+``fps``, ``suppress_logs``) set to a value other than SGLang's default.
 
 A response's tensors: ``rollout_log_probs`` float32 [T], 0 at deterministic steps as in SGLang;
 ``dit_trajectory.latents`` [K, ...] at ``step_indices`` (0 .. T, T the final latent; all of them unless
@@ -29,7 +40,7 @@ import io
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy
 import torch
@@ -42,12 +53,16 @@ from rollout_client.trajectory import Collector, Trajectory
 from rollout_core import wire
 from rollout_server.errors import InvalidRequest
 from rollout_server.limits import MAX_POLICY_VERSION
-from rollout_server.validation import quoted
+from rollout_server.validation import SCALE_FIELDS, quoted
+
+if TYPE_CHECKING:
+    from rollout_server.validation import ServingContext
 
 SDE_TYPES = {
     "sde": rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
     "cps": rollout_pb2.SAMPLER_TYPE_CPS,
     "ode": rollout_pb2.SAMPLER_TYPE_ODE,
+    "dance": rollout_pb2.SAMPLER_TYPE_DANCE,
 }
 _MAX_SEED = 2**64 - 1
 _MAX_SHORT_STRING = 64  # generator_device
@@ -76,7 +91,12 @@ SGLANG_NAMES = {
     "noise_level": "rollout_noise_level",
     "stochastic_steps": "rollout_sde_step_indices",
     "log_prob_constants": "rollout_log_prob_no_const",
+    "guidance_scale_2": "extra_sampling_params.guidance_scale_2",
+    "boundary_ratio": "extra_sampling_params.boundary_ratio",
 }
+# The response header that names the fields a request set and this front end did not use.
+IGNORED_HEADER = "X-Rollout-Ignored-Fields"
+_MAX_IGNORED_NAMED = 32  # names in the header and the log line; the rest are counted
 
 # SGLang's RolloutRequest fields: (type, default). "ints" is a list of integers; None a null value.
 # An integer takes the range of the proto field it becomes (uint32; see _INT_RANGES).
@@ -104,9 +124,49 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "rollout_sde_step_indices": ("ints", _OPTIONAL),
     "rollout_return_step_indices": ("ints", _OPTIONAL),
     "image_path": ("strs", _OPTIONAL),  # refused: a client names no file of the server's
-    "suppress_logs": ("bool", False),
+    "suppress_logs": ("bool", False),  # read, not used: the one log line per rollout stays
     "extra_sampling_params": ("dict", _OPTIONAL),
 }
+# The fields above that are read and not used: reported as ignored when set to other than their default.
+_UNUSED_FIELDS = ("generator_device", "fps", "suppress_logs")
+# SGLang's SamplingParams fields that extra_sampling_params may set besides the RolloutRequest's: Wan
+# 2.2's CFG scale of its low-noise expert and the boundary between its experts, our fields of the names.
+SAMPLING_FIELDS: dict[str, tuple[str, Any]] = {
+    "guidance_scale_2": ("float", _OPTIONAL),
+    "boundary_ratio": ("float", _OPTIONAL),
+}
+# SamplingParams fields that change nothing this server returns (output files and their encoding, logs,
+# profiling, SGLang's own frame rounding and sharding): read and ignored. So is ``rollout``, which
+# SGLang takes from the body whatever extra_sampling_params says.
+IGNORED_SAMPLING_FIELDS = frozenset(
+    {
+        "rollout",
+        "save_output",
+        "output_path",
+        "output_file_name",
+        "output_quality",
+        "output_compression",
+        "x264_preset",
+        "return_frames",
+        "return_file_paths_only",
+        "return_image_bytes",
+        "return_trajectory_latents",
+        "return_trajectory_decoded",
+        "profile",
+        "num_profiled_timesteps",
+        "profile_all_stages",
+        "debug",
+        "perf_dump_path",
+        "no_override_protected_fields",
+        "adjust_frames",
+        "num_frames_round_down",
+        "enable_sequence_shard",
+    }
+)
+_NOT_SERVED = (
+    "is not served: extra_sampling_params takes the RolloutRequest fields, seed as a list, "
+    "guidance_scale_2 and boundary_ratio, and ignores output and logging options (docs/sglang-compat.md)"
+)
 # JSON and msgpack integers are unbounded: an integer field takes the range of the proto field it
 # becomes, uint32 (a list's items too), the seed a uint64; fps, which becomes none, a frame rate.
 _UINT32 = (0, 2**32 - 1)
@@ -116,9 +176,12 @@ _MAX_LIST = 1024
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One ``POST /rollout/generate`` body, read and typed (``values`` by SGLang field name)."""
+    """One ``POST /rollout/generate`` body, read and typed (``values`` by SGLang field name, ``seeds``
+    the explicit per-sample seeds of a list), with the names of the fields it set that are not used."""
 
     values: dict[str, Any]
+    ignored: tuple[str, ...] = ()
+    seeds: tuple[int, ...] | None = None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -205,34 +268,68 @@ def _read_fields(body: dict, fields: dict[str, tuple[str, Any]]) -> tuple[dict[s
 
 
 def read_request(body: Any, max_samples: int) -> GenerateRequest:
-    """The typed request of a decoded body; InvalidRequest naming every field that is wrong. Fields
-    SGLang does not know are ignored, as its model ignores them; ``extra_sampling_params`` may set any
-    of the known ones (SGLang merges it over them), and nothing else. ``num_outputs_per_prompt`` is
-    bounded by the server's ``max_samples`` here, before a seed is expanded into one per sample."""
+    """The typed request of a decoded body; InvalidRequest naming every field that is wrong. Keys SGLang
+    does not know are ignored, as its model ignores them (and named in ``ignored``);
+    ``extra_sampling_params`` is read by ``_read_extra``. ``num_outputs_per_prompt`` is bounded by the
+    server's ``max_samples`` here, before a seed is expanded into one per sample."""
     if not isinstance(body, dict):
         raise InvalidRequest([("request", "the body must be a JSON or msgpack object")])
-    merged = dict(body)
-    violations = []
     extra = body.get("extra_sampling_params")
-    if isinstance(extra, dict):
-        unknown = sorted(
-            quoted(str(key), 64)
-            for key in extra
-            if key not in FIELDS or key in ("rollout", "extra_sampling_params")
-        )
-        if unknown:
-            violations.append(
-                ("extra_sampling_params", f"takes RolloutRequest fields only; not {', '.join(unknown[:8])}")
-            )
-        else:
-            merged.update(extra)
-    values, wrong = _read_fields(merged, FIELDS)
+    merged, sampling, seeds, ignored, violations = _read_extra(extra if isinstance(extra, dict) else {})
+    ignored = [_key_name(key) for key in body if key not in FIELDS] + ignored
+    values, wrong = _read_fields({**body, **merged}, FIELDS)
     violations += wrong
     if not violations:
         violations += _value_problems(values, max_samples)
+        if seeds is not None and len(seeds) != (values["num_outputs_per_prompt"] or 1):
+            violations.append(
+                ("extra_sampling_params.seed", "a list holds one seed per output: num_outputs_per_prompt")
+            )
     if violations:
         raise InvalidRequest(violations)
-    return GenerateRequest(values)
+    ignored += [name for name in _UNUSED_FIELDS if values[name] != FIELDS[name][1]]
+    return GenerateRequest({**values, **sampling}, tuple(ignored), seeds)
+
+
+def _read_extra(extra: dict) -> tuple[dict, dict, tuple[int, ...] | None, list[str], list]:
+    """``extra_sampling_params`` read as SGLang merges it into its SamplingParams: (the RolloutRequest
+    fields it sets, its SAMPLING_FIELDS typed, the seeds of a seed list, the ignored names, the
+    violations), each of its fields named ``extra_sampling_params.<name>``."""
+    merged, sampling, ignored, violations = {}, {}, [], []
+    seeds = None
+    for key, value in extra.items():
+        name = f"extra_sampling_params.{_key_name(key)}"
+        if key in IGNORED_SAMPLING_FIELDS:
+            ignored.append(name)
+        elif key == "seed" and isinstance(value, list):
+            if not _is_kind("ints", value):
+                violations.append((name, f"must be an integer or {_EXPECTED['ints']}"))
+            elif problem := _value_problem("ints", value, _INT_RANGES["seed"]):
+                violations.append((name, problem))
+            else:
+                seeds = tuple(value)
+        elif key in FIELDS and key != "extra_sampling_params":
+            merged[key] = value
+        elif key in SAMPLING_FIELDS:
+            sampling[key] = value
+        else:
+            violations.append((name, _NOT_SERVED))
+    typed, wrong = _read_fields(sampling, {key: SAMPLING_FIELDS[key] for key in sampling})
+    violations += [(f"extra_sampling_params.{field}", problem) for field, problem in wrong]
+    return (
+        merged,
+        {key: value for key, value in typed.items() if value is not None},
+        seeds,
+        ignored,
+        violations,
+    )
+
+
+def _key_name(key: str) -> str:
+    """A client's key as a field name in answers, headers and logs: itself if a short ASCII identifier,
+    else quoted and cut."""
+    plain = isinstance(key, str) and key.isascii() and key.isidentifier() and len(key) <= 64
+    return key if plain else quoted(str(key), 64)
 
 
 def load_weights_request(body: Any, policy_version: int) -> rollout_pb2.LoadWeightsRequest:
@@ -306,14 +403,20 @@ def _value_problems(values: dict[str, Any], max_samples: int) -> list[tuple[str,
     return problems
 
 
-def to_rollout_request(request: GenerateRequest, request_id: str) -> rollout_pb2.RolloutRequest:
-    """Our RolloutRequest for a typed SGLang request (validated by ``resolve`` as any other)."""
+def to_rollout_request(
+    request: GenerateRequest, request_id: str, serving: "ServingContext"
+) -> tuple[rollout_pb2.RolloutRequest, tuple[str, ...]]:
+    """Our RolloutRequest for a typed SGLang request (validated by ``resolve`` as any other), and the
+    names of the fields it set that are not used: ``request.ignored``, then ``_unread``'s."""
     ours = rollout_pb2.RolloutRequest(request_id=request_id, prompts=[request.prompt])
-    if request.negative_prompt is not None:
+    unread = _unread(request, serving)
+    if request.negative_prompt is not None and "negative_prompt" not in unread:
         ours.negative_prompt = request.negative_prompt
     if request.num_outputs_per_prompt is not None:
         ours.samples_per_prompt = request.num_outputs_per_prompt
-    if request.seed is not None:
+    if request.seeds is not None:
+        ours.seeds.extend(request.seeds)
+    elif request.seed is not None:
         ours.seeds.extend(request.seed + k for k in range(request.samples))
     for theirs, field in (
         ("height", "height"),
@@ -322,8 +425,9 @@ def to_rollout_request(request: GenerateRequest, request_id: str) -> rollout_pb2
         ("guidance_scale", "guidance_scale"),
         ("true_cfg_scale", "true_cfg_scale"),
         ("num_frames", "num_frames"),
+        *((name, name) for name in SAMPLING_FIELDS),
     ):
-        if (value := request.values[theirs]) is not None:
+        if (value := request.values.get(theirs)) is not None and theirs not in unread:
             setattr(ours, field, value)
     stochastic = request.rollout and request.rollout_sde_step_indices != []
     ours.sampler = SDE_TYPES[request.rollout_sde_type] if stochastic else rollout_pb2.SAMPLER_TYPE_ODE
@@ -337,7 +441,44 @@ def to_rollout_request(request: GenerateRequest, request_id: str) -> rollout_pb2
     if request.rollout and request.rollout_debug_mode:
         ours.debug_tensors.extend(_DEBUG_TENSORS)
     ours.images = True
-    return ours
+    return ours, (*request.ignored, *(SGLANG_NAMES.get(field, field) for field in unread))
+
+
+def _unread(request: GenerateRequest, serving: "ServingContext") -> list[str]:
+    """The fields of ``request`` that SGLang takes for every model and the served one does not read: a
+    CFG or guidance scale it has no use for (SGLang passes both to every pipeline), the negative prompt
+    while CFG is off (the model's CFG scale, as set or by default, at or below its off value), the
+    second expert's fields on a model with one (or its scale while CFG is off), and the body's seed
+    where extra_sampling_params gives a list (which SGLang merges over it)."""
+    values = request.values
+    unread = [
+        field for field in SCALE_FIELDS if values[field] is not None and field not in serving.scale_fields
+    ]
+    scale = values[serving.cfg_scale_field]
+    if scale is None or serving.cfg_scale_field in unread:
+        scale = getattr(serving.defaults, serving.cfg_scale_field)
+    cfg = serving.cfg_scale_field in serving.scale_fields and scale > serving.cfg_off_scale
+    if request.negative_prompt and not cfg:
+        unread.append("negative_prompt")
+    experts = serving.boundary_ratio is not None
+    unread += [
+        field
+        for field in SAMPLING_FIELDS
+        if field in values and (not experts or (field == "guidance_scale_2" and not cfg))
+    ]
+    if request.seeds is not None and request.seed is not None:
+        unread.append("seed")
+    return unread
+
+
+def ignored_summary(names: tuple[str, ...]) -> str:
+    """``names`` for the ignored-fields header and its log line: comma-separated, at most
+    ``_MAX_IGNORED_NAMED`` of them, then a count of the rest. A client's key that is not a plain
+    identifier is counted, not named: a header carries ASCII and a log line no client text."""
+    named = [name for name in names if name.isascii() and all(p.isidentifier() for p in name.split("."))]
+    shown = named[:_MAX_IGNORED_NAMED]
+    rest = len(names) - len(shown)
+    return ",".join(shown + ([f"+{rest} more"] if rest else []))
 
 
 def sglang_violations(error: InvalidRequest) -> list[dict[str, str]]:

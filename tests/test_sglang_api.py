@@ -254,7 +254,7 @@ HOSTILE = [
         {"prompt": "a", "seed": "7", "num_inference_steps": 2.5, "rollout": "yes"},
         ["seed", "num_inference_steps", "rollout"],
     ),
-    ({"prompt": "a", "rollout_sde_type": "dance"}, ["rollout_sde_type"]),
+    ({"prompt": "a", "rollout_sde_type": "flow"}, ["rollout_sde_type"]),
     ({"prompt": "a", "rollout_sde_type": "ode"}, ["rollout_log_prob_no_const"]),
     ({"prompt": "a", "num_inference_steps": 10**6}, ["num_inference_steps"]),
     (
@@ -273,7 +273,18 @@ HOSTILE = [
     ({"prompt": "a", "seed": 2**64 - 1, "num_outputs_per_prompt": 2}, ["seed"]),
     ({"prompt": "a", "num_outputs_per_prompt": 10**9}, ["num_outputs_per_prompt"]),
     ({"prompt": "a", "image_path": ["/etc/passwd"]}, ["image_path"]),
-    ({"prompt": "a", "extra_sampling_params": {"__class__": 1}}, ["extra_sampling_params"]),
+    ({"prompt": "a", "extra_sampling_params": {"__class__": 1}}, ["extra_sampling_params.__class__"]),
+    # SamplingParams options that would change what is computed, and are not served, by name.
+    (
+        {"prompt": "a", "extra_sampling_params": {"enable_teacache": True, "flow_shift": 3.0}},
+        ["extra_sampling_params.enable_teacache", "extra_sampling_params.flow_shift"],
+    ),
+    # A seed list has one seed per output, each a uint64.
+    (
+        {"prompt": "a", "num_outputs_per_prompt": 2, "extra_sampling_params": {"seed": [1]}},
+        ["extra_sampling_params.seed"],
+    ),
+    ({"prompt": "a", "extra_sampling_params": {"seed": [-1]}}, ["extra_sampling_params.seed"]),
     ({"prompt": "a", "rollout_noise_level": float("nan")}, ["rollout_noise_level"]),
     # Integers take the range of the proto field they become (uint32 here): none reaches it unchecked.
     ({"prompt": "a", "height": 2**40, "width": -1}, ["height", "width"]),
