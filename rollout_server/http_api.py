@@ -284,8 +284,7 @@ class HttpFrontEnd:
 
         def check(resolved: rollout_pb2.RolloutRequest) -> None:
             nonlocal bound
-            sizes = self.service.engine.sample_sizes(resolved)
-            bound = sglang.response_bound(typed, resolved, sizes.latent_elements, sizes.text_bytes)
+            bound = sglang.response_bound(typed, resolved, self.service.engine.sample_sizes(resolved))
             if bound > self.max_response_bytes:
                 reason = (
                     f"the answer would take up to {bound} bytes, above the server's "

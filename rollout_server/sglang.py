@@ -27,13 +27,16 @@ the second expert's fields on a model with one, and the read-only fields (``gene
 ``fps``, ``suppress_logs``) set to a value other than SGLang's default.
 
 A response's tensors: ``rollout_log_probs`` float32 [T], 0 at deterministic steps as in SGLang;
-``dit_trajectory.latents`` [K, ...] at ``step_indices`` (0 .. T, T the final latent; all of them unless
-``rollout_return_step_indices``), with ``timesteps`` [K] and ``sigmas`` [T + 1]; ``denoising_env``
-with each CFG branch's whole transformer call besides hidden_states and timestep (``pos_cond_kwargs``,
-``neg_cond_kwargs``; the embedded ``guidance`` repeated apart, as SGLang reports it; an
-image-conditioned family's conditioning latents in ``image_kwargs``) and ``transformer_call`` (how to
-feed the timestep and combine the branches); ``generated_output``
-the decoded sample, float32 in [0, 1], [3, H, W] for an image and [3, F, H, W] for a video.
+``dit_trajectory.latents`` [K, ...] at ``step_indices`` and ``latent_step_indices`` (0 .. T, T the
+final latent; all of them unless ``rollout_return_step_indices``), with ``timesteps`` [K] and
+``sigmas`` [T + 1]; for a sample with several latent streams (LTX-2), ``stream_trajectories`` with
+each stream's latents apart, as SGLang's multi-stream contract names them; ``denoising_env`` with each
+CFG branch's whole transformer call besides hidden_states and timestep (``pos_cond_kwargs``,
+``neg_cond_kwargs``, with the keys SGLang's pipeline configs add for the family beside them, named in
+``sglang_keys``; the embedded ``guidance`` repeated apart, as SGLang reports it; an image-conditioned
+family's conditioning latents in ``image_kwargs``), ``transformer_call`` (how to feed the timestep and
+combine the branches) and ``step_transformers`` (each step's expert); ``generated_output`` the decoded
+sample, float32 in [0, 1], [3, H, W] for an image and [3, F, H, W] for a video.
 """
 
 import io
@@ -56,6 +59,7 @@ from rollout_server.limits import MAX_POLICY_VERSION
 from rollout_server.validation import SCALE_FIELDS, quoted
 
 if TYPE_CHECKING:
+    from rollout_server.memory import SampleSizes
     from rollout_server.validation import ServingContext
 
 SDE_TYPES = {
@@ -517,20 +521,24 @@ def returned_steps(request: GenerateRequest, num_steps: int) -> list[int]:
 
 
 def response_bound(
-    request: GenerateRequest, resolved: rollout_pb2.RolloutRequest, latent_elements: int, text_bytes: int
+    request: GenerateRequest, resolved: rollout_pb2.RolloutRequest, sizes: "SampleSizes"
 ) -> int:
     """An upper bound on the bytes of the whole answer to ``request`` (resolved as ``resolved``), from
-    one sample's latent elements and one text's env bytes: every tensor at float32, with room for keys."""
+    one sample's sizes: every tensor at float32 (step indices int64), with room for keys."""
     steps = resolved.num_steps
     frames = resolved.num_frames or 1
+    latent_bytes = sizes.latent_elements * 4
     per_sample = 3 * frames * resolved.height * resolved.width * 4  # generated_output
     if request.rollout:
         per_sample += 4 * steps  # rollout_log_probs
-        per_sample += len(returned_steps(request, steps)) * (latent_elements + 1) * 4 + 4 * (steps + 1)
+        returned = len(returned_steps(request, steps))
+        per_sample += returned * (latent_bytes + 4 + 8) + 4 * (steps + 1)  # latents, timesteps, indices
+        if sizes.latent_streams:  # each stream's latents, indices and whole schedule again
+            per_sample += returned * latent_bytes + sizes.latent_streams * (8 * returned + 8 * (steps + 1))
         if request.rollout_debug_mode:
-            per_sample += steps * (3 * latent_elements + 1) * 4
+            per_sample += steps * (3 * latent_bytes + 4)
         if request.rollout_return_denoising_env:
-            per_sample += 2 * text_bytes  # both CFG branches
+            per_sample += 2 * sizes.text_bytes  # both CFG branches
     return len(resolved.seeds) * (per_sample + _RESPONSE_OVERHEAD_BYTES)
 
 
@@ -568,7 +576,29 @@ def _generated_output(trajectory: Trajectory) -> dict[str, Any] | None:
     return tensor(pixels[:, 0] if len(frames) == 1 else pixels)
 
 
-def _denoising_env(trajectory: Trajectory) -> dict[str, Any]:
+def _text_length(env: dict[str, Any], key: str) -> int:
+    """The valid text tokens of a branch whose text states are ``env[key]`` ([1, tokens, width]), by
+    its mask where it has one (Qwen-Image's; None when all are valid)."""
+    mask = env.get("encoder_hidden_states_mask")
+    return int(mask.sum()) if mask is not None else env[key].shape[1]
+
+
+def _txt_seq_lens(env: dict[str, Any]) -> dict[str, Any]:
+    return {"txt_seq_lens": [_text_length(env, "encoder_hidden_states")]}
+
+
+def _caption_valid_lens(env: dict[str, Any]) -> dict[str, Any]:
+    return {"caption_valid_lens": torch.tensor([_text_length(env, "cap_feats")])}
+
+
+# The cond kwargs that SGLang's own pipeline configs put in a family's env besides ours, computed from
+# ours: Qwen-Image's text lengths (QwenImagePipelineConfig's list) and Z-Image's (ZImagePipelineConfig's
+# long tensor). The diffusers call does not take them: the env names them in ``sglang_keys``. SGLang's
+# rotary caches (freqs_cis) are not sent: a transformer computes them from these.
+SGLANG_ENV = {"qwen-image": _txt_seq_lens, "qwen-image-edit": _txt_seq_lens, "z-image": _caption_valid_lens}
+
+
+def _denoising_env(trajectory: Trajectory, family: str) -> dict[str, Any]:
     call = trajectory.transformer_call
     branches = {branch: dict(env) for branch, env in trajectory.env.items()}
     image_kwargs = {}
@@ -577,12 +607,38 @@ def _denoising_env(trajectory: Trajectory) -> dict[str, Any]:
         for env in branches.values():
             if key in env:
                 image_kwargs[key] = env.pop(key)
+    sglang_keys = set()
+    if family in SGLANG_ENV:
+        for env in branches.values():
+            added = SGLANG_ENV[family](env)
+            env.update(added)
+            sglang_keys.update(added)
     return {
         "image_kwargs": _encodable(image_kwargs) if image_kwargs else None,
         "pos_cond_kwargs": _encodable(branches["positive"]),
         "neg_cond_kwargs": _encodable(branches["negative"]) if "negative" in branches else None,
         "guidance": _encodable(branches["positive"].get("guidance")),
         "transformer_call": json.loads(call.to_json()),
+        "step_transformers": trajectory.step_transformers,
+        "sglang_keys": sorted(sglang_keys),
+    }
+
+
+def _stream_trajectories(trajectory: Trajectory, indices: list[int]) -> dict[str, Any] | None:
+    """Each latent stream of a sample that carries several (LTX-2: "video", "audio") as the multi-stream
+    contract of SGLang's post-training API names them: its latents [K, *its shape] at
+    ``latent_step_indices``, and the whole schedule (``timesteps`` and ``sigmas``, T + 1 each)."""
+    if not trajectory.streams:
+        return None
+    steps = torch.tensor(indices, dtype=torch.int64)
+    return {
+        stream.name: {
+            "latents": tensor(trajectory.stream_latents(stream.name)[indices]),
+            "latent_step_indices": tensor(steps),
+            "timesteps": tensor(trajectory.timesteps),
+            "sigmas": tensor(trajectory.sigmas),
+        }
+        for stream in trajectory.streams
     }
 
 
@@ -623,6 +679,7 @@ def responses(
             peak_bytes = event.message.peak_memory_bytes
     message = collector.started.message
     num_steps, shape = len(message.stochastic), torch.Size(message.layout.shape)
+    family = message.family
     indices = returned_steps(request, num_steps)
     answers = []
     for row, trajectory in enumerate(collector.trajectories()):
@@ -635,6 +692,7 @@ def responses(
             "rollout_debug_tensors": None,
             "denoising_env": None,
             "dit_trajectory": None,
+            "stream_trajectories": None,
             "inference_time_s": inference_seconds,
             "peak_memory_mb": peak_bytes / 2**20 if peak_bytes else None,
         }
@@ -644,13 +702,15 @@ def responses(
             if request.rollout_debug_mode:
                 answer["rollout_debug_tensors"] = _debug(steps, row, num_steps, shape)
             if request.rollout_return_denoising_env:
-                answer["denoising_env"] = _denoising_env(trajectory)
+                answer["denoising_env"] = _denoising_env(trajectory, family)
             if indices:
                 answer["dit_trajectory"] = {
                     "latents": tensor(trajectory.latents[indices]),
                     "timesteps": tensor(trajectory.timesteps[indices]),
                     "sigmas": tensor(trajectory.sigmas),
+                    "latent_step_indices": tensor(torch.tensor(indices, dtype=torch.int64)),
                     "step_indices": indices,
                 }
+                answer["stream_trajectories"] = _stream_trajectories(trajectory, indices)
         answers.append(answer)
     return answers
