@@ -2,7 +2,9 @@
 the gRPC service, on the same event loop (``rollout-server serve --http-port``).
 
 * ``POST /rollout/generate``: SGLang's ``RolloutRequest`` (JSON, or msgpack with a msgpack content
-  type), answered with a msgpack list of one ``RolloutResponse`` per sample (see ``sglang.py``).
+  type), answered with a msgpack list of one ``RolloutResponse`` per sample (see ``sglang.py``); the
+  fields it set that are accepted and not used, as SGLang accepts them, are named in the answer's
+  ``X-Rollout-Ignored-Fields`` header and a log line.
 * ``POST /update_weights_from_disk``: a folder under ``--weights-root``, as LoadWeights.
 * ``POST /get_weights_checksum``: each transformer's checksum, by module name.
 * ``POST /update_weights_from_tensor``: refused. SGLang's payloads are pickles, and network input is
@@ -142,8 +144,8 @@ class _Answer(Response):
     the end at most that much of the answer is still in the process. A client that takes too little
     has its connection dropped after --stall-seconds (http_connection.py), which ends the wait."""
 
-    def __init__(self, payload: bytes, release: Callable[[], None]):
-        super().__init__(payload, media_type=MSGPACK)
+    def __init__(self, payload: bytes, release: Callable[[], None], headers: dict[str, str]):
+        super().__init__(payload, media_type=MSGPACK, headers=headers)
         self.release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -282,8 +284,7 @@ class HttpFrontEnd:
 
         def check(resolved: rollout_pb2.RolloutRequest) -> None:
             nonlocal bound
-            sizes = self.service.engine.sample_sizes(resolved)
-            bound = sglang.response_bound(typed, resolved, sizes.latent_elements, sizes.text_bytes)
+            bound = sglang.response_bound(typed, resolved, self.service.engine.sample_sizes(resolved))
             if bound > self.max_response_bytes:
                 reason = (
                     f"the answer would take up to {bound} bytes, above the server's "
@@ -297,10 +298,15 @@ class HttpFrontEnd:
                     f"{bound} would pass --max-http-response-bytes ({self.max_response_bytes})"
                 )
 
+        ours, ignored = sglang.to_rollout_request(typed, "", self.service.serving)
         try:
-            resolved, stream = await self.service.admit(sglang.to_rollout_request(typed, ""), check)
+            resolved, stream = await self.service.admit(ours, check)
         except Refused as refusal:
             raise _status_error(refusal.status, refusal.error) from None
+        headers = {}
+        if ignored:  # accepted as SGLang accepts them, and said so
+            summary = headers[sglang.IGNORED_HEADER] = sglang.ignored_summary(ignored)
+            log.info("rollout id=%s over HTTP ignored %s", resolved.request_id, summary)
         # Held from here until the answer has left, or its client has.
         self._answer_bytes += bound
         release = functools.partial(self._release, bound)
@@ -312,7 +318,7 @@ class HttpFrontEnd:
         if payload is None:  # the client left: nobody reads an answer
             release()
             return Response(status_code=499)
-        return _Answer(payload, release)
+        return _Answer(payload, release, headers)
 
     def _release(self, nbytes: int) -> None:
         self._answer_bytes -= nbytes

@@ -128,16 +128,20 @@ class MemoryBudget:
 
 @dataclass(frozen=True)
 class SampleSizes:
-    """One sample of a resolved request: its latent's elements, and the bytes of one text's env."""
+    """One sample of a resolved request: its latent's elements, the bytes of one text's env, and its
+    latent streams (LTX-2: 2; 0 for a family with one latent tensor)."""
 
     latent_elements: int
     text_bytes: int
+    latent_streams: int = 0
 
 
 def sample_sizes(adapter: FamilyAdapter, request: rollout_pb2.RolloutRequest) -> SampleSizes:
+    shape = MediaShape.of(request)
     return SampleSizes(
-        math.prod(adapter.latent_shape(MediaShape.of(request))),
+        math.prod(adapter.latent_shape(shape)),
         adapter.text_elements() * adapter.dtype.itemsize,
+        len(adapter.latent_streams(shape)),
     )
 
 

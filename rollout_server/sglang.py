@@ -5,31 +5,45 @@ The fields and their meanings follow SGLang's released package (``sglang.multimo
 entrypoints.post_training``); where ours differ, the request is mapped as follows
 (docs/sglang-compat.md has the whole table):
 
-* ``rollout_sde_type`` sde, cps, ode -> FLOW_SDE, CPS, ODE; ``rollout=False`` (evaluation) -> ODE with
-  no trajectory; ``rollout_sde_step_indices`` -> ``stochastic_steps`` (any order, repeats ignored; an
-  empty list leaves no stochastic step, so ODE); ``rollout_log_prob_no_const`` -> not
-  ``log_prob_constants`` (SGLang's default, constants included, for CPS too).
+* ``rollout_sde_type`` sde, cps, ode, dance -> FLOW_SDE, CPS, ODE, DANCE (dance beside SGLang's
+  three); ``rollout=False`` (evaluation) -> ODE with no trajectory; ``rollout_sde_step_indices`` ->
+  ``stochastic_steps`` (any order, repeats ignored; an empty list leaves no stochastic step, so ODE);
+  ``rollout_log_prob_no_const`` -> not ``log_prob_constants`` (SGLang's default, constants included,
+  for CPS too).
 * ``seed`` s with ``num_outputs_per_prompt`` n -> the explicit seeds s, s + 1, .. s + n - 1, as SGLang
   numbers its outputs; each response carries its own sample's seed. Without a seed the server draws
   a base seed, and each response still names its sample's seed.
 * ``rollout_debug_mode``: SGLang's model defaults it to true, which multiplies the payload by four;
   a body that leaves it out gets false here.
+* ``extra_sampling_params``: SGLang merges it into its ``SamplingParams``. A RolloutRequest field set
+  there is merged over the body's; ``seed`` may be a list (one per output, as SGLang takes it);
+  Wan 2.2's ``guidance_scale_2`` and ``boundary_ratio`` become ours; options that change nothing this
+  server returns (output files, logs, profiling) are read and ignored; any other is refused by name.
+
+Where SGLang accepts a field and does not use it, so does this front end, and says so: the answer's
+``X-Rollout-Ignored-Fields`` header and a log line name it (gRPC stays strict). These are keys
+SGLang's model does not know, a scale the model does not read, the negative prompt while CFG is off,
+the second expert's fields on a model with one, and the read-only fields (``generator_device``,
+``fps``, ``suppress_logs``) set to a value other than SGLang's default.
 
 A response's tensors: ``rollout_log_probs`` float32 [T], 0 at deterministic steps as in SGLang;
-``dit_trajectory.latents`` [K, ...] at ``step_indices`` (0 .. T, T the final latent; all of them unless
-``rollout_return_step_indices``), with ``timesteps`` [K] and ``sigmas`` [T + 1]; ``denoising_env``
-with each CFG branch's whole transformer call besides hidden_states and timestep (``pos_cond_kwargs``,
-``neg_cond_kwargs``; the embedded ``guidance`` repeated apart, as SGLang reports it; an
-image-conditioned family's conditioning latents in ``image_kwargs``) and ``transformer_call`` (how to
-feed the timestep and combine the branches); ``generated_output``
-the decoded sample, float32 in [0, 1], [3, H, W] for an image and [3, F, H, W] for a video.
+``dit_trajectory.latents`` [K, ...] at ``step_indices`` and ``latent_step_indices`` (0 .. T, T the
+final latent; all of them unless ``rollout_return_step_indices``), with ``timesteps`` [K] and
+``sigmas`` [T + 1]; for a sample with several latent streams (LTX-2), ``stream_trajectories`` with
+each stream's latents apart, as SGLang's multi-stream contract names them; ``denoising_env`` with each
+CFG branch's whole transformer call besides hidden_states and timestep (``pos_cond_kwargs``,
+``neg_cond_kwargs``, with the keys SGLang's pipeline configs add for the family beside them, named in
+``sglang_keys``; the embedded ``guidance`` repeated apart, as SGLang reports it; an image-conditioned
+family's conditioning latents in ``image_kwargs``), ``transformer_call`` (how to feed the timestep and
+combine the branches) and ``step_transformers`` (each step's expert); ``generated_output`` the decoded
+sample, float32 in [0, 1], [3, H, W] for an image and [3, F, H, W] for a video.
 """
 
 import io
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy
 import torch
@@ -42,12 +56,17 @@ from rollout_client.trajectory import Collector, Trajectory
 from rollout_core import wire
 from rollout_server.errors import InvalidRequest
 from rollout_server.limits import MAX_POLICY_VERSION
-from rollout_server.validation import quoted
+from rollout_server.validation import SCALE_FIELDS, quoted
+
+if TYPE_CHECKING:
+    from rollout_server.memory import SampleSizes
+    from rollout_server.validation import ServingContext
 
 SDE_TYPES = {
     "sde": rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
     "cps": rollout_pb2.SAMPLER_TYPE_CPS,
     "ode": rollout_pb2.SAMPLER_TYPE_ODE,
+    "dance": rollout_pb2.SAMPLER_TYPE_DANCE,
 }
 _MAX_SEED = 2**64 - 1
 _MAX_SHORT_STRING = 64  # generator_device
@@ -76,7 +95,12 @@ SGLANG_NAMES = {
     "noise_level": "rollout_noise_level",
     "stochastic_steps": "rollout_sde_step_indices",
     "log_prob_constants": "rollout_log_prob_no_const",
+    "guidance_scale_2": "extra_sampling_params.guidance_scale_2",
+    "boundary_ratio": "extra_sampling_params.boundary_ratio",
 }
+# The response header that names the fields a request set and this front end did not use.
+IGNORED_HEADER = "X-Rollout-Ignored-Fields"
+_MAX_IGNORED_NAMED = 32  # names in the header and the log line; the rest are counted
 
 # SGLang's RolloutRequest fields: (type, default). "ints" is a list of integers; None a null value.
 # An integer takes the range of the proto field it becomes (uint32; see _INT_RANGES).
@@ -104,9 +128,49 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "rollout_sde_step_indices": ("ints", _OPTIONAL),
     "rollout_return_step_indices": ("ints", _OPTIONAL),
     "image_path": ("strs", _OPTIONAL),  # refused: a client names no file of the server's
-    "suppress_logs": ("bool", False),
+    "suppress_logs": ("bool", False),  # read, not used: the one log line per rollout stays
     "extra_sampling_params": ("dict", _OPTIONAL),
 }
+# The fields above that are read and not used: reported as ignored when set to other than their default.
+_UNUSED_FIELDS = ("generator_device", "fps", "suppress_logs")
+# SGLang's SamplingParams fields that extra_sampling_params may set besides the RolloutRequest's: Wan
+# 2.2's CFG scale of its low-noise expert and the boundary between its experts, our fields of the names.
+SAMPLING_FIELDS: dict[str, tuple[str, Any]] = {
+    "guidance_scale_2": ("float", _OPTIONAL),
+    "boundary_ratio": ("float", _OPTIONAL),
+}
+# SamplingParams fields that change nothing this server returns (output files and their encoding, logs,
+# profiling, SGLang's own frame rounding and sharding): read and ignored. So is ``rollout``, which
+# SGLang takes from the body whatever extra_sampling_params says.
+IGNORED_SAMPLING_FIELDS = frozenset(
+    {
+        "rollout",
+        "save_output",
+        "output_path",
+        "output_file_name",
+        "output_quality",
+        "output_compression",
+        "x264_preset",
+        "return_frames",
+        "return_file_paths_only",
+        "return_image_bytes",
+        "return_trajectory_latents",
+        "return_trajectory_decoded",
+        "profile",
+        "num_profiled_timesteps",
+        "profile_all_stages",
+        "debug",
+        "perf_dump_path",
+        "no_override_protected_fields",
+        "adjust_frames",
+        "num_frames_round_down",
+        "enable_sequence_shard",
+    }
+)
+_NOT_SERVED = (
+    "is not served: extra_sampling_params takes the RolloutRequest fields, seed as a list, "
+    "guidance_scale_2 and boundary_ratio, and ignores output and logging options (docs/sglang-compat.md)"
+)
 # JSON and msgpack integers are unbounded: an integer field takes the range of the proto field it
 # becomes, uint32 (a list's items too), the seed a uint64; fps, which becomes none, a frame rate.
 _UINT32 = (0, 2**32 - 1)
@@ -116,9 +180,12 @@ _MAX_LIST = 1024
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One ``POST /rollout/generate`` body, read and typed (``values`` by SGLang field name)."""
+    """One ``POST /rollout/generate`` body, read and typed (``values`` by SGLang field name, ``seeds``
+    the explicit per-sample seeds of a list), with the names of the fields it set that are not used."""
 
     values: dict[str, Any]
+    ignored: tuple[str, ...] = ()
+    seeds: tuple[int, ...] | None = None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -205,34 +272,68 @@ def _read_fields(body: dict, fields: dict[str, tuple[str, Any]]) -> tuple[dict[s
 
 
 def read_request(body: Any, max_samples: int) -> GenerateRequest:
-    """The typed request of a decoded body; InvalidRequest naming every field that is wrong. Fields
-    SGLang does not know are ignored, as its model ignores them; ``extra_sampling_params`` may set any
-    of the known ones (SGLang merges it over them), and nothing else. ``num_outputs_per_prompt`` is
-    bounded by the server's ``max_samples`` here, before a seed is expanded into one per sample."""
+    """The typed request of a decoded body; InvalidRequest naming every field that is wrong. Keys SGLang
+    does not know are ignored, as its model ignores them (and named in ``ignored``);
+    ``extra_sampling_params`` is read by ``_read_extra``. ``num_outputs_per_prompt`` is bounded by the
+    server's ``max_samples`` here, before a seed is expanded into one per sample."""
     if not isinstance(body, dict):
         raise InvalidRequest([("request", "the body must be a JSON or msgpack object")])
-    merged = dict(body)
-    violations = []
     extra = body.get("extra_sampling_params")
-    if isinstance(extra, dict):
-        unknown = sorted(
-            quoted(str(key), 64)
-            for key in extra
-            if key not in FIELDS or key in ("rollout", "extra_sampling_params")
-        )
-        if unknown:
-            violations.append(
-                ("extra_sampling_params", f"takes RolloutRequest fields only; not {', '.join(unknown[:8])}")
-            )
-        else:
-            merged.update(extra)
-    values, wrong = _read_fields(merged, FIELDS)
+    merged, sampling, seeds, ignored, violations = _read_extra(extra if isinstance(extra, dict) else {})
+    ignored = [_key_name(key) for key in body if key not in FIELDS] + ignored
+    values, wrong = _read_fields({**body, **merged}, FIELDS)
     violations += wrong
     if not violations:
         violations += _value_problems(values, max_samples)
+        if seeds is not None and len(seeds) != (values["num_outputs_per_prompt"] or 1):
+            violations.append(
+                ("extra_sampling_params.seed", "a list holds one seed per output: num_outputs_per_prompt")
+            )
     if violations:
         raise InvalidRequest(violations)
-    return GenerateRequest(values)
+    ignored += [name for name in _UNUSED_FIELDS if values[name] != FIELDS[name][1]]
+    return GenerateRequest({**values, **sampling}, tuple(ignored), seeds)
+
+
+def _read_extra(extra: dict) -> tuple[dict, dict, tuple[int, ...] | None, list[str], list]:
+    """``extra_sampling_params`` read as SGLang merges it into its SamplingParams: (the RolloutRequest
+    fields it sets, its SAMPLING_FIELDS typed, the seeds of a seed list, the ignored names, the
+    violations), each of its fields named ``extra_sampling_params.<name>``."""
+    merged, sampling, ignored, violations = {}, {}, [], []
+    seeds = None
+    for key, value in extra.items():
+        name = f"extra_sampling_params.{_key_name(key)}"
+        if key in IGNORED_SAMPLING_FIELDS:
+            ignored.append(name)
+        elif key == "seed" and isinstance(value, list):
+            if not _is_kind("ints", value):
+                violations.append((name, f"must be an integer or {_EXPECTED['ints']}"))
+            elif problem := _value_problem("ints", value, _INT_RANGES["seed"]):
+                violations.append((name, problem))
+            else:
+                seeds = tuple(value)
+        elif key in FIELDS and key != "extra_sampling_params":
+            merged[key] = value
+        elif key in SAMPLING_FIELDS:
+            sampling[key] = value
+        else:
+            violations.append((name, _NOT_SERVED))
+    typed, wrong = _read_fields(sampling, {key: SAMPLING_FIELDS[key] for key in sampling})
+    violations += [(f"extra_sampling_params.{field}", problem) for field, problem in wrong]
+    return (
+        merged,
+        {key: value for key, value in typed.items() if value is not None},
+        seeds,
+        ignored,
+        violations,
+    )
+
+
+def _key_name(key: str) -> str:
+    """A client's key as a field name in answers, headers and logs: itself if a short ASCII identifier,
+    else quoted and cut."""
+    plain = isinstance(key, str) and key.isascii() and key.isidentifier() and len(key) <= 64
+    return key if plain else quoted(str(key), 64)
 
 
 def load_weights_request(body: Any, policy_version: int) -> rollout_pb2.LoadWeightsRequest:
@@ -306,14 +407,20 @@ def _value_problems(values: dict[str, Any], max_samples: int) -> list[tuple[str,
     return problems
 
 
-def to_rollout_request(request: GenerateRequest, request_id: str) -> rollout_pb2.RolloutRequest:
-    """Our RolloutRequest for a typed SGLang request (validated by ``resolve`` as any other)."""
+def to_rollout_request(
+    request: GenerateRequest, request_id: str, serving: "ServingContext"
+) -> tuple[rollout_pb2.RolloutRequest, tuple[str, ...]]:
+    """Our RolloutRequest for a typed SGLang request (validated by ``resolve`` as any other), and the
+    names of the fields it set that are not used: ``request.ignored``, then ``_unread``'s."""
     ours = rollout_pb2.RolloutRequest(request_id=request_id, prompts=[request.prompt])
-    if request.negative_prompt is not None:
+    unread = _unread(request, serving)
+    if request.negative_prompt is not None and "negative_prompt" not in unread:
         ours.negative_prompt = request.negative_prompt
     if request.num_outputs_per_prompt is not None:
         ours.samples_per_prompt = request.num_outputs_per_prompt
-    if request.seed is not None:
+    if request.seeds is not None:
+        ours.seeds.extend(request.seeds)
+    elif request.seed is not None:
         ours.seeds.extend(request.seed + k for k in range(request.samples))
     for theirs, field in (
         ("height", "height"),
@@ -322,8 +429,9 @@ def to_rollout_request(request: GenerateRequest, request_id: str) -> rollout_pb2
         ("guidance_scale", "guidance_scale"),
         ("true_cfg_scale", "true_cfg_scale"),
         ("num_frames", "num_frames"),
+        *((name, name) for name in SAMPLING_FIELDS),
     ):
-        if (value := request.values[theirs]) is not None:
+        if (value := request.values.get(theirs)) is not None and theirs not in unread:
             setattr(ours, field, value)
     stochastic = request.rollout and request.rollout_sde_step_indices != []
     ours.sampler = SDE_TYPES[request.rollout_sde_type] if stochastic else rollout_pb2.SAMPLER_TYPE_ODE
@@ -337,7 +445,44 @@ def to_rollout_request(request: GenerateRequest, request_id: str) -> rollout_pb2
     if request.rollout and request.rollout_debug_mode:
         ours.debug_tensors.extend(_DEBUG_TENSORS)
     ours.images = True
-    return ours
+    return ours, (*request.ignored, *(SGLANG_NAMES.get(field, field) for field in unread))
+
+
+def _unread(request: GenerateRequest, serving: "ServingContext") -> list[str]:
+    """The fields of ``request`` that SGLang takes for every model and the served one does not read: a
+    CFG or guidance scale it has no use for (SGLang passes both to every pipeline), the negative prompt
+    while CFG is off (the model's CFG scale, as set or by default, at or below its off value), the
+    second expert's fields on a model with one (or its scale while CFG is off), and the body's seed
+    where extra_sampling_params gives a list (which SGLang merges over it)."""
+    values = request.values
+    unread = [
+        field for field in SCALE_FIELDS if values[field] is not None and field not in serving.scale_fields
+    ]
+    scale = values[serving.cfg_scale_field]
+    if scale is None or serving.cfg_scale_field in unread:
+        scale = getattr(serving.defaults, serving.cfg_scale_field)
+    cfg = serving.cfg_scale_field in serving.scale_fields and scale > serving.cfg_off_scale
+    if request.negative_prompt and not cfg:
+        unread.append("negative_prompt")
+    experts = serving.boundary_ratio is not None
+    unread += [
+        field
+        for field in SAMPLING_FIELDS
+        if field in values and (not experts or (field == "guidance_scale_2" and not cfg))
+    ]
+    if request.seeds is not None and request.seed is not None:
+        unread.append("seed")
+    return unread
+
+
+def ignored_summary(names: tuple[str, ...]) -> str:
+    """``names`` for the ignored-fields header and its log line: comma-separated, at most
+    ``_MAX_IGNORED_NAMED`` of them, then a count of the rest. A client's key that is not a plain
+    identifier is counted, not named: a header carries ASCII and a log line no client text."""
+    named = [name for name in names if name.isascii() and all(p.isidentifier() for p in name.split("."))]
+    shown = named[:_MAX_IGNORED_NAMED]
+    rest = len(names) - len(shown)
+    return ",".join(shown + ([f"+{rest} more"] if rest else []))
 
 
 def sglang_violations(error: InvalidRequest) -> list[dict[str, str]]:
@@ -376,20 +521,24 @@ def returned_steps(request: GenerateRequest, num_steps: int) -> list[int]:
 
 
 def response_bound(
-    request: GenerateRequest, resolved: rollout_pb2.RolloutRequest, latent_elements: int, text_bytes: int
+    request: GenerateRequest, resolved: rollout_pb2.RolloutRequest, sizes: "SampleSizes"
 ) -> int:
     """An upper bound on the bytes of the whole answer to ``request`` (resolved as ``resolved``), from
-    one sample's latent elements and one text's env bytes: every tensor at float32, with room for keys."""
+    one sample's sizes: every tensor at float32 (step indices int64), with room for keys."""
     steps = resolved.num_steps
     frames = resolved.num_frames or 1
+    latent_bytes = sizes.latent_elements * 4
     per_sample = 3 * frames * resolved.height * resolved.width * 4  # generated_output
     if request.rollout:
         per_sample += 4 * steps  # rollout_log_probs
-        per_sample += len(returned_steps(request, steps)) * (latent_elements + 1) * 4 + 4 * (steps + 1)
+        returned = len(returned_steps(request, steps))
+        per_sample += returned * (latent_bytes + 4 + 8) + 4 * (steps + 1)  # latents, timesteps, indices
+        if sizes.latent_streams:  # each stream's latents, indices and whole schedule again
+            per_sample += returned * latent_bytes + sizes.latent_streams * (8 * returned + 8 * (steps + 1))
         if request.rollout_debug_mode:
-            per_sample += steps * (3 * latent_elements + 1) * 4
+            per_sample += steps * (3 * latent_bytes + 4)
         if request.rollout_return_denoising_env:
-            per_sample += 2 * text_bytes  # both CFG branches
+            per_sample += 2 * sizes.text_bytes  # both CFG branches
     return len(resolved.seeds) * (per_sample + _RESPONSE_OVERHEAD_BYTES)
 
 
@@ -427,7 +576,29 @@ def _generated_output(trajectory: Trajectory) -> dict[str, Any] | None:
     return tensor(pixels[:, 0] if len(frames) == 1 else pixels)
 
 
-def _denoising_env(trajectory: Trajectory) -> dict[str, Any]:
+def _text_length(env: dict[str, Any], key: str) -> int:
+    """The valid text tokens of a branch whose text states are ``env[key]`` ([1, tokens, width]), by
+    its mask where it has one (Qwen-Image's; None when all are valid)."""
+    mask = env.get("encoder_hidden_states_mask")
+    return int(mask.sum()) if mask is not None else env[key].shape[1]
+
+
+def _txt_seq_lens(env: dict[str, Any]) -> dict[str, Any]:
+    return {"txt_seq_lens": [_text_length(env, "encoder_hidden_states")]}
+
+
+def _caption_valid_lens(env: dict[str, Any]) -> dict[str, Any]:
+    return {"caption_valid_lens": torch.tensor([_text_length(env, "cap_feats")])}
+
+
+# The cond kwargs that SGLang's own pipeline configs put in a family's env besides ours, computed from
+# ours: Qwen-Image's text lengths (QwenImagePipelineConfig's list) and Z-Image's (ZImagePipelineConfig's
+# long tensor). The diffusers call does not take them: the env names them in ``sglang_keys``. SGLang's
+# rotary caches (freqs_cis) are not sent: a transformer computes them from these.
+SGLANG_ENV = {"qwen-image": _txt_seq_lens, "qwen-image-edit": _txt_seq_lens, "z-image": _caption_valid_lens}
+
+
+def _denoising_env(trajectory: Trajectory, family: str) -> dict[str, Any]:
     call = trajectory.transformer_call
     branches = {branch: dict(env) for branch, env in trajectory.env.items()}
     image_kwargs = {}
@@ -436,12 +607,38 @@ def _denoising_env(trajectory: Trajectory) -> dict[str, Any]:
         for env in branches.values():
             if key in env:
                 image_kwargs[key] = env.pop(key)
+    sglang_keys = set()
+    if family in SGLANG_ENV:
+        for env in branches.values():
+            added = SGLANG_ENV[family](env)
+            env.update(added)
+            sglang_keys.update(added)
     return {
         "image_kwargs": _encodable(image_kwargs) if image_kwargs else None,
         "pos_cond_kwargs": _encodable(branches["positive"]),
         "neg_cond_kwargs": _encodable(branches["negative"]) if "negative" in branches else None,
         "guidance": _encodable(branches["positive"].get("guidance")),
         "transformer_call": json.loads(call.to_json()),
+        "step_transformers": trajectory.step_transformers,
+        "sglang_keys": sorted(sglang_keys),
+    }
+
+
+def _stream_trajectories(trajectory: Trajectory, indices: list[int]) -> dict[str, Any] | None:
+    """Each latent stream of a sample that carries several (LTX-2: "video", "audio") as the multi-stream
+    contract of SGLang's post-training API names them: its latents [K, *its shape] at
+    ``latent_step_indices``, and the whole schedule (``timesteps`` and ``sigmas``, T + 1 each)."""
+    if not trajectory.streams:
+        return None
+    steps = torch.tensor(indices, dtype=torch.int64)
+    return {
+        stream.name: {
+            "latents": tensor(trajectory.stream_latents(stream.name)[indices]),
+            "latent_step_indices": tensor(steps),
+            "timesteps": tensor(trajectory.timesteps),
+            "sigmas": tensor(trajectory.sigmas),
+        }
+        for stream in trajectory.streams
     }
 
 
@@ -482,6 +679,7 @@ def responses(
             peak_bytes = event.message.peak_memory_bytes
     message = collector.started.message
     num_steps, shape = len(message.stochastic), torch.Size(message.layout.shape)
+    family = message.family
     indices = returned_steps(request, num_steps)
     answers = []
     for row, trajectory in enumerate(collector.trajectories()):
@@ -494,6 +692,7 @@ def responses(
             "rollout_debug_tensors": None,
             "denoising_env": None,
             "dit_trajectory": None,
+            "stream_trajectories": None,
             "inference_time_s": inference_seconds,
             "peak_memory_mb": peak_bytes / 2**20 if peak_bytes else None,
         }
@@ -503,13 +702,15 @@ def responses(
             if request.rollout_debug_mode:
                 answer["rollout_debug_tensors"] = _debug(steps, row, num_steps, shape)
             if request.rollout_return_denoising_env:
-                answer["denoising_env"] = _denoising_env(trajectory)
+                answer["denoising_env"] = _denoising_env(trajectory, family)
             if indices:
                 answer["dit_trajectory"] = {
                     "latents": tensor(trajectory.latents[indices]),
                     "timesteps": tensor(trajectory.timesteps[indices]),
                     "sigmas": tensor(trajectory.sigmas),
+                    "latent_step_indices": tensor(torch.tensor(indices, dtype=torch.int64)),
                     "step_indices": indices,
                 }
+                answer["stream_trajectories"] = _stream_trajectories(trajectory, indices)
         answers.append(answer)
     return answers

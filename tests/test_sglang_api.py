@@ -119,16 +119,24 @@ def conformance_request(sglang, family: str, sde_type: str, cfg: bool, **fields)
 
 def replayed_log_prob(transformer, answer: dict, i: int, sampler: str, constants: bool) -> float:
     """Step i of one answer replayed from its dit_trajectory and denoising_env alone: a bare forward
-    per CFG branch, the branches combined, and the float64 step formulas (tests/reference.py)."""
+    per CFG branch (of the expert that ran the step, when ``transformer`` holds several by name), the
+    branches combined at the step's scale, and the float64 step formulas (tests/reference.py)."""
     trajectory, env = answer["dit_trajectory"], answer["denoising_env"]
     call = TransformerCall.from_json(json.dumps(env["transformer_call"]))
+    if isinstance(transformer, dict):
+        transformer = transformer[env["step_transformers"][i]]
     at = trajectory["step_indices"].index
     x = trajectory["latents"][at(i)].unsqueeze(0)
     t, offset = torch.full((1,), trajectory["timesteps"][at(i)].item()), call.form.timestep_offset
     timestep = ((offset - t) if call.form.timestep_reversed else (t - offset)) / call.timestep_divisor
+    # The diffusers call's kwargs: without the keys SGLang's pipeline configs add beside them.
     branches = {"positive": env["pos_cond_kwargs"]}
     if env["neg_cond_kwargs"] is not None:
         branches["negative"] = env["neg_cond_kwargs"]
+    branches = {
+        name: {key: value for key, value in kwargs.items() if key not in env["sglang_keys"]}
+        for name, kwargs in branches.items()
+    }
     with torch.no_grad():
         v = {
             name: bare_velocity(
@@ -140,7 +148,7 @@ def replayed_log_prob(transformer, answer: dict, i: int, sampler: str, constants
             )
             for name, kwargs in branches.items()
         }
-    velocity = guidance(call.guidance_rule, call.guidance_rule_scale, v)
+    velocity = guidance(call.guidance_rule, call.guidance_scale_at(i), v)
     sigmas = trajectory["sigmas"].double().numpy()
     mean, sd = mean_and_sd(sampler, x.double().numpy(), velocity, sigmas, i, 0.7)
     x_next = trajectory["latents"][at(i + 1)].unsqueeze(0).double().numpy()
@@ -254,7 +262,7 @@ HOSTILE = [
         {"prompt": "a", "seed": "7", "num_inference_steps": 2.5, "rollout": "yes"},
         ["seed", "num_inference_steps", "rollout"],
     ),
-    ({"prompt": "a", "rollout_sde_type": "dance"}, ["rollout_sde_type"]),
+    ({"prompt": "a", "rollout_sde_type": "flow"}, ["rollout_sde_type"]),
     ({"prompt": "a", "rollout_sde_type": "ode"}, ["rollout_log_prob_no_const"]),
     ({"prompt": "a", "num_inference_steps": 10**6}, ["num_inference_steps"]),
     (
@@ -273,7 +281,18 @@ HOSTILE = [
     ({"prompt": "a", "seed": 2**64 - 1, "num_outputs_per_prompt": 2}, ["seed"]),
     ({"prompt": "a", "num_outputs_per_prompt": 10**9}, ["num_outputs_per_prompt"]),
     ({"prompt": "a", "image_path": ["/etc/passwd"]}, ["image_path"]),
-    ({"prompt": "a", "extra_sampling_params": {"__class__": 1}}, ["extra_sampling_params"]),
+    ({"prompt": "a", "extra_sampling_params": {"__class__": 1}}, ["extra_sampling_params.__class__"]),
+    # SamplingParams options that would change what is computed, and are not served, by name.
+    (
+        {"prompt": "a", "extra_sampling_params": {"enable_teacache": True, "flow_shift": 3.0}},
+        ["extra_sampling_params.enable_teacache", "extra_sampling_params.flow_shift"],
+    ),
+    # A seed list has one seed per output, each a uint64.
+    (
+        {"prompt": "a", "num_outputs_per_prompt": 2, "extra_sampling_params": {"seed": [1]}},
+        ["extra_sampling_params.seed"],
+    ),
+    ({"prompt": "a", "extra_sampling_params": {"seed": [-1]}}, ["extra_sampling_params.seed"]),
     ({"prompt": "a", "rollout_noise_level": float("nan")}, ["rollout_noise_level"]),
     # Integers take the range of the proto field they become (uint32 here): none reaches it unchecked.
     ({"prompt": "a", "height": 2**40, "width": -1}, ["height", "width"]),
