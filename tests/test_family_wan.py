@@ -25,7 +25,16 @@ def test_server_info(family_client, family):
         "timestep",
     )
     assert list(info.transformers) == list(FAMILIES[family].experts)
-    served = ["lora", "tree", "prune_points", "weight_sync", "sigmas", "initial_latents", "video"]
+    served = [
+        "lora",
+        "tree",
+        "prune_points",
+        "weight_sync",
+        "sigmas",
+        "initial_latents",
+        "release_memory",
+        "video",
+    ]
     assert list(info.features) == ([*served, "experts"] if family == "wan2.2" else served)
     defaults = info.defaults
     assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)

@@ -76,6 +76,8 @@ FEATURE_INITIAL_LATENTS = "initial_latents"
 FEATURE_LATENT_STREAMS = "latent_streams"
 # The stream sends each sample's sound (RolloutAudio events, WAV).
 FEATURE_AUDIO = "audio"
+# ReleaseMemory and ResumeMemory are served: the weights' memory is released and resumed (sleep and wake).
+FEATURE_RELEASE_MEMORY = "release_memory"
 
 _ENV_PREFIX = "env/"
 # An env JSON entry that stands for a tensor of the buffer: {"tensor": "<name>"}.
