@@ -545,7 +545,14 @@ class Engine:
             job.done.set_result(result)
 
     def follow(self) -> None:
-        """A non-leader rank's loop: run what rank 0 broadcasts until it says stop."""
+        """A non-leader rank's loop: run what rank 0 broadcasts until it says stop (then, or on a
+        failure, delete the spill of weights still released)."""
+        try:
+            self._follow_commands()
+        finally:
+            self.weights.close()
+
+    def _follow_commands(self) -> None:
         while True:
             command, payload = self.parallel.broadcast_command("")
             if command == STOP:

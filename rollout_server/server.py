@@ -341,9 +341,5 @@ def follow(options: ServerOptions) -> int:
     group stops (it lets the running rollouts finish, then tells the others)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    engine = build_engine(options)
-    try:
-        engine.follow()
-    finally:
-        engine.weights.close()  # the spill of weights released when the group stopped
+    build_engine(options).follow()
     return 0
