@@ -16,20 +16,27 @@ import pytest
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from helpers import HOLDING_OPTIONS, http_url, make_request, start_server, vm_rss_bytes
+from helpers import http_url, make_request, start_server, vm_rss_bytes
 from safetensors import safe_open
 
+from rollout.v1 import rollout_pb2
 from rollout_client import Finished, RolloutClient, Step
 from rollout_core.dtypes import BY_SAFETENSORS
 from rollout_server.presets import resolve_model
 
 SMALL = {"prompts": ["a red fox"], "samples_per_prompt": 2, "base_seed": 5, "num_steps": 2}
 REQUEST = make_request(SMALL, height=64, width=64)
-# Parks unread on tiny-flux: its step messages (a 512 x 512 sample's latents, 64 KiB a step) fill a
-# client's fixed 64 KiB window and the server's outbox of 8 within its 16 steps, so it is running until
-# read.
-PARKED = make_request(
-    {"prompts": ["a fox"], "request_id": "parked"}, num_steps=16, height=512, width=512, images=False
+# A tree rollout held at its prune point after step 1 (until its caller's prune: the module's server
+# holds it for an hour), so it is running when the release comes, whatever the machine's speed.
+HELD = make_request(
+    SMALL,
+    request_id="held",
+    samples_per_prompt=1,
+    num_steps=3,
+    height=64,
+    width=64,
+    branches=[rollout_pb2.Branch(step=0, factor=2)],
+    prune_points=[1],
 )
 # A safety net against a server that hangs, not a timing assertion.
 WAIT_SECONDS = 120
@@ -40,9 +47,12 @@ RESTORED_LINE = re.compile(r"restored \d+ tensors \((\d+) bytes\)")
 @pytest.fixture(scope="module")
 def small_flux(cache_dir, tmp_path_factory):
     """A small-flux server of this module's own (its 110 MiB of weights stand well above the
-    resident set's noise), with the HTTP front end."""
+    resident set's noise), with the HTTP front end; it holds a rollout at its prune point until its
+    caller's prune."""
     log = tmp_path_factory.mktemp("memory") / "server.log"
-    server = start_server(cache_dir, log, "--model", "small-flux", "--http-port", "0")
+    server = start_server(
+        cache_dir, log, "--model", "small-flux", "--http-port", "0", "--prune-hold-seconds", "3600"
+    )
     yield server
     server.stop()
 
@@ -146,30 +156,27 @@ def test_released_weights_leave_the_process_and_come_back_the_same(small_flux, c
     assert same_rollout(before, client.rollout(REQUEST))
 
 
-def test_a_release_waits_for_the_running_rollout_and_refuses_the_next(server):
-    """A rollout running when the release comes runs to its end first (here it is parked, unread, so
-    it is still running whatever the machine's speed); the next one is refused from the release's
-    call on. On the shared tiny-flux server, which it leaves resumed."""
-    with (
-        RolloutClient(server.address, timeout=WAIT_SECONDS, retry=None) as client,
-        RolloutClient(server.address, timeout=WAIT_SECONDS, channel_options=HOLDING_OPTIONS) as holder,
-        ThreadPoolExecutor(1) as pool,
-    ):
-        events = holder.stream(PARKED)
+def test_a_release_waits_for_the_running_rollout_and_refuses_the_next(small_flux, client):
+    """A rollout running when the release comes (held at its prune point) runs to its end first; the
+    next one is refused from the release's call on."""
+    with ThreadPoolExecutor(1) as pool:
+        events = client.stream(HELD)
         started = next(events)
+        steps = [next(events), next(events)]  # steps 0 and 1: it is held after step 1's event
         releasing = pool.submit(client.release_memory)
         deadline = time.monotonic() + WAIT_SECONDS
         while not client.server_info().memory_released:  # the release is in
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert_rollout_refused(client, http_url(server))
-        assert not releasing.done()  # the parked rollout is in the running set
+        assert_rollout_refused(client, http_url(small_flux))
+        assert not releasing.done()  # the held rollout is in the running set
+        client.prune(started, [])  # no prune: it goes on
         rest = list(events)
         residency = releasing.result(timeout=WAIT_SECONDS)
-        assert client.resume_memory().changed
-    assert started.request_id == "parked" and sum(isinstance(event, Step) for event in rest) == 16
-    assert isinstance(rest[-1], Finished) and rest[-1].message.parked_rounds > 0  # it did wait unread
+    assert [step.index for step in steps] == [0, 1] and sum(isinstance(e, Step) for e in rest) == 1
+    assert isinstance(rest[-1], Finished)
     assert (residency.released, residency.changed) == (True, True)
+    assert client.resume_memory().changed
 
 
 def test_a_bad_tags_body_is_a_400_and_changes_nothing(small_flux, client):
