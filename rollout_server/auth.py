@@ -1,8 +1,9 @@
 """Who may call the server: TLS credentials, bearer tokens and the warning for an exposed bind.
 
 Two optional tokens, read once at start-up. The rollout token allows Rollout, GetServerInfo and
-PruneRollout; the admin token allows those and the weight RPCs (UpdateWeights, LoadWeights, and the
-weight-sync group's InitWeightSync, UpdateWeightsFromGroup and DestroyWeightSync). With only a
+PruneRollout; the admin token allows those and the weight RPCs (UpdateWeights, LoadWeights, the
+weight-sync group's InitWeightSync, UpdateWeightsFromGroup and DestroyWeightSync, and ReleaseMemory
+and ResumeMemory). With only a
 rollout token, that one token allows everything; with only an admin token, rollouts stay open.
 Health checking and reflection are always open; each HTTP endpoint needs the token of the gRPC
 method it stands for. A missing or unknown token is UNAUTHENTICATED;
@@ -41,6 +42,8 @@ WEIGHT_METHODS = frozenset(
         "InitWeightSync",
         "UpdateWeightsFromGroup",
         "DestroyWeightSync",
+        "ReleaseMemory",
+        "ResumeMemory",
     )
 )
 _BEARER = "bearer "

@@ -37,6 +37,7 @@ from rollout.v1 import rollout_pb2
 from rollout_server import memory
 from rollout_server.errors import (
     InvalidRequest,
+    MemoryReleased,
     NoWeightSyncGroup,
     PruneTooLate,
     RankFailure,
@@ -50,6 +51,8 @@ from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import (
     HEARTBEAT,
     MAX_STUCK_JOINS,
+    RELEASE,
+    RESUME,
     ROUND,
     STOP,
     SYNC_INSTALL,
@@ -62,6 +65,7 @@ from rollout_server.parallel import (
     stuck_joins,
 )
 from rollout_server.policy import Policy
+from rollout_server.residency import Moved, Weights
 from rollout_server.runner import Rollout, Runner, tree_of
 from rollout_server.sampler import advance
 from rollout_server.scheduler import (
@@ -144,6 +148,15 @@ FOLLOWED_SYNC = {
 
 
 @dataclass(frozen=True)
+class MemoryChange:
+    """What a release or resume of the weights' memory did."""
+
+    released: bool  # the weights are released after it
+    changed: bool  # False: it was a no-op
+    bytes: int  # moved off the device or back, summed over the ranks
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     """What the engine serves and holds right now."""
 
@@ -156,6 +169,7 @@ class EngineStatus:
     # Each transformer's own: the checksum of its tensors (and its adapter's) alone, by component.
     transformer_checksums: dict[str, str]
     weight_sync: WeightSyncOptions | None  # the weight-sync group joined, if any
+    memory_released: bool  # rollouts are refused: the weights are released, or a release waits
 
 
 class Engine:
@@ -164,6 +178,7 @@ class Engine:
     * ``open_stream(resolved)``: queue a rollout; iterate its encoded messages, then ``close()`` it;
     * ``prune(request_id, control_token, nodes)``: stop nodes of a tree rollout at its next step;
     * ``check_update(update)``, then ``update_weights(update)``: apply a weight update between rollouts;
+    * ``release_memory()`` and ``resume_memory()``: the weights' memory, for a colocated trainer;
     * ``join_weight_sync(options)``, ``check_group_update(manifest)``, then ``update_from_group(...)``,
       and ``leave_weight_sync()``: the same over a weight-sync group, every rank receiving;
     * ``status()``: the policy served and the rollouts held; ``close()``: stop.
@@ -213,6 +228,11 @@ class Engine:
         )
         self._decode_profile = self.adapter.measure_decode() if self.parallel.is_leader else None
         self.policy = Policy(self.adapter.experts, self.parallel)
+        modules = self.adapter.pipe.components.items()
+        self.weights = Weights(
+            {name: module for name, module in modules if isinstance(module, torch.nn.Module)},
+            self.adapter.device,
+        )
         self.runner = Runner(
             self.adapter,
             self.parallel,
@@ -263,14 +283,79 @@ class Engine:
 
     def check_update(self, update: "WeightUpdate") -> None:
         """StaleUpdate or InvalidRequest unless ``update`` applies to the current weights; it changes
-        nothing, and may take a while (a LoRA check builds an empty model): call it off the event loop."""
+        nothing, and may take a while (a LoRA check builds an empty model): call it off the event loop.
+        MemoryReleased while the weights are released."""
+        self._check_resident()
         self.policy.check(update)
 
     def update_weights(self, update: "WeightUpdate") -> Future:
         """Queue a checked update behind the rollouts already queued (it is checked again when it
         runs); the future ends once every rank has applied it, or with its failure."""
         self._log_queued(update)
-        return self.scheduler.submit_update(functools.partial(self.policy.apply, update))
+
+        def apply() -> None:
+            self._check_resident()
+            self.policy.apply(update)
+
+        return self.scheduler.submit_update(apply)
+
+    def _check_resident(self) -> None:
+        if self.weights.released:
+            raise MemoryReleased(
+                "the weights' memory is released: resume it (ResumeMemory, /resume_memory_occupation) "
+                "before updating them"
+            )
+
+    def release_memory(self) -> Future:
+        """Release the weights' memory on every rank once the rollouts queued before have finished;
+        rollouts are refused from now until ``resume_memory``. A release while released changes
+        nothing. The future ends with a MemoryChange, or the failure (which frees nothing, and admits
+        rollouts again)."""
+        return self.scheduler.submit_release(self._release_on_every_rank)
+
+    def resume_memory(self) -> Future:
+        """Put the released weights back on every rank, behind what is queued, and admit rollouts
+        again; a no-op unless released. The future ends with a MemoryChange, or the failure (the
+        weights stay released)."""
+        return self.scheduler.submit_update(self._resume_on_every_rank)
+
+    def _release_on_every_rank(self) -> MemoryChange:
+        if self.weights.released:
+            return MemoryChange(released=True, changed=False, bytes=0)
+        self.parallel.broadcast_command(RELEASE)
+        try:
+            moved = self._move_on_every_rank(self.weights.release)
+        except Exception:
+            self.scheduler.memory_resident()
+            raise
+        return MemoryChange(released=True, changed=True, bytes=moved)
+
+    def _resume_on_every_rank(self) -> MemoryChange:
+        if not self.weights.released:
+            return MemoryChange(released=False, changed=False, bytes=0)
+        self.parallel.broadcast_command(RESUME)
+        moved = self._move_on_every_rank(self.weights.restore)
+        self.scheduler.memory_resident()
+        return MemoryChange(released=False, changed=True, bytes=moved)
+
+    def _move_on_every_rank(self, move: Callable[[], Moved]) -> int:
+        """``move`` the weights here, then learn whether every rank did: the bytes moved on all of them.
+        A failure on one rank of several is a RankFailure: ranks that hold different weights, or some
+        none, cannot serve together."""
+        failure, moved = None, None
+        try:
+            moved = move()
+        except Exception as error:  # noqa: BLE001 - raised below, here or as the ranks' failure
+            failure = error
+        if not self.parallel.all_succeeded(failure is None):
+            if not self.parallel.enabled:
+                raise failure
+            raise RankFailure(
+                f"rank {self.parallel.rank} could not move the weights' memory: {failure}"
+                if failure is not None
+                else f"another rank could not move the weights' memory; {self.parallel.describe_failure()}"
+            ) from failure
+        return sum(int(count) for count in self.parallel.gather_text(str(moved.bytes)))
 
     def _log_queued(self, update: "WeightUpdate") -> None:
         log.info(
@@ -316,6 +401,7 @@ class Engine:
     def check_group_update(self, message: rollout_pb2.GroupUpdateManifest) -> group.GroupManifest:
         """The manifest of a group update, checked whole against the current weights (InvalidRequest
         naming its field, StaleUpdate, NoWeightSyncGroup): off the event loop, as check_update."""
+        self._check_resident()
         self._check_group(message.group_id)
         manifest = group.parse_manifest(message, self.max_update_bytes)
         self.policy.check(manifest.update, prefix="manifest.")
@@ -342,6 +428,7 @@ class Engine:
         it. The future ends with a ``GroupApplied``, or the failure."""
 
         def run() -> GroupApplied:
+            self._check_resident()
             self._check_group(manifest.message.group_id)
             self.policy.check(manifest.update, prefix="manifest.")
             on_ready()
@@ -381,6 +468,7 @@ class Engine:
             weights_checksum=self.policy.checksum,
             transformer_checksums=self.policy.transformer_checksums,
             weight_sync=None if self.parallel.weight_sync is None else self.parallel.weight_sync.options,
+            memory_released=self.scheduler.refusing_rollouts,
         )
 
     def close(self) -> None:
@@ -388,6 +476,7 @@ class Engine:
         the other ranks."""
         self.scheduler.stop()
         self._worker.join(timeout=self.parallel.timeout_seconds)
+        self.weights.close()
 
     def _lead(self, load_adapter: Callable[[], FamilyAdapter], loaded: Future) -> None:
         """Rank 0's worker: load the model, then run the scheduler's rounds, with heartbeats to the
@@ -456,7 +545,14 @@ class Engine:
             job.done.set_result(result)
 
     def follow(self) -> None:
-        """A non-leader rank's loop: run what rank 0 broadcasts until it says stop."""
+        """A non-leader rank's loop: run what rank 0 broadcasts until it says stop (then, or on a
+        failure, delete the spill of weights still released)."""
+        try:
+            self._follow_commands()
+        finally:
+            self.weights.close()
+
+    def _follow_commands(self) -> None:
         while True:
             command, payload = self.parallel.broadcast_command("")
             if command == STOP:
@@ -465,6 +561,8 @@ class Engine:
                 self._run_round(*decode_round(payload))
             elif command == UPDATE:
                 self.policy.follow(payload)
+            elif command in (RELEASE, RESUME):
+                self._move_on_every_rank(self.weights.release if command == RELEASE else self.weights.restore)
             elif command in FOLLOWED_SYNC:
                 try:
                     FOLLOWED_SYNC[command](self.policy, payload)

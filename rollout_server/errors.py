@@ -56,6 +56,11 @@ class ShuttingDown(Exception):
     """The server stopped before the rollout or update could run."""
 
 
+class MemoryReleased(Exception):
+    """The weights' memory is released (or a release waits for the running rollouts): a rollout is
+    refused until it is resumed, a weight update until then too."""
+
+
 class NonFiniteStep(Exception):
     """A step produced NaN or infinity (a broken policy, or a model that overflows in its dtype): the
     rollout fails there instead of streaming numbers no trainer can use."""

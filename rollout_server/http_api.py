@@ -9,6 +9,10 @@ the gRPC service, on the same event loop (``rollout-server serve --http-port``).
 * ``POST /get_weights_checksum``: each transformer's checksum, by module name.
 * ``POST /update_weights_from_tensor``: refused. SGLang's payloads are pickles, and network input is
   never unpickled here: gRPC ``UpdateWeights`` and the weight-sync group carry tensors as data.
+* ``POST /release_memory_occupation`` and ``/resume_memory_occupation``: the weights' memory, as gRPC
+  ``ReleaseMemory`` and ``ResumeMemory``; rollouts get 503 with Retry-After while it is released.
+* ``POST /abort_request``: stops the ``/rollout/generate`` rollouts of a ``rid`` (or all of them);
+  each answers at once, with no output and SGLang's abort finish reason.
 * ``GET /health`` and ``GET /health_generate`` (the latter runs a one-step rollout).
 
 Every request passes the gRPC service's own admission: the same tokens (``Authorization: Bearer``),
@@ -48,6 +52,7 @@ from rollout_server.auth import ServerTLS, TokenPolicy, method_path
 from rollout_server.errors import InvalidRequest, Overloaded, StartupError
 from rollout_server.http_connection import BoundedH11Protocol
 from rollout_server.service import Refused, RolloutService, failure_status
+from rollout_server.validation import quoted
 
 log = logging.getLogger("rollout_server.http")
 MSGPACK = "application/msgpack"
@@ -67,9 +72,11 @@ HTTP_STATUS = {
 # Seconds a client is told to wait (Retry-After) before it retries a refused request.
 RETRY_AFTER = {429: "1", 503: "5"}
 # The gRPC method whose token an endpoint needs.
-_ROLLOUT, _INFO, _LOAD, _UPDATE = (
-    method_path(m) for m in ("Rollout", "GetServerInfo", "LoadWeights", "UpdateWeights")
+_ROLLOUT, _INFO, _LOAD, _UPDATE, _RELEASE, _RESUME = (
+    method_path(m)
+    for m in ("Rollout", "GetServerInfo", "LoadWeights", "UpdateWeights", "ReleaseMemory", "ResumeMemory")
 )
+_ABORT = _UPDATE  # stopping other callers' rollouts takes the admin token, as the weight endpoints
 _WEIGHT_BODY_BYTES = 64 * 1024  # the weight endpoints' bodies: a path and a few names
 # Requests at once besides the health probes: what the queue and the wait list hold, and a few for the
 # weight and checksum endpoints.
@@ -175,6 +182,8 @@ class HttpFrontEnd:
         self._answer_bytes = 0  # the bounds of the answers being built or sent
         self._probe: asyncio.Future | None = None  # /health_generate's rollout: running, or its answer
         self._probe_ended_at = 0.0
+        # The /rollout/generate rollouts running, by request id: /abort_request sets their events.
+        self._aborts: dict[str, set[asyncio.Event]] = {}
 
     def app(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         """The ASGI application: the endpoints, at most ``max_requests`` requests at once besides the
@@ -190,6 +199,17 @@ class HttpFrontEnd:
                 methods=["POST"],
             ),
             Route("/get_weights_checksum", self._endpoint(self.weights_checksum, _INFO), methods=["POST"]),
+            Route(
+                "/release_memory_occupation",
+                self._endpoint(functools.partial(self.change_memory, release=True), _RELEASE),
+                methods=["POST"],
+            ),
+            Route(
+                "/resume_memory_occupation",
+                self._endpoint(functools.partial(self.change_memory, release=False), _RESUME),
+                methods=["POST"],
+            ),
+            Route("/abort_request", self._endpoint(self.abort, _ABORT), methods=["POST"]),
             Route("/health", self._endpoint(self.health, None), methods=["GET"]),
             Route("/health_generate", self._endpoint(self.health_generate, None), methods=["GET"]),
         ]
@@ -298,9 +318,12 @@ class HttpFrontEnd:
                     f"{bound} would pass --max-http-response-bytes ({self.max_response_bytes})"
                 )
 
-        ours, ignored = sglang.to_rollout_request(typed, "", self.service.serving)
         try:
+            rid = sglang.rollout_id(typed.rid, self.service.serving.limits.max_request_id_chars)
+            ours, ignored = sglang.to_rollout_request(typed, rid, self.service.serving)
             resolved, stream = await self.service.admit(ours, check)
+        except InvalidRequest as error:
+            raise self._rejected(error) from None
         except Refused as refusal:
             raise _status_error(refusal.status, refusal.error) from None
         headers = {}
@@ -310,11 +333,17 @@ class HttpFrontEnd:
         # Held from here until the answer has left, or its client has.
         self._answer_bytes += bound
         release = functools.partial(self._release, bound)
+        aborted = asyncio.Event()
+        self._aborts.setdefault(resolved.request_id, set()).add(aborted)
         try:
-            payload = await self._answer(request, typed, resolved, stream)
+            payload = await self._answer(request, typed, resolved, stream, aborted)
         except BaseException:
             release()
             raise
+        finally:
+            self._aborts[resolved.request_id].discard(aborted)
+            if not self._aborts[resolved.request_id]:
+                del self._aborts[resolved.request_id]
         if payload is None:  # the client left: nobody reads an answer
             release()
             return Response(status_code=499)
@@ -323,14 +352,20 @@ class HttpFrontEnd:
     def _release(self, nbytes: int) -> None:
         self._answer_bytes -= nbytes
 
-    async def _answer(self, request, typed, resolved, stream) -> bytes | None:
-        """Run the admitted rollout to its end, then encode its answer; None if its client left first."""
+    async def _answer(self, request, typed, resolved, stream, aborted: asyncio.Event) -> bytes | None:
+        """Run the admitted rollout to its end, then encode its answer; None if its client left first,
+        the aborted answer if ``aborted`` is set first."""
         submitted_at = time.perf_counter()
         outcome, messages = "OK", []
         collecting = asyncio.ensure_future(_collect(stream, messages))
         watching = asyncio.ensure_future(_disconnected(request.receive))
+        aborting = asyncio.ensure_future(aborted.wait())
         try:
-            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({collecting, watching, aborting}, return_when=asyncio.FIRST_COMPLETED)
+            if not collecting.done() and aborting.done():
+                outcome = "ABORTED"  # its rollout stops with the stream, which frees its place at once
+                answers = sglang.aborted_responses(typed, resolved, time.perf_counter() - submitted_at)
+                return msgpack.packb(answers, use_bin_type=True)
             if not collecting.done():
                 outcome = "CANCELLED"  # the client left: its rollout stops with the stream
                 return None
@@ -342,7 +377,7 @@ class HttpFrontEnd:
             outcome, status = failure_status(f"request {resolved.request_id}", error)
             raise _status_error(status, error) from None
         finally:
-            for task in (collecting, watching):
+            for task in (collecting, watching, aborting):
                 task.cancel()
             stream.close()  # the engine drops the rollout if it still runs
             self.service.rollout_ended(resolved, submitted_at, outcome)
@@ -384,6 +419,46 @@ class HttpFrontEnd:
             raise self._rejected(error) from None
         served = self.service.engine.status().transformer_checksums
         return JSONResponse({name: served.get(name, "not_found") for name in (names or served)})
+
+    async def change_memory(self, request: Request, release: bool) -> Response:
+        """SGLang's release and resume of the weights' memory; its answer (``success``, ``sleeping``,
+        ``message``) with ours beside it (gRPC's MemoryResidency)."""
+        body = await self._body(request, _WEIGHT_BODY_BYTES)
+        try:
+            sglang.memory_tags(body)  # checked: every tag moves the whole of the weights' memory
+        except InvalidRequest as error:
+            raise self._rejected(error, weights=True) from None
+        change = self.service.engine.release_memory if release else self.service.engine.resume_memory
+        try:
+            residency = await self.service.change_memory(change)
+        except Refused as refusal:
+            raise _weights_error(refusal.status, refusal.error) from None
+        except Exception as error:  # noqa: BLE001 - each failure becomes the answer's status
+            raise _weights_error(self.service.update_failure(error), error) from None
+        fields = {field.name: getattr(residency, field.name) for field in residency.DESCRIPTOR.fields}
+        state = "released" if residency.released else "resident"
+        message = f"the weights' memory is {state}" + ("" if residency.changed else " already")
+        return JSONResponse({"success": True, "sleeping": residency.released, "message": message, **fields})
+
+    async def abort(self, request: Request) -> Response:
+        """SGLang's abort: every ``/rollout/generate`` rollout whose request id is ``rid`` (or every one,
+        with ``abort_all``) stops and answers at once; 200 whatever matched, as SGLang answers."""
+        body = await self._body(request, _WEIGHT_BODY_BYTES)
+        try:
+            rid, abort_all = sglang.abort_request(body, self.service.serving.limits.max_request_id_chars)
+        except InvalidRequest as error:
+            raise self._rejected(error) from None
+        matched = [
+            event
+            for key, events in self._aborts.items()
+            if abort_all or (rid and key == rid)
+            for event in events
+        ]
+        for event in matched:
+            event.set()
+        named = "every rollout" if abort_all else f"rid {quoted(rid)}"
+        log.info("abort of %s: %d HTTP rollouts", named, len(matched))
+        return JSONResponse({"aborted": len(matched)})
 
     async def health(self, request: Request) -> Response:
         if self.service.shutting_down:

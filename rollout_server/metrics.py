@@ -81,7 +81,7 @@ class ServerMetrics:
 
     def reject(self, reason: str) -> None:
         """A call refused before any work: invalid_argument, overloaded, unauthenticated,
-        permission_denied or shutting_down."""
+        permission_denied, shutting_down or memory_released."""
         self.rejected.labels(reason).inc()
 
     def forward(self, rows: int) -> None:

@@ -46,6 +46,7 @@ MESH_DIMS = ("ring", "ulysses")
 # Commands rank 0 broadcasts to the others.
 HEARTBEAT, ROUND, UPDATE, STOP = "heartbeat", "round", "update", "stop"
 SYNC_JOIN, SYNC_INSTALL, SYNC_UPDATE, SYNC_LEAVE = "sync-join", "sync-install", "sync-update", "sync-leave"
+RELEASE, RESUME = "release", "resume"  # the weights' memory (residency.py)
 # How long a failed collective waits for a forked rank's process to exit, so the error can name it.
 _EXIT_WAIT_SECONDS = 2.0
 

@@ -13,6 +13,9 @@ Rollouts and weight updates wait in one queue, in arrival order. The engine's wo
 * **barrier**: a weight update at the head of the queue stops later rollouts from joining; once the
   running rollouts (all started on the old weights) have finished, the update is applied alone, and
   the rollouts behind it start on the new weights. No rollout ever mixes two policy versions.
+* **memory release**: a release of the weights' memory is an update like the others: it waits for
+  the rollouts queued before it. From its submission until a resume, rollouts are refused
+  (MemoryReleased), so none ever waits behind it for a model that is gone;
 * **side jobs**: short jobs that must run on the worker between two rounds but change nothing a
   rollout computes (starting and installing a weight-sync group's join) run first, with no barrier;
 * **prune**: nodes of tree rollouts that a PruneRollout asked to stop since the last round; the
@@ -47,7 +50,14 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.v1 import rollout_pb2
 from rollout_core.tree import Tree, widest
-from rollout_server.errors import ForeignRollout, InvalidRequest, Overloaded, PruneTooLate, UnknownRollout
+from rollout_server.errors import (
+    ForeignRollout,
+    InvalidRequest,
+    MemoryReleased,
+    Overloaded,
+    PruneTooLate,
+    UnknownRollout,
+)
 from rollout_server.limits import Limits
 from rollout_server.memory import MemoryBudget, RolloutMemory
 
@@ -194,6 +204,7 @@ class UpdateJob:
 
     run: Callable[[], Any]
     done: Future = field(default_factory=Future)
+    releases_memory: bool = False  # the weights' memory: rollouts are refused from its submission on
 
     @property
     def dropped(self) -> bool:
@@ -242,6 +253,8 @@ class Scheduler:
         self.running: dict[int, RolloutJob] = {}
         self._keys = itertools.count()
         self._stopping = False
+        # The weights are released, or being released: set as a release starts, cleared by a resume.
+        self.memory_released = False
 
     @property
     def in_flight(self) -> int:
@@ -264,9 +277,19 @@ class Scheduler:
                 job.image_bytes for job in self._queue if isinstance(job, RolloutJob) and not job.dropped
             )
 
+    @property
+    def refusing_rollouts(self) -> bool:
+        """Whether rollouts are refused: the weights are released, or a release waits."""
+        with self._changed:
+            return self.memory_released or any(
+                isinstance(job, UpdateJob) and job.releases_memory and not job.dropped for job in self._queue
+            )
+
     def submit(self, job: RolloutJob) -> None:
-        """Queue a rollout, or raise Overloaded."""
+        """Queue a rollout, or raise Overloaded (or MemoryReleased)."""
         with self._changed:  # a reentrant lock: in_flight takes it again
+            if self.refusing_rollouts:
+                raise MemoryReleased("the weights' memory is released: rollouts wait for it to be resumed")
             if (in_flight := self.in_flight) >= self.max_queued:
                 raise Overloaded(f"{in_flight} rollouts queued or running (limit {self.max_queued})")
             held, limit = self.queued_image_bytes, self.max_image_bytes
@@ -281,7 +304,16 @@ class Scheduler:
 
     def submit_update(self, run: Callable[[], Any]) -> Future:
         """Queue an update (``run`` applies it); the future ends once it is applied or has failed."""
-        job = UpdateJob(run)
+        return self._submit_job(UpdateJob(run))
+
+    def submit_release(self, run: Callable[[], Any]) -> Future:
+        """Queue a release of the weights' memory (``run`` does it), behind the rollouts queued before
+        it, and refuse rollouts from now on: while it waits, then while the weights are released
+        (``memory_released``, set as it starts; a resume clears it). The future ends as
+        ``submit_update``'s."""
+        return self._submit_job(UpdateJob(run, releases_memory=True))
+
+    def _submit_job(self, job: UpdateJob) -> Future:
         job.done.add_done_callback(lambda _: self.wake())  # a cancel frees its place at once
         with self._changed:
             self._queue.append(job)
@@ -341,6 +373,12 @@ class Scheduler:
         with self._changed:
             if (job := self.running.get(key)) is not None:
                 job.held_until = time.monotonic() + self.prune_hold_seconds
+
+    def memory_resident(self) -> None:
+        """(worker) The weights are in memory again, or a release failed and left them there: rollouts
+        are admitted again, unless a later release waits."""
+        with self._changed:
+            self.memory_released = False
 
     def wake(self) -> None:
         """Something a round depends on changed (a stream drained or ended)."""
@@ -418,6 +456,7 @@ class Scheduler:
             update = self._queue.popleft()  # an update's barrier is reached: it runs alone
             if update.done.set_running_or_notify_cancel():
                 planned.update = update
+                self.memory_released |= update.releases_memory
             return planned
         now = time.monotonic()
         for key, job in self.running.items():

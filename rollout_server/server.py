@@ -101,7 +101,7 @@ def features(adapter: families.base.FamilyAdapter, weights_root: Path | None) ->
     """GetServerInfo.features: the optional capabilities this server has (see rollout_core.wire)."""
     # Every family's transformer takes PEFT adapters.
     names = [wire.FEATURE_LORA, wire.FEATURE_TREE, wire.FEATURE_PRUNE_POINTS, wire.FEATURE_WEIGHT_SYNC]
-    names += [wire.FEATURE_SIGMAS, wire.FEATURE_INITIAL_LATENTS]
+    names += [wire.FEATURE_SIGMAS, wire.FEATURE_INITIAL_LATENTS, wire.FEATURE_RELEASE_MEMORY]
     if weights_root is not None:
         names.append(wire.FEATURE_LOAD_WEIGHTS)
     if adapter.max_frames > 1:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -21,6 +21,7 @@ from rollout_client.channel import PREVIOUS_ATTEMPTS_HEADER, PREVIOUS_ATTEMPTS_T
 from rollout_server.errors import (
     ForeignRollout,
     InvalidRequest,
+    MemoryReleased,
     NonFiniteStep,
     NoWeightSyncGroup,
     Overloaded,
@@ -37,13 +38,17 @@ from rollout_server.validation import ServingContext, quoted, read_images, resol
 from rollout_server.weights import files, group, upload
 
 if TYPE_CHECKING:
-    from rollout_server.engine import Engine
+    from rollout_server.engine import Engine, MemoryChange
     from rollout_server.metrics import ServerMetrics
     from rollout_server.weights.update import WeightUpdate
 
 log = logging.getLogger("rollout_server.service")
 # What a handler receives in place of a request whose bytes do not parse (see server.py).
 NOT_A_PROTOBUF = "the message is not a valid protobuf of the method's request type"
+# How long a rollout refused while the weights' memory is released is told to wait before it retries:
+# gRPC's own retries honour the pushback (gRFC A6), other clients read google.rpc.RetryInfo.
+RELEASED_RETRY_SECONDS = 5
+RETRY_PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
 
 
 class StreamStalled(Exception):
@@ -116,6 +121,7 @@ FAILURES = (
     (WeightSyncFailed, grpc.StatusCode.UNAVAILABLE),
     (NoWeightSyncGroup, grpc.StatusCode.FAILED_PRECONDITION),
     (UpdateAbandoned, grpc.StatusCode.ABORTED),
+    (MemoryReleased, grpc.StatusCode.FAILED_PRECONDITION),  # a weight update (a rollout: released_status)
 )
 
 
@@ -133,6 +139,18 @@ def failure_status(what: str, error: Exception) -> tuple[str, grpc.Status]:
         log.info("%s ended: %s", what, error)
     status = status_pb2.Status(code=code.value[0], message=f"{what}: {error}")
     return code.name, rpc_status.to_status(status)
+
+
+def released_status(error: MemoryReleased) -> CallStatus:
+    """A rollout refused while the weights' memory is released: UNAVAILABLE, with when to retry."""
+    retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=RELEASED_RETRY_SECONDS))
+    packed = any_pb2.Any()
+    packed.Pack(retry)
+    status = rpc_status.to_status(
+        status_pb2.Status(code=code_pb2.UNAVAILABLE, message=str(error), details=[packed])
+    )
+    pushback = (RETRY_PUSHBACK_TRAILER, str(RELEASED_RETRY_SECONDS * 1000))
+    return CallStatus(status.code, status.details, (*status.trailing_metadata, pushback))
 
 
 def bad_request_status(error: InvalidRequest) -> status_pb2.Status:
@@ -221,6 +239,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             info.lora_adapter.CopyFrom(status.lora_adapters["transformer"])
         info.policy_version = status.policy_version
         info.weights_checksum = status.weights_checksum
+        info.memory_released = status.memory_released
         if status.weight_sync is not None:
             info.weight_sync.CopyFrom(group.group_proto(status.weight_sync, self.server_info.sp_degree))
         return info
@@ -351,6 +370,45 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         )
         await context.write(rollout_pb2.UpdateWeightsFromGroupResponse(applied=applied))
 
+    @_ends_refused
+    async def ReleaseMemory(self, request, context):
+        if request is None:
+            await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
+        residency = await self._updating(context, self.change_memory(self.engine.release_memory))
+        return rollout_pb2.ReleaseMemoryResponse(residency=residency)
+
+    @_ends_refused
+    async def ResumeMemory(self, request, context):
+        if request is None:
+            await self._reject(context, "-", InvalidRequest([("request", NOT_A_PROTOBUF)]))
+        residency = await self._updating(context, self.change_memory(self.engine.resume_memory))
+        return rollout_pb2.ResumeMemoryResponse(residency=residency)
+
+    async def change_memory(
+        self, change: "Callable[[], Future[MemoryChange]]"
+    ) -> rollout_pb2.MemoryResidency:
+        """ReleaseMemory or ResumeMemory (``change``: the engine's) without its transport: what it did,
+        or Refused (shutting down, another weight change running), or its failure. Once queued, the
+        change goes through even if its caller leaves: rollouts stay refused until a resume."""
+        started_at = time.perf_counter()
+        self._refuse_when_shutting_down()
+        async with self._update_slot():
+            work = asyncio.wrap_future(change())
+            work.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, if left
+            moved = await asyncio.shield(work)
+        seconds = time.perf_counter() - started_at
+        status = self.engine.status()
+        what = ("released" if moved.released else "resumed") if moved.changed else "unchanged"
+        log.info("weights' memory %s: %d bytes in %.3f s", what, moved.bytes, seconds)
+        return rollout_pb2.MemoryResidency(
+            released=moved.released,
+            changed=moved.changed,
+            bytes=moved.bytes,
+            seconds=seconds,
+            policy_version=status.policy_version,
+            weights_checksum=status.weights_checksum,
+        )
+
     def _refuse_when_shutting_down(self) -> None:
         if self.shutting_down:
             self.metrics.reject("shutting_down")
@@ -364,7 +422,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             raise Refused(
                 CallStatus(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "another weight update is in progress; the server takes one at a time, retry after it",
+                    "another weight update is in progress (or a release or resume of the weights' "
+                    "memory); the server takes one at a time, retry after it",
                 )
             )
         self._update_in_progress = True
@@ -531,6 +590,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         except Overloaded as error:
             self.metrics.reject("overloaded")
             raise Refused(CallStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))) from None
+        except MemoryReleased as error:
+            self.metrics.reject("memory_released")
+            raise Refused(released_status(error)) from None
 
     def rollout_ended(self, resolved: rollout_pb2.RolloutRequest, submitted_at: float, outcome: str) -> None:
         """Count a rollout's outcome and write its one log line (every front end's rollouts alike)."""

@@ -130,6 +130,8 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "image_path": ("strs", _OPTIONAL),  # refused: a client names no file of the server's
     "suppress_logs": ("bool", False),  # read, not used: the one log line per rollout stays
     "extra_sampling_params": ("dict", _OPTIONAL),
+    # Ours, as SGLang's LLM runtime names a request's id: the id /abort_request names (rollout_id).
+    "rid": ("str", _OPTIONAL),
 }
 # The fields above that are read and not used: reported as ignored when set to other than their default.
 _UNUSED_FIELDS = ("generator_device", "fps", "suppress_logs")
@@ -370,6 +372,76 @@ def checksum_modules(body: Any) -> list[str] | None:
     if violations:
         raise InvalidRequest(violations)
     return values["module_names"]
+
+
+# What SGLang's LLM runtime names the memory a release or resume takes (``tags``); a diffusion server
+# holds weights alone, and releases and resumes all of its memory whatever the tags say.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def memory_tags(body: Any) -> list[str] | None:
+    """The ``tags`` of a ``release_memory_occupation`` or ``resume_memory_occupation`` body (SGLang's
+    LLM runtime takes them, its diffusion runtime a body without fields): read and checked."""
+    if not isinstance(body, dict):
+        raise InvalidRequest([("request", "the body must be a JSON or msgpack object")])
+    values, violations = _read_fields(body, {"tags": ("strs", _OPTIONAL)})
+    if not violations and (unknown := [tag for tag in values["tags"] or () if tag not in MEMORY_TAGS]):
+        violations.append(("tags", f"must name {', '.join(MEMORY_TAGS)}; not {quoted(unknown[0], 64)}"))
+    if violations:
+        raise InvalidRequest(violations)
+    return values["tags"]
+
+
+def abort_request(body: Any, max_id_chars: int) -> tuple[str, bool]:
+    """(``rid``, ``abort_all``) of an ``abort_request`` body (SGLang's LLM runtime's ``AbortReq``; its
+    other fields are ignored, as they describe its own scheduler's reasons)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest([("request", "the body must be a JSON or msgpack object")])
+    values, violations = _read_fields(body, {"rid": ("str", _OPTIONAL), "abort_all": ("bool", False)})
+    if violations:
+        raise InvalidRequest(violations)
+    return rollout_id(values["rid"] or "", max_id_chars), values["abort_all"]
+
+
+def rollout_id(rid: Any, max_chars: int) -> str:
+    """A ``/rollout/generate`` body's ``rid`` (as SGLang's LLM runtime names a request's id; its
+    diffusion runtime draws one): our request id, which ``/abort_request`` names. "" when unset."""
+    if rid is None:
+        return ""
+    if not isinstance(rid, str) or len(rid) > max_chars or not rid.isprintable():
+        raise InvalidRequest([("rid", f"must be a printable string of at most {max_chars} characters")])
+    return rid
+
+
+# The fields of an answer that carry a sample's outputs (None in an aborted rollout's answer).
+_OUTPUT_FIELDS = (
+    "generated_output",
+    "rollout_log_probs",
+    "rollout_debug_tensors",
+    "denoising_env",
+    "dit_trajectory",
+    "peak_memory_mb",
+)
+
+
+def aborted_responses(
+    request: GenerateRequest, resolved: rollout_pb2.RolloutRequest, seconds: float
+) -> list[dict[str, Any]]:
+    """The answer to a rollout stopped by ``/abort_request``: SGLang's response of every sample, with no
+    output, and the finish reason SGLang's LLM runtime gives an aborted request (its diffusion runtime
+    has no abort)."""
+    reason = {"type": "abort", "message": "aborted by /abort_request"}
+    return [
+        {
+            "request_id": resolved.request_id,
+            "prompt": request.prompt,
+            "seed": seed,
+            **dict.fromkeys(_OUTPUT_FIELDS),
+            "inference_time_s": seconds,
+            "finish_reason": reason,
+        }
+        for seed in resolved.seeds
+    ]
 
 
 def quoted_reason(error: Exception) -> str:

@@ -12,11 +12,12 @@ CLIENTS = PACKAGE.parent / "clients"
 CLIENT_PACKAGES = ("rollout_client", "rollout_core")
 # What the engine keeps behind its facade: the gRPC layer imports none of it, and reaches through the
 # engine to none of it.
-ENGINE_INTERNALS = ("scheduler", "policy", "runner", "sampler", "stream")
+ENGINE_INTERNALS = ("scheduler", "policy", "runner", "sampler", "stream", "residency")
 CROSS_LAYER_ERRORS = {
     "InvalidRequest",
     "Overloaded",
     "ShuttingDown",
+    "MemoryReleased",
     "RankFailure",
     "NonFiniteStep",
     "StaleUpdate",

@@ -31,7 +31,16 @@ def test_server_info(family_client, family):
         "timestep",
     )
     assert list(info.transformers) == list(FAMILIES[family].experts)
-    served = ["lora", "tree", "prune_points", "weight_sync", "sigmas", "initial_latents", "video"]
+    served = [
+        "lora",
+        "tree",
+        "prune_points",
+        "weight_sync",
+        "sigmas",
+        "initial_latents",
+        "release_memory",
+        "video",
+    ]
     two_experts = [*served, "experts", "guidance_scale_2", "boundary_ratio"]
     assert list(info.features) == (two_experts if family == "wan2.2" else served)
     defaults = info.defaults

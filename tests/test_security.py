@@ -307,6 +307,7 @@ ROLLOUT, INFO = f"/{SERVICE}/Rollout", f"/{SERVICE}/GetServerInfo"
 PRUNE = f"/{SERVICE}/PruneRollout"
 UPDATE, LOAD = f"/{SERVICE}/UpdateWeights", f"/{SERVICE}/LoadWeights"
 HEALTH = "/grpc.health.v1.Health/Check"
+RELEASE, RESUME = f"/{SERVICE}/ReleaseMemory", f"/{SERVICE}/ResumeMemory"
 OK, DENIED, UNAUTHENTICATED = None, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -323,6 +324,8 @@ OK, DENIED, UNAUTHENTICATED = None, grpc.StatusCode.PERMISSION_DENIED, grpc.Stat
         ({"rollout_token": b"r", "admin_token": b"a"}, HEALTH, None, OK),
         ({"rollout_token": b"r", "admin_token": b"a"}, PRUNE, "r", OK),
         ({"rollout_token": b"r", "admin_token": b"a"}, PRUNE, None, UNAUTHENTICATED),
+        ({"rollout_token": b"r", "admin_token": b"a"}, RELEASE, "r", DENIED),
+        ({"rollout_token": b"r", "admin_token": b"a"}, RESUME, "a", OK),
         # Only a rollout token: it allows everything.
         ({"rollout_token": b"r"}, UPDATE, "r", OK),
         ({"rollout_token": b"r"}, LOAD, None, UNAUTHENTICATED),
@@ -473,6 +476,8 @@ def test_the_http_api_takes_the_same_tls_and_tokens(secured_server, pki, tiny_tr
         call("/update_weights_from_disk", ROLLOUT_TOKEN, {"model_path": "changed.safetensors"}).status_code
         == 403
     )
+    for path in ("/release_memory_occupation", "/resume_memory_occupation", "/abort_request"):
+        assert call(path, ROLLOUT_TOKEN, {}).status_code == 403  # the admin token's, as the weights'
 
     with RolloutClient(secured_server.address, timeout=120, tls=mtls(pki), token=ADMIN_TOKEN) as admin:
         before = admin.server_info()

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import grpc
@@ -431,6 +432,53 @@ def test_a_client_that_disconnects_cancels_its_rollout(family_resources):
         assert time.monotonic() < deadline, server.log()[-3000:]
         time.sleep(0.05)
     assert steps_taken(server) < before + 100
+    assert_serving(server, url)
+
+
+def test_abort_request_stops_a_rollout_by_its_rid_and_frees_its_place(family_resources):
+    """A trainer that oversamples stops its tail: /abort_request with the ``rid`` its /rollout/generate
+    body carried ends that rollout within a small part of its own uninterrupted run (the abort waits
+    for one forward at most), the call answers SGLang's aborted response (its LLM runtime's finish
+    reason, no output), and its queue place is free when the answer arrives. ``abort_all`` stops every
+    one; an unknown rid none."""
+    server = family_resources.server("flux")
+    url = http_url(server)
+    body = {"prompt": "a long tail", "seed": 9, "num_outputs_per_prompt": 4, "num_inference_steps": 100}
+    started = time.perf_counter()
+    assert post(url, "/rollout/generate", {**body, "rid": "tail-0"}).status_code == 200
+    whole = time.perf_counter() - started
+
+    def aborted(rid: str, abort: dict) -> tuple[httpx.Response, httpx.Response, float]:
+        before = steps_taken(server)
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(post, url, "/rollout/generate", {**body, "rid": rid})
+            deadline = time.monotonic() + 60
+            while steps_taken(server) < before + 2:  # it steps
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            asked = time.perf_counter()
+            answer = post(url, "/abort_request", abort)
+            return answer, running.result(timeout=60), time.perf_counter() - asked
+
+    answer, stopped, took = aborted("tail-1", {"rid": "tail-1"})
+    assert (answer.status_code, answer.json()) == (200, {"aborted": 1})
+    assert took < whole / 4, (took, whole)
+    assert stopped.status_code == 200 and stopped.headers["content-type"] == "application/msgpack"
+    samples = msgpack.unpackb(stopped.content)
+    assert [(s["request_id"], s["seed"], s["generated_output"], s["rollout_log_probs"]) for s in samples] == [
+        ("tail-1", 9 + k, None, None) for k in range(4)
+    ]
+    assert all(s["finish_reason"]["type"] == "abort" for s in samples)
+    assert scrape(metrics_url(server))[("rollout_server_in_flight_rollouts", ())] == 0
+    assert re.search(r"rollout id=tail-1 samples=4 steps=100 seconds=\S+ status=ABORTED", server.log())
+
+    answer, stopped, _ = aborted("tail-2", {"abort_all": True})
+    assert answer.json() == {"aborted": 1} and msgpack.unpackb(stopped.content)[0]["request_id"] == "tail-2"
+    assert post(url, "/abort_request", {"rid": "tail-2"}).json() == {"aborted": 0}  # it has ended
+    assert post(url, "/abort_request", {}).json() == {"aborted": 0}  # SGLang ignores a body without rid
+    for path, bad in (("/abort_request", {"rid": 7}), ("/rollout/generate", {**body, "rid": "x" * 129})):
+        refused = post(url, path, bad)
+        assert refused.status_code == 400 and refused.json()["violations"][0]["field"] == "rid"
     assert_serving(server, url)
 
 

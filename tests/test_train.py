@@ -61,6 +61,8 @@ PROBE = make_request(
 )
 # A safety net against a trainer that hangs, not a timing assertion.
 WAIT_SECONDS = 180
+# The server's log lines of a release and a resume of its weights' memory.
+RESIDENCY_LINES = (r"weights' memory released", r"weights' memory resumed")
 
 
 def trainer_args(address: str, out, *flags: str) -> list:
@@ -119,17 +121,22 @@ def metrics_rows(out: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def train_client(cache_dir, tiny_flux_folder, tmp_path_factory):
+def train_server(cache_dir, tiny_flux_folder, tmp_path_factory):
     """This module's server. Each trainer run pushes its own policy before its first rollout, so the
     runs share it: a run sees nothing of the ones before it. It holds a rollout at its prune point
     for as long as the trainer takes to score it."""
     log = tmp_path_factory.mktemp("train") / "server.log"
     server = start_server(cache_dir, log, "--prune-hold-seconds", "3600")
     try:
-        with RolloutClient(server.address, timeout=120) as client:
-            yield client
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def train_client(train_server):
+    with RolloutClient(train_server.address, timeout=120) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +336,23 @@ def test_a_policy_the_server_does_not_serve_stops_the_run(train_client, tiny_flu
     assert message.startswith("train_grpo.py: stopped: ") and "\n" not in message
     mismatch = r"the server serves weights \S+, not the trained \S+; no iteration had finished"
     assert re.search(mismatch, message)
+
+
+def test_a_colocated_run_releases_the_server_while_it_trains_and_rolls_out_on_policy(
+    train_server, train_client, tmp_path
+):
+    """--colocate: the server releases its weights' memory for each iteration's update and resumes it
+    before the next push; the weights that come back are the ones that went (the base a LoRA run
+    scores against: the ratio of every first inner step is 1 again, Replay), and the server is left
+    serving."""
+    released, resumed = (len(re.findall(what, train_server.log())) for what in RESIDENCY_LINES)
+    first = next_version(train_client)
+    rows = run_trainer(train_client.address, tmp_path / "train", "--colocate")
+    assert [int(row["policy_version"]) for row in rows] == [first, first + 1, first + 2]
+    assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)
+    log = train_server.log()
+    assert [len(re.findall(what, log)) for what in RESIDENCY_LINES] == [released + 3, resumed + 3]
+    assert not train_client.server_info().memory_released
 
 
 def test_async_rollouts_are_at_most_one_version_stale(train_client, tmp_path):
@@ -674,6 +698,7 @@ def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, messag
         (["--algorithm", "nft", "--nft-old-decay", "-0.1"], "argument --nft-old-decay: must be in [0, 1)"),
         (["--algorithm", "awm", "--nft-min-level", "1"], "argument --nft-min-level: must be in [0, 1)"),
         (["--ema-decay", "0.9", "--async"], "--ema-decay's evals push the EMA between rollouts"),
+        (["--async", "--colocate"], "--colocate releases the server's memory while the policy trains"),
         (["--algorithm", "awm", "--awm-kl", "1"], "--awm-kl pulls towards the EMA of the trained weights"),
         (["--nft-old-decay", "0.5"], "--nft-old-decay is for --algorithm nft"),
         (["--algorithm", "nft", "--awm-power", "1"], "--awm-power is for --algorithm awm"),

@@ -368,7 +368,7 @@ def test_bad_update_is_refused_and_changes_nothing(
 
 
 def test_load_weights_is_a_feature_of_a_server_with_a_root(updated, client):
-    served = ["lora", "tree", "prune_points", "weight_sync", "sigmas", "initial_latents"]
+    served = ["lora", "tree", "prune_points", "weight_sync", "sigmas", "initial_latents", "release_memory"]
     assert list(updated.server_info().features) == [*served, "load_weights"]
     assert list(client.server_info().features) == served
 

@@ -1,6 +1,7 @@
 """``RolloutClient``: call a rollout server, get typed events or whole trajectories, prune trees,
-push weights. The client owns the transport: every call of the package to a server goes through its
-``call`` (its timeout and token), and its health through ``health``."""
+push weights, release and resume the weights' memory. The client owns the transport: every call of
+the package to a server goes through its ``call`` (its timeout and token), and its health through
+``health``."""
 
 import threading
 from collections.abc import Iterator, Sequence
@@ -190,6 +191,17 @@ class RolloutClient:
             target=target,
         )
         return self.call("LoadWeights", request)
+
+    def release_memory(self) -> rollout_pb2.MemoryResidency:
+        """Have the server release its weights' memory (ReleaseMemory) for a trainer on the same
+        devices: it answers once the rollouts admitted before have finished and the memory is free,
+        and refuses rollouts (UNAVAILABLE) until ``resume_memory``. A no-op when released already."""
+        return self.call("ReleaseMemory", rollout_pb2.ReleaseMemoryRequest()).residency
+
+    def resume_memory(self) -> rollout_pb2.MemoryResidency:
+        """Have the server put its released weights back (ResumeMemory): the same bytes and policy
+        version; rollouts are admitted again. A no-op when nothing is released."""
+        return self.call("ResumeMemory", rollout_pb2.ResumeMemoryRequest()).residency
 
     def close(self) -> None:
         self.channel.close()

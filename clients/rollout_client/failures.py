@@ -5,14 +5,14 @@ retries of an iteration all read their codes from here.
 | code | the server answers it when | channel retry | replica failure | server failure |
 |---|---|---|---|---|
 | RESOURCE_EXHAUSTED | its queue is full; another weight update is in progress | yes | yes | yes |
-| UNAVAILABLE | it drains or is unreachable; a rank died; a weight-sync group failed | yes | yes | yes |
+| UNAVAILABLE | it drains or is down; a rank died; a sync group failed; it is released | yes | yes | yes |
 | INTERNAL | the model's velocity was not finite for a latent in range; an unexpected error | | yes | yes |
 | ABORTED | a stream stalled past its write limit; a group update was dropped | | yes | yes |
 | UNKNOWN, CANCELLED | (gRPC's own) a connection broke; a call was cancelled | | yes | yes |
 | DEADLINE_EXCEEDED | the call's deadline passed; an upload went idle | | | yes |
 | UNAUTHENTICATED, PERMISSION_DENIED | a token, or a prune's control token, is missing or refused | | | |
 | INVALID_ARGUMENT | a field is wrong (BadRequest names it), also one whose values overflow a step | | | |
-| FAILED_PRECONDITION | a stale version; a prune after the last step; no weight-sync group | | | |
+| FAILED_PRECONDITION | a stale version; a late prune; no weight-sync group; an update while released | | | |
 | NOT_FOUND | no such rollout (a prune) or weights file | | | |
 
 * **channel retry** (``CHANNEL_RETRIES``): gRPC retries a Rollout refused with these before its first

@@ -81,6 +81,8 @@ FEATURE_AUDIO = "audio"
 FEATURE_GUIDANCE_SCALE_2 = "guidance_scale_2"
 # Two experts: requests take their own boundary_ratio, where the second expert's steps begin.
 FEATURE_BOUNDARY_RATIO = "boundary_ratio"
+# ReleaseMemory and ResumeMemory are served: the weights' memory is released and resumed (sleep and wake).
+FEATURE_RELEASE_MEMORY = "release_memory"
 
 _ENV_PREFIX = "env/"
 # An env JSON entry that stands for a tensor of the buffer: {"tensor": "<name>"}.

@@ -61,6 +61,7 @@ OPERATIONAL_FLAGS = {
     "checkpoint_every",
     "stall_timeout",
     "retries",
+    "colocate",
     "weight_sync",
     "sync_address",
     "time_budget",
@@ -407,6 +408,12 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         default=8,
         help="times a failed server phase is tried again, after pauses of 1, 2, 4 ... 30 s",
     )
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="the server shares the trainer's devices: it releases its weights' memory while the policy "
+        "trains, and resumes it before the next push",
+    )
     args = parser.parse_args(argv)
     check_values(parser, args)
     if args.weight_sync == "auto":
@@ -435,6 +442,8 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.async_ and args.score_while_streaming:
         parser.error("--score-while-streaming scores with the rollout's policy: it needs sync mode")
+    if args.async_ and args.colocate:
+        parser.error("--colocate releases the server's memory while the policy trains: it needs sync mode")
     if args.prompt:
         if args.prompt_pool:
             parser.error("--prompt-pool draws from a prompt set: it does not go with --prompt")
@@ -537,6 +546,7 @@ class ServerConfig(Checked):
     token_file: Path | None
     stall_timeout: float
     retries: int
+    colocate: bool  # the server releases its weights' memory while the policy trains
 
 
 @dataclass
@@ -717,7 +727,9 @@ class TrainConfig(Checked):
             reward=f.reward,
             time_budget=f.time_budget,
             ema_decay=f.ema_decay,
-            server=ServerConfig(f.server, f.model, f.model_path, f.token_file, f.stall_timeout, f.retries),
+            server=ServerConfig(
+                f.server, f.model, f.model_path, f.token_file, f.stall_timeout, f.retries, f.colocate
+            ),
             rollout=RolloutConfig(
                 f.prompts,
                 f.prompt_set,

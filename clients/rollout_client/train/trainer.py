@@ -203,6 +203,25 @@ class Trainer:
             done = f"iterations 0-{len(self.rows) - 1} are in {self.checkpoint}"
             raise ServerFailure(f"{failure}; {done}: run again with --resume") from failure
 
+    @contextlib.contextmanager
+    def colocated(self):
+        """--colocate: rank 0 has the server release its weights' memory for the block (the policy
+        trains in it) and resume it after, before anything calls the server again. Every rank's
+        rollout is in by then: the rewards' gather before the block waits for all of them."""
+        if not (self.config.server.colocate and self.ranks.leader):
+            yield
+            return
+        server = self.config.server
+        retrying(
+            "releasing the server's memory", self.client.release_memory, server.retries, self.client.address
+        )
+        try:
+            yield
+        finally:
+            retrying(
+                "resuming the server's memory", self.client.resume_memory, server.retries, self.client.address
+            )
+
     # One iteration.
 
     def train_step(self, iteration: int) -> dict:
@@ -241,7 +260,8 @@ class Trainer:
         train_start = time.perf_counter()
         if self.probe is None and self.lora_config is not None and ranks.leader:
             self.probe = VelocityProbe(self.transformer, trajectories, config.seed, config.device)
-        loss = self.algorithm.update(rollout, rewards, iteration)
+        with self.colocated():
+            loss = self.algorithm.update(rollout, rewards, iteration)
         self.schedule.step()
         if self.ema is not None:
             self.ema.update(self.parameters, config.ema_decay)
