@@ -241,19 +241,28 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
 
     @_ends_refused
     async def UpdateWeights(self, request_iterator, context):
-        started_at = time.perf_counter()
-        self._refuse_when_shutting_down()
-        max_bytes = self.server_info.limits.max_update_bytes
-        async with self._update_slot():
-            received = upload.receive(
+        def received() -> Awaitable["WeightUpdate"]:
+            return upload.receive(
                 _parsed(request_iterator),
                 lambda: self.engine.status().policy_version,
-                max_bytes,
+                self.server_info.limits.max_update_bytes,
                 self.upload_idle_seconds,
             )
-            update = await self._updating(context, received)
-            await self._updating(context, self._apply(update))
-        return rollout_pb2.UpdateWeightsResponse(**self._applied(update, started_at))
+
+        applied = await self._updating(context, self.update_weights(received))
+        return rollout_pb2.UpdateWeightsResponse(**applied)
+
+    async def update_weights(self, receive: Callable[[], Awaitable["WeightUpdate"]]) -> dict:
+        """A weight update, whatever its transport: ``receive()`` is awaited once the update slot is
+        held (so one update's bytes are held at a time), and what it returns is checked and applied.
+        The answer's fields, or Refused (shutting down, another update running), or the update's
+        failure (see ``update_failure``)."""
+        started_at = time.perf_counter()
+        self._refuse_when_shutting_down()
+        async with self._update_slot():
+            update = await receive()
+            await self._apply(update)
+        return self._applied(update, started_at)
 
     @_ends_refused
     async def LoadWeights(self, request, context):
@@ -265,7 +274,6 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     async def load_weights(self, request: rollout_pb2.LoadWeightsRequest) -> dict:
         """LoadWeights without its transport: the answer's fields, or Refused (shutting down, disabled,
         another update running), or the update's failure (see ``update_failure``)."""
-        started_at = time.perf_counter()
         self._refuse_when_shutting_down()
         if self.weights_root is None:
             raise Refused(
@@ -274,8 +282,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                     "LoadWeights is disabled: the server was started without --weights-root",
                 )
             )
-        async with self._update_slot():
-            update = await asyncio.to_thread(
+        return await self.update_weights(
+            lambda: asyncio.to_thread(
                 files.read_update,
                 self.weights_root,
                 request,
@@ -283,8 +291,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 self.server_info.limits.max_update_bytes,
                 self.engine.transformers,
             )
-            await self._apply(update)
-        return self._applied(update, started_at)
+        )
 
     @_ends_refused
     async def InitWeightSync(self, request, context):
