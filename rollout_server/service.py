@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -263,6 +263,15 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             update = await receive()
             await self._apply(update)
         return self._applied(update, started_at)
+
+    async def tensor_sha256(self, target: str, names: Iterable[str]) -> tuple[int, dict[str, str]]:
+        """(the policy version, SGLang's SHA-256 of each of ``names`` that ``target`` serves:
+        ``Engine.tensor_sha256``), computed on a thread while the update slot is held, so that no
+        update changes the tensors it reads (Refused while one runs, or at shutdown)."""
+        self._refuse_when_shutting_down()
+        async with self._update_slot():
+            digests = await asyncio.to_thread(self.engine.tensor_sha256, target, names)
+            return self.engine.status().policy_version, digests
 
     @_ends_refused
     async def LoadWeights(self, request, context):
