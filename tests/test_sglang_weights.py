@@ -38,6 +38,7 @@ from helpers import (
     with_lora,
 )
 from peft import get_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save
 from torch.distributed.tensor import DTensor
 
@@ -206,6 +207,23 @@ def test_a_lora_push_in_sglangs_fields_serves_the_adapter_grpc_serves(
     answer = post(pushed, CHECK, {"target_module": "transformer", "expected_named_tensors_sha256": expected})
     assert answer.status_code == 200, answer.text
     assert answer.json()["success"] is True and set(answer.json()["tensors"].values()) == {"match"}
+    restore_base(pusher, tiny_transformer)
+
+
+def test_a_lora_push_on_some_modules_wraps_those_alone(pushed, pusher, tiny_transformer):
+    """An adapter on one block's to_q and on every to_k, as a PeftModel's state_dict names it
+    (``base_model.model.`` first): the server wraps exactly the modules the trainer's copy wraps, and
+    names them as briefly as selects them alone."""
+    adapted, _ = with_lora(tiny_transformer, trained=True, targets=["transformer_blocks.0.attn.to_q", "to_k"])
+    wrapped = sorted(name for name, module in adapted.named_modules() if isinstance(module, BaseTunerLayer))
+    sent = {f"base_model.model.{name}": t for name, t in adapted.state_dict().items() if ".lora_" in name}
+    body = {"serialized_named_tensors": [as_base64(sent)], "weight_update_mode": "lora_merge"}
+    answer = post(pushed, PUSH, body)
+    assert answer.status_code == 200, answer.text
+    served = pusher.server_info().lora_adapter
+    assert list(served.modules) == wrapped and served.tensors == 2 * len(wrapped)
+    assert list(served.target_modules) == ["to_k", "transformer_blocks.0.attn.to_q"]
+    assert (served.rank, served.alpha) == (4, 4.0)  # alpha: the rank, SGLang's default
     restore_base(pusher, tiny_transformer)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from rollout_core.dtypes import BY_NAME, SAFETENSORS_NAMES
 from rollout_server.validation import quoted
+from rollout_server.weights.files import PEFT_SAVED_PREFIX
 from rollout_server.weights.spec import HEADER_ALLOWANCE_BYTES, check_finite
 from rollout_server.weights.update import reject
 from rollout_server.weights.upload import MalformedBuffer, TensorAssembler, layout_entries
@@ -161,7 +162,8 @@ def lora_adapter(
 ) -> tuple[dict[str, torch.Tensor], str]:
     """(tensors under PEFT's names, LoraConfig JSON) of SGLang's ``lora_merge`` payload on a transformer
     whose modules are ``modules``. A tensor named ``<module>.lora_A...`` or ``<module>.lora_B...`` is
-    PEFT's ``<module>.lora_A.weight`` or ``<module>.lora_B.weight``; the rank is the rows of the lora_A
+    PEFT's ``<module>.lora_A.weight`` or ``<module>.lora_B.weight`` (a PeftModel's ``base_model.model.``
+    prefix dropped); the rank is the rows of the lora_A
     tensors (one for every module; ``rank``, if given, must agree), the alpha ``alpha`` or else the rank,
     as SGLang takes them; the adapter wraps exactly the modules named (``target_modules``)."""
     renamed = {}
@@ -173,7 +175,8 @@ def lora_adapter(
                 f"tensor {quoted(name)} is not a LoRA tensor: weight_update_mode lora_merge takes "
                 "<module>.lora_A.weight and <module>.lora_B.weight",
             )
-        peft_name = f"{name.split(part, 1)[0]}{part}.weight"
+        module = name.split(part, 1)[0].removeprefix(PEFT_SAVED_PREFIX)
+        peft_name = f"{module}{part}.weight"
         if peft_name in renamed:
             raise reject(FIELD, f"tensor {quoted(name)} is a second {quoted(peft_name)}")
         renamed[peft_name] = tensor
