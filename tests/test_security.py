@@ -445,8 +445,9 @@ def test_startup_error_is_one_line_without_traceback(files):
 
 def test_the_http_api_takes_the_same_tls_and_tokens(secured_server, pki, tiny_transformer):
     """The HTTP front end of the secured server: the client certificate is required, health is open,
-    rollouts need a token, weights from disk the admin token; an update changes the checksum
-    /get_weights_checksum reports (that of GetServerInfo), and the base weights bring it back."""
+    rollouts need a token, weights from disk or as tensors the admin token; an update changes the
+    checksum /get_weights_checksum reports (that of GetServerInfo), and the base weights bring it
+    back."""
     url = http_url(secured_server)
     assert url.startswith("https://")
     folder = secured_server.log_path.parent
