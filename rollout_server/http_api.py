@@ -157,36 +157,41 @@ def _failed(detail: str) -> dict:
     return {"success": False, "message": detail}
 
 
-async def _read(request: Request, limit: int) -> bytes:
+async def _read(request: Request, limit: int) -> bytearray:
     """The body's bytes, read only up to ``limit`` of them (413 beyond, from its length if it says)."""
     too_large = HttpError(413, f"the body is larger than the server's limit of {limit} bytes")
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise too_large
-    chunks, size = [], 0
+    data = bytearray()  # grown in place: a body is held once, not as pieces and their join
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+        if len(data) + len(chunk) > limit:
             raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+        data += chunk
+    return data
 
 
-def _decoded(data: bytes, request: Request) -> object:
-    """A body's bytes decoded: JSON, or msgpack by content type; empty: an empty object."""
+def _decoded(data: bytearray, request: Request) -> object:
+    """A body's bytes decoded: JSON, or msgpack by content type; empty: an empty object. ``data`` is
+    emptied as soon as it is decoded, so that a large body (a weight update's) is not held twice
+    while it is parsed."""
     if not data:
         return {}
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     try:
         if content_type in _MSGPACK_TYPES:
             return msgpack.unpackb(data, raw=False, strict_map_key=True)  # its limits follow len(data)
-        return json.loads(data)
+        text = data.decode(json.detect_encoding(data), "surrogatepass")  # as json.loads decodes bytes
+        data.clear()
+        return json.loads(text)
     except (ValueError, RecursionError, msgpack.UnpackException) as error:  # a JSON or msgpack error
         kind = "msgpack" if content_type in _MSGPACK_TYPES else "JSON"
         reason = sglang.quoted_reason(error)
         raise HttpError(
             400, f"the body is not {kind}: {reason}", [{"field": "request", "description": reason}]
         ) from None
+    finally:
+        data.clear()
 
 
 async def _disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
@@ -408,7 +413,7 @@ class HttpFrontEnd:
         engine = self.service.engine
         max_bytes = self.service.server_info.limits.max_update_bytes
 
-        def update_of(data: bytes) -> "WeightUpdate":
+        def update_of(data: bytearray) -> "WeightUpdate":
             update, unused = sglang.tensor_update(
                 _decoded(data, request),
                 engine.status().policy_version,

@@ -445,9 +445,9 @@ def tensor_update(
     version = current_version + 1 if values["policy_version"] is None else values["policy_version"]
     check_version(version, current_version)
     kind = UPDATE_KINDS[values["weight_update_mode"]]
-    tensors, nbytes = payload.decode(
-        payloads[0], values["load_format"] or payload.SAFETENSORS, target, max_bytes
-    )
+    load_format = values["load_format"] or payload.SAFETENSORS
+    # Taken out of the body (no reference left here), so that its text is freed once decoded.
+    tensors, nbytes = payload.decode(payloads.pop(), load_format, target, max_bytes)
     config = ""
     if kind == LORA:
         tensors, config = payload.lora_adapter(

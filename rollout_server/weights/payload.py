@@ -16,7 +16,6 @@ its own by the UpdateWeights stream's assembler (``upload.TensorAssembler``), th
 dtypes, shapes, offsets that tile the data exactly, and finite values.
 """
 
-import base64
 import binascii
 import json
 from collections import defaultdict
@@ -49,11 +48,13 @@ def decode(
 ) -> tuple[dict[str, torch.Tensor], int]:
     """(tensors, payload bytes) of one ``serialized_named_tensors`` entry for module ``target``;
     InvalidRequest on the field if it is not data in ``load_format`` (a pickle among them), holds
-    more than ``max_bytes``, or a tensor that is malformed or not finite."""
+    more than ``max_bytes``, or a tensor that is malformed or not finite. The entry is taken: base64
+    text is dropped once decoded, before the tensors are built, if the caller holds no reference."""
     entry = _unwrapped(entry, target)
     if load_format == FLATTENED_BUCKET:
         return _bucket(entry, max_bytes)
     data = _bytes(entry, FIELD, max_bytes)
+    del entry  # the text
     if data[_LENGTH_BYTES : _LENGTH_BYTES + 1] != b"{":
         raise reject(FIELD, _not_data(data, "safetensors bytes"))
     assembler = TensorAssembler(len(data), HEADER_ALLOWANCE_BYTES, check_finite)
@@ -80,8 +81,9 @@ def _bytes(value: object, field: str, max_bytes: int) -> bytes:
         if len(value) // 4 * 3 > max_bytes:
             raise reject(field, f"holds about {len(value) // 4 * 3} bytes; an update is at most {max_bytes}")
         try:
-            value = base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError) as error:  # ValueError: text that is not ASCII
+            # Strict: the base64 alphabet and padding alone; read from the text as it is, no copy.
+            value = binascii.a2b_base64(value, strict_mode=True)
+        except ValueError as error:  # binascii.Error, or text that is not ASCII
             raise reject(field, f"is text but not base64: {quoted(str(error))}; {ACCEPTED}") from None
     if not isinstance(value, bytes):
         raise reject(field, f"must be bytes (msgpack binary) or base64 text, not {_kind(value)}; {ACCEPTED}")
@@ -119,7 +121,7 @@ def _bucket(bucket: object, max_bytes: int) -> tuple[dict[str, torch.Tensor], in
         if name in header:
             raise reject(f"{FIELD}.metadata[{index}].name", f"{quoted(name)} is named twice")
         header[name] = entry
-    data = _bytes(bucket.get("flattened_tensor"), f"{FIELD}.flattened_tensor", max_bytes)
+    data = _bytes(bucket.pop("flattened_tensor", None), f"{FIELD}.flattened_tensor", max_bytes)
     try:
         entries = layout_entries(header, len(data))
     except MalformedBuffer as error:
