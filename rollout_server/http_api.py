@@ -409,9 +409,11 @@ class HttpFrontEnd:
 
     async def update_from_tensor(self, request: Request) -> Response:
         """The tensors of the body (``sglang.tensor_update``), read once the update slot is held and
-        decoded off the event loop, then checked and applied as an UpdateWeights stream's are."""
+        decoded off the event loop, then checked and applied as an UpdateWeights stream's are. The
+        fields read and not used are named in the answer's header and a log line."""
         engine = self.service.engine
         max_bytes = self.service.server_info.limits.max_update_bytes
+        ignored: list[str] = []
 
         def update_of(data: bytearray) -> "WeightUpdate":
             update, unused = sglang.tensor_update(
@@ -421,15 +423,18 @@ class HttpFrontEnd:
                 engine.transformers,
                 engine.module_names,
             )
-            if unused:
-                log.info("update_weights_from_tensor: %s read and not used", ", ".join(unused))
+            ignored.extend(unused)
             return update
 
         async def received() -> "WeightUpdate":
             return await asyncio.to_thread(update_of, await _read(request, _tensor_body_bytes(max_bytes)))
 
         fields = (payload.FIELD, sglang.TENSOR_UPDATE_FIELDS)
-        return await self._updated(self.service.update_weights(received), "updated", *fields)
+        answer = await self._updated(self.service.update_weights(received), "updated", *fields)
+        if ignored:  # accepted as SGLang accepts them, and said so
+            summary = answer.headers[sglang.IGNORED_HEADER] = sglang.ignored_summary(ignored)
+            log.info("weight update over HTTP ignored %s", summary)
+        return answer
 
     async def _updated(
         self, work: Awaitable[dict], verb: str, weights_field: str, body_fields: Iterable[str] = ()

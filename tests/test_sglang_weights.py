@@ -162,9 +162,10 @@ def test_a_tensor_push_serves_what_the_same_grpc_update_serves(pushed, pusher, t
         answer = post(pushed, PUSH, body, packed=True)
         assert answer.status_code == 200, answer.text
         assert answer.json()["tensors"] == len(part)
+        assert answer.headers["x-rollout-ignored-fields"] == "weight_version"
     assert pusher.server_info().weights_checksum == by_grpc.weights_checksum
     assert_bitwise_equal(rollout_numbers(pusher), grpc_rollout)
-    assert "update_weights_from_tensor: weight_version read and not used" in pushed.log()
+    assert "weight update over HTTP ignored weight_version" in pushed.log()
 
 
 def test_a_lora_push_in_sglangs_fields_serves_the_adapter_grpc_serves(
