@@ -182,7 +182,7 @@ def _decoded(data: bytearray, request: Request) -> object:
         if content_type in _MSGPACK_TYPES:
             return msgpack.unpackb(data, raw=False, strict_map_key=True)  # its limits follow len(data)
         text = data.decode(json.detect_encoding(data), "surrogatepass")  # as json.loads decodes bytes
-        data.clear()
+        data.clear()  # before the text is parsed
         return json.loads(text)
     except (ValueError, RecursionError, msgpack.UnpackException) as error:  # a JSON or msgpack error
         kind = "msgpack" if content_type in _MSGPACK_TYPES else "JSON"

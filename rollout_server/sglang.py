@@ -432,7 +432,7 @@ def tensor_update(
         )
     if values.get("load_format") not in (None, *payload.LOAD_FORMATS):
         violations.append(("load_format", f"must be null or one of {', '.join(payload.LOAD_FORMATS)}"))
-    if values.get("weight_update_mode", None) not in UPDATE_KINDS:
+    if values.get("weight_update_mode") not in UPDATE_KINDS:
         violations.append(("weight_update_mode", "must be null, full or lora_merge"))
     if len(values.get("target_modules") or ()) > 1:
         violations.append(("target_modules", "names one transformer per update (or none: the transformer)"))
@@ -616,7 +616,7 @@ def sglang_violations(error: InvalidRequest) -> list[dict[str, str]]:
 
 
 def weight_violations(
-    error: InvalidRequest, weights_field: str = "model_path", body_fields: Iterable[str] = ()
+    error: InvalidRequest, weights_field: str, body_fields: Iterable[str] = ()
 ) -> list[dict[str, str]]:
     """The violations of a rejected weight update, each under the field of its SGLang body it
     concerns: ``target_modules`` and ``policy_version`` for the update's target and version, the
