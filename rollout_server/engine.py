@@ -26,7 +26,7 @@ import logging
 import resource
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout.v1 import rollout_pb2
+from rollout_core import checksum
 from rollout_server import memory
 from rollout_server.errors import (
     InvalidRequest,
@@ -299,11 +300,11 @@ class Engine:
 
         return self.scheduler.submit_update(apply)
 
-    def _check_resident(self) -> None:
+    def _check_resident(self, before: str = "updating them") -> None:
         if self.weights.released:
             raise MemoryReleased(
                 "the weights' memory is released: resume it (ResumeMemory, /resume_memory_occupation) "
-                "before updating them"
+                f"before {before}"
             )
 
     def release_memory(self) -> Future:
@@ -363,6 +364,18 @@ class Engine:
             update.policy_version,
             len(self.scheduler.running),
         )
+
+    def module_names(self, target: str) -> list[str]:
+        """The paths of ``target``'s submodules, among which a LoRA adapter's target_modules select."""
+        return [name for name, _ in self.policy.specs[target].empty_model.named_modules() if name]
+
+    def tensor_sha256(self, target: str, names: Iterable[str]) -> dict[str, str]:
+        """SGLang's SHA-256 (``checksum.tensor_sha256``) of each of ``names`` that ``target`` serves
+        (``Policy.served_tensors``); the others are left out. It reads the live tensors: call it while
+        no update runs. MemoryReleased while the weights are released (there is nothing to read)."""
+        self._check_resident("reading them")
+        served = self.policy.served_tensors(target)
+        return {name: checksum.tensor_sha256(served[name]) for name in names if name in served}
 
     def join_weight_sync(self, options: WeightSyncOptions) -> Future:
         """Have every rank join a weight-sync group without holding a rollout: the ranks start joining

@@ -6,9 +6,12 @@ the gRPC service, on the same event loop (``rollout-server serve --http-port``).
   fields it set that are accepted and not used, as SGLang accepts them, are named in the answer's
   ``X-Rollout-Ignored-Fields`` header and a log line.
 * ``POST /update_weights_from_disk``: a folder under ``--weights-root``, as LoadWeights.
+* ``POST /update_weights_from_tensor``: UpdateWeights with the tensors in the body as data
+  (safetensors bytes, or SGLang's flattened bucket: ``weights/payload.py``); SGLang's own payloads
+  are pickles, and network input is never unpickled here.
+* ``POST /update_weights_from_tensor_checker``: each named tensor's SHA-256, as SGLang computes it,
+  against the tensor served.
 * ``POST /get_weights_checksum``: each transformer's checksum, by module name.
-* ``POST /update_weights_from_tensor``: refused. SGLang's payloads are pickles, and network input is
-  never unpickled here: gRPC ``UpdateWeights`` and the weight-sync group carry tensors as data.
 * ``POST /release_memory_occupation`` and ``/resume_memory_occupation``: the weights' memory, as gRPC
   ``ReleaseMemory`` and ``ResumeMemory``; rollouts get 503 with Retry-After while it is released.
 * ``POST /abort_request``: stops the ``/rollout/generate`` rollouts of a ``rid`` (or all of them);
@@ -32,10 +35,12 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
 
 import grpc
 import msgpack
@@ -53,6 +58,11 @@ from rollout_server.errors import InvalidRequest, Overloaded, StartupError
 from rollout_server.http_connection import BoundedH11Protocol
 from rollout_server.service import Refused, RolloutService, failure_status
 from rollout_server.validation import quoted
+from rollout_server.weights import payload
+from rollout_server.weights.spec import HEADER_ALLOWANCE_BYTES, check_target
+
+if TYPE_CHECKING:
+    from rollout_server.weights.update import WeightUpdate
 
 log = logging.getLogger("rollout_server.http")
 MSGPACK = "application/msgpack"
@@ -78,6 +88,7 @@ _ROLLOUT, _INFO, _LOAD, _UPDATE, _RELEASE, _RESUME = (
 )
 _ABORT = _UPDATE  # stopping other callers' rollouts takes the admin token, as the weight endpoints
 _WEIGHT_BODY_BYTES = 64 * 1024  # the weight endpoints' bodies: a path and a few names
+_NAMES_SHOWN = 5  # tensors named in a message, the rest counted
 # Requests at once besides the health probes: what the queue and the wait list hold, and a few for the
 # weight and checksum endpoints.
 SPARE_REQUESTS = 8
@@ -113,12 +124,31 @@ def _status_error(status: grpc.Status, error: Exception | None = None) -> HttpEr
     return HttpError(HTTP_STATUS.get(status.code, 500), status.details)
 
 
-def _weights_error(status: grpc.Status, error: Exception | None) -> HttpError:
+def _weights_error(
+    status: grpc.Status, error: Exception | None, weights_field: str, body_fields: Iterable[str] = ()
+) -> HttpError:
     """The HttpError of a failed weight update: its gRPC status, or a 400 naming the fields of
-    SGLang's body for the InvalidRequest behind it; SGLang's failure answer beside ours."""
+    SGLang's body for the InvalidRequest behind it (``sglang.weight_violations``); SGLang's failure
+    answer beside ours."""
     if isinstance(error, InvalidRequest):
-        return _invalid(sglang.weight_violations(error), weights=True)
+        return _invalid(sglang.weight_violations(error, weights_field, body_fields), weights=True)
     return HttpError(HTTP_STATUS.get(status.code, 500), status.details, extra=_failed(status.details))
+
+
+def _tensor_body_bytes(max_update_bytes: int) -> int:
+    """The largest ``update_weights_from_tensor`` body: an update's bytes as base64 text, and room for
+    the other fields."""
+    return 4 * math.ceil(max_update_bytes / 3) + _WEIGHT_BODY_BYTES
+
+
+def _verdict(actual: str | None, expected: str) -> str:
+    return "missing" if actual is None else "match" if actual == expected else "mismatch"
+
+
+def _some(names: list[str]) -> str:
+    """The first few of ``names``, quoted, and how many more."""
+    shown = ", ".join(quoted(name, 128) for name in names[:_NAMES_SHOWN])
+    return shown + (f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else "")
 
 
 def _invalid(violations: list[dict[str, str]], weights: bool = False) -> HttpError:
@@ -131,6 +161,43 @@ def _invalid(violations: list[dict[str, str]], weights: bool = False) -> HttpErr
 def _failed(detail: str) -> dict:
     """SGLang's answer to a failed weight update, beside ours."""
     return {"success": False, "message": detail}
+
+
+async def _read(request: Request, limit: int) -> bytearray:
+    """The body's bytes, read only up to ``limit`` of them (413 beyond, from its length if it says)."""
+    too_large = HttpError(413, f"the body is larger than the server's limit of {limit} bytes")
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise too_large
+    data = bytearray()  # grown in place: a body is held once, not as pieces and their join
+    async for chunk in request.stream():
+        if len(data) + len(chunk) > limit:
+            raise too_large
+        data += chunk
+    return data
+
+
+def _decoded(data: bytearray, request: Request) -> object:
+    """A body's bytes decoded: JSON, or msgpack by content type; empty: an empty object. ``data`` is
+    emptied as soon as it is decoded, so that a large body (a weight update's) is not held twice
+    while it is parsed."""
+    if not data:
+        return {}
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    try:
+        if content_type in _MSGPACK_TYPES:
+            return msgpack.unpackb(data, raw=False, strict_map_key=True)  # its limits follow len(data)
+        text = data.decode(json.detect_encoding(data), "surrogatepass")  # as json.loads decodes bytes
+        data.clear()  # before the text is parsed
+        return json.loads(text)
+    except (ValueError, RecursionError, msgpack.UnpackException) as error:  # a JSON or msgpack error
+        kind = "msgpack" if content_type in _MSGPACK_TYPES else "JSON"
+        reason = sglang.quoted_reason(error)
+        raise HttpError(
+            400, f"the body is not {kind}: {reason}", [{"field": "request", "description": reason}]
+        ) from None
+    finally:
+        data.clear()
 
 
 async def _disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
@@ -196,6 +263,11 @@ class HttpFrontEnd:
             Route(
                 "/update_weights_from_tensor",
                 self._endpoint(self.update_from_tensor, _UPDATE),
+                methods=["POST"],
+            ),
+            Route(
+                "/update_weights_from_tensor_checker",
+                self._endpoint(self.check_tensors, _INFO),
                 methods=["POST"],
             ),
             Route("/get_weights_checksum", self._endpoint(self.weights_checksum, _INFO), methods=["POST"]),
@@ -266,32 +338,8 @@ class HttpFrontEnd:
         return rejection
 
     async def _body(self, request: Request, limit: int) -> object:
-        """The decoded body (JSON, or msgpack by content type; empty: an empty object), read only up to
-        ``limit`` bytes."""
-        too_large = HttpError(413, f"the body is larger than the server's limit of {limit} bytes")
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            raise too_large
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        data = b"".join(chunks)
-        if not data:
-            return {}
-        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        try:
-            if content_type in _MSGPACK_TYPES:
-                return msgpack.unpackb(data, raw=False, strict_map_key=True)  # its limits follow len(data)
-            return json.loads(data)
-        except (ValueError, RecursionError, msgpack.UnpackException) as error:  # a JSON or msgpack error
-            kind = "msgpack" if content_type in _MSGPACK_TYPES else "JSON"
-            reason = sglang.quoted_reason(error)
-            raise HttpError(
-                400, f"the body is not {kind}: {reason}", [{"field": "request", "description": reason}]
-            ) from None
+        """The decoded body (see ``_decoded``), read only up to ``limit`` bytes."""
+        return _decoded(await _read(request, limit), request)
 
     async def generate(self, request: Request) -> Response:
         body = await self._body(request, self.max_body_bytes)
@@ -391,25 +439,87 @@ class HttpFrontEnd:
             load = sglang.load_weights_request(body, self.service.engine.status().policy_version)
         except InvalidRequest as error:
             raise self._rejected(error, weights=True) from None
+        return await self._updated(self.service.load_weights(load), "loaded", "model_path")
+
+    async def update_from_tensor(self, request: Request) -> Response:
+        """The tensors of the body (``sglang.tensor_update``), read once the update slot is held and
+        decoded off the event loop, then checked and applied as an UpdateWeights stream's are. The
+        fields read and not used are named in the answer's header and a log line."""
+        engine = self.service.engine
+        max_bytes = self.service.server_info.limits.max_update_bytes
+        ignored: list[str] = []
+
+        def update_of(data: bytearray) -> "WeightUpdate":
+            update, unused = sglang.tensor_update(
+                _decoded(data, request),
+                engine.status().policy_version,
+                max_bytes,
+                engine.transformers,
+                engine.module_names,
+            )
+            ignored.extend(unused)
+            return update
+
+        async def received() -> "WeightUpdate":
+            return await asyncio.to_thread(update_of, await _read(request, _tensor_body_bytes(max_bytes)))
+
+        fields = (payload.FIELD, sglang.TENSOR_UPDATE_FIELDS)
+        answer = await self._updated(self.service.update_weights(received), "updated", *fields)
+        if ignored:  # accepted as SGLang accepts them, and said so
+            summary = answer.headers[sglang.IGNORED_HEADER] = sglang.ignored_summary(ignored)
+            log.info("weight update over HTTP ignored %s", summary)
+        return answer
+
+    async def _updated(
+        self, work: Awaitable[dict], verb: str, weights_field: str, body_fields: Iterable[str] = ()
+    ) -> Response:
+        """SGLang's answer to a weight update once ``work`` has applied it, or the 4xx of its failure,
+        naming the fields of the body (``sglang.weight_violations``)."""
         try:
-            applied = await self.service.load_weights(load)
+            applied = await work
+        except (HttpError, ClientDisconnect):  # the body's own: answered by _endpoint
+            raise
         except Refused as refusal:
-            raise _weights_error(refusal.status, refusal.error) from None
+            raise _weights_error(refusal.status, refusal.error, weights_field, body_fields) from None
         except Exception as error:  # noqa: BLE001 - each failure becomes the answer's status
-            raise _weights_error(self.service.update_failure(error), error) from None
+            status = self.service.update_failure(error)
+            raise _weights_error(status, error, weights_field, body_fields) from None
         message = (
-            f"loaded {applied['tensors']} tensors ({applied['bytes']} bytes) as policy version "
+            f"{verb} {applied['tensors']} tensors ({applied['bytes']} bytes) as policy version "
             f"{applied['policy_version']}"
         )
         return JSONResponse({"success": True, "message": message, **applied})
 
-    async def update_from_tensor(self, request: Request) -> Response:
-        message = (
-            "update_weights_from_tensor is not served: its payloads are Python pickles, and this server "
-            "never unpickles network input. Push tensors with the gRPC UpdateWeights stream (safetensors "
-            "data) or the weight-sync group (InitWeightSync, UpdateWeightsFromGroup); see docs/weights.md"
-        )
-        raise HttpError(400, message, extra=_failed(message))
+    async def check_tensors(self, request: Request) -> Response:
+        """SGLang's answer, ``success`` and ``message``, on whether the module serves each named tensor
+        with the expected SHA-256 (``checksum.tensor_sha256``); beside it the verdict per tensor
+        (match, mismatch, missing) and the policy version checked. 200 if all match, else 400."""
+        body = await self._body(request, HEADER_ALLOWANCE_BYTES)
+        try:
+            target, expected = sglang.checker_request(body)
+            check_target(target, self.service.engine.transformers, "target_module")
+        except InvalidRequest as error:
+            raise self._rejected(error) from None
+        try:
+            version, actual = await self.service.tensor_sha256(target, expected)
+        except Refused as refusal:
+            raise _status_error(refusal.status) from None
+        verdicts = {name: _verdict(actual.get(name), digest) for name, digest in expected.items()}
+        wrong = {
+            verdict: [name for name, given in verdicts.items() if given == verdict]
+            for verdict in ("mismatch", "missing")
+        }
+        success = not any(wrong.values())
+        module = f"{quoted(target)} at policy version {version}"
+        if success:
+            message = f"{module} serves the {len(expected)} tensors as expected"
+        else:
+            found = "; ".join(
+                f"{len(names)} {verdict}: {_some(names)}" for verdict, names in wrong.items() if names
+            )
+            message = f"{module} does not serve the tensors expected: {found}"
+        answer = {"success": success, "message": message, "tensors": verdicts, "policy_version": version}
+        return JSONResponse(answer, 200 if success else 400)
 
     async def weights_checksum(self, request: Request) -> Response:
         body = await self._body(request, _WEIGHT_BODY_BYTES)

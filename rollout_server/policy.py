@@ -235,20 +235,29 @@ class Policy:
             for target in self.experts
         }
 
+    def served_tensors(self, target: str) -> dict[str, torch.Tensor]:
+        """``target``'s tensors as served: its base tensors under their checkpoint names, and its LoRA
+        adapter's, if one is loaded, under PEFT's names (``<module>.lora_A.weight``)."""
+        return {**checksum.base_tensors(self.experts[target]), **self._adapter_tensors(target)}
+
+    def _adapter_tensors(self, target: str) -> dict[str, torch.Tensor]:
+        adapter = self.lora_adapters.get(target)
+        if adapter is None:
+            return {}
+        return get_peft_model_state_dict(self.experts[target], adapter_name=peft_name(adapter.policy_version))
+
     def _digest(self, target: str, names, known: dict[str, str] | None = None) -> None:
         """Recompute the checksum lines of ``target``'s base tensors ``names`` (None: all of them) and
         of its adapter, from the tensors served, where they are (on an accelerator, there); ``known``
         lines were taken from the served tensors as they arrived."""
-        module, known = self.experts[target], known or {}
-        live = checksum.base_tensors(module)
+        known = known or {}
+        live = checksum.base_tensors(self.experts[target])
         names = live if names is None else names
         changed = {f"{target}/{n}": live[n] for n in names if f"{target}/{n}" not in known}
         self._lines.update(known)
         for name in [name for name in self._lines if name.startswith(f"{target}/lora/")]:
             del self._lines[name]
-        if (adapter := self.lora_adapters.get(target)) is not None:
-            tensors = get_peft_model_state_dict(module, adapter_name=peft_name(adapter.policy_version))
-            changed.update({f"{target}/lora/{name}": tensor for name, tensor in tensors.items()})
+        changed.update({f"{target}/lora/{name}": t for name, t in self._adapter_tensors(target).items()})
         self._lines.update(checksum.digest_lines(changed))
 
     def _apply_on_every_rank(

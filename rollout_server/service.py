@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -260,19 +260,41 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
 
     @_ends_refused
     async def UpdateWeights(self, request_iterator, context):
-        started_at = time.perf_counter()
-        self._refuse_when_shutting_down()
-        max_bytes = self.server_info.limits.max_update_bytes
-        async with self._update_slot():
-            received = upload.receive(
+        def received() -> Awaitable["WeightUpdate"]:
+            return upload.receive(
                 _parsed(request_iterator),
                 lambda: self.engine.status().policy_version,
-                max_bytes,
+                self.server_info.limits.max_update_bytes,
                 self.upload_idle_seconds,
             )
-            update = await self._updating(context, received)
-            await self._updating(context, self._apply(update))
-        return rollout_pb2.UpdateWeightsResponse(**self._applied(update, started_at))
+
+        applied = await self._updating(context, self.update_weights(received))
+        return rollout_pb2.UpdateWeightsResponse(**applied)
+
+    async def update_weights(self, receive: Callable[[], Awaitable["WeightUpdate"]]) -> dict:
+        """A weight update, whatever its transport: ``receive()`` is awaited once the update slot is
+        held (so one update's bytes are held at a time), and what it returns is checked and applied.
+        The answer's fields, or Refused (shutting down, another update running), or the update's
+        failure (see ``update_failure``)."""
+        started_at = time.perf_counter()
+        self._refuse_when_shutting_down()
+        async with self._update_slot():
+            update = await receive()
+            await self._apply(update)
+        return self._applied(update, started_at)
+
+    async def tensor_sha256(self, target: str, names: Iterable[str]) -> tuple[int, dict[str, str]]:
+        """(the policy version, SGLang's SHA-256 of each of ``names`` that ``target`` serves:
+        ``Engine.tensor_sha256``), computed on a thread while the update slot is held, so that no
+        update changes the tensors it reads (Refused while one runs, while the weights are released, or
+        at shutdown)."""
+        self._refuse_when_shutting_down()
+        async with self._update_slot():
+            try:
+                digests = await asyncio.to_thread(self.engine.tensor_sha256, target, names)
+            except MemoryReleased as error:
+                raise Refused(CallStatus(grpc.StatusCode.FAILED_PRECONDITION, str(error))) from None
+            return self.engine.status().policy_version, digests
 
     @_ends_refused
     async def LoadWeights(self, request, context):
@@ -284,7 +306,6 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     async def load_weights(self, request: rollout_pb2.LoadWeightsRequest) -> dict:
         """LoadWeights without its transport: the answer's fields, or Refused (shutting down, disabled,
         another update running), or the update's failure (see ``update_failure``)."""
-        started_at = time.perf_counter()
         self._refuse_when_shutting_down()
         if self.weights_root is None:
             raise Refused(
@@ -293,8 +314,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                     "LoadWeights is disabled: the server was started without --weights-root",
                 )
             )
-        async with self._update_slot():
-            update = await asyncio.to_thread(
+        return await self.update_weights(
+            lambda: asyncio.to_thread(
                 files.read_update,
                 self.weights_root,
                 request,
@@ -302,8 +323,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                 self.server_info.limits.max_update_bytes,
                 self.engine.transformers,
             )
-            await self._apply(update)
-        return self._applied(update, started_at)
+        )
 
     @_ends_refused
     async def InitWeightSync(self, request, context):

@@ -42,6 +42,8 @@ sample, float32 in [0, 1], [3, H, W] for an image and [3, F, H, W] for a video.
 import io
 import json
 import math
+import string
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +59,10 @@ from rollout_core import wire
 from rollout_server.errors import InvalidRequest
 from rollout_server.limits import MAX_POLICY_VERSION
 from rollout_server.validation import SCALE_FIELDS, quoted
+from rollout_server.weights import payload
+from rollout_server.weights.lora_config import MAX_RANK
+from rollout_server.weights.spec import check_target, check_version
+from rollout_server.weights.update import FULL, LORA, SUBSET, WeightUpdate
 
 if TYPE_CHECKING:
     from rollout_server.memory import SampleSizes
@@ -444,6 +450,122 @@ def aborted_responses(
     ]
 
 
+# Our update's fields (LoadWeights's, and a checked update's header) as SGLang's weight bodies name them.
+_UPDATE_FIELDS = {
+    "target": "target_modules",
+    "header.target": "target_modules",
+    "policy_version": "policy_version",
+    "header.policy_version": "policy_version",
+}
+# SGLang's update_weights_from_tensor body (io_struct.UpdateWeightFromTensorReqInput) besides its
+# serialized_named_tensors, and our policy_version; lora_rank is checked against the payload's.
+TENSOR_UPDATE_FIELDS: dict[str, tuple[str, Any]] = {
+    "load_format": ("str", _OPTIONAL),
+    "target_modules": ("strs", _OPTIONAL),
+    "weight_update_mode": ("str", _OPTIONAL),
+    "lora_rank": ("int", _OPTIONAL),
+    "lora_alpha": ("float", _OPTIONAL),
+    "policy_version": ("int", _OPTIONAL),
+}
+# Fields trainers send that are read and not used: one payload needs no GPU to pick it by
+# (payload_gpu_uuids), policy_version counts the updates (weight_version, which a trainer sends alike
+# with each part of one update), and a transformer update leaves the cached prompt encodings valid
+# (flush_cache).
+UNUSED_TENSOR_UPDATE_FIELDS = ("payload_gpu_uuids", "weight_version", "flush_cache")
+# weight_update_mode: SGLang's default (the tensors sent replace theirs), ours, SGLang's LoRA mode.
+UPDATE_KINDS = {None: SUBSET, "full": FULL, "lora_merge": LORA}
+
+
+def tensor_update(
+    body: Any,
+    current_version: int,
+    max_bytes: int,
+    transformers: Iterable[str],
+    module_names: Callable[[str], Iterable[str]],
+) -> tuple[WeightUpdate, list[str]]:
+    """(the update, the fields set that are read and not used) of SGLang's ``update_weights_from_tensor``
+    body: one payload of data (``weights.payload``) for at most one of ``transformers`` in
+    ``target_modules``; ``weight_update_mode`` null for a SUBSET, ``"full"`` for a FULL update, or
+    ``"lora_merge"`` for a LoRA adapter (``module_names(target)``: the transformer's modules); and our
+    ``policy_version`` (default: ``current_version`` + 1). InvalidRequest naming the body's fields,
+    StaleUpdate for a version not above ``current_version``; the version and target are checked before
+    the payload is decoded."""
+    if not isinstance(body, dict):
+        raise InvalidRequest([("request", "the body must be a JSON or msgpack object")])
+    values, violations = _read_fields(body, TENSOR_UPDATE_FIELDS)
+    payloads = body.get(payload.FIELD)
+    if not (isinstance(payloads, list) and len(payloads) == 1):
+        violations.append(
+            (
+                payload.FIELD,
+                "must be a list of one payload: the server keeps one copy of the weights (its "
+                "sequence-parallel ranks get theirs from rank 0)",
+            )
+        )
+    if values.get("load_format") not in (None, *payload.LOAD_FORMATS):
+        violations.append(("load_format", f"must be null or one of {', '.join(payload.LOAD_FORMATS)}"))
+    if values.get("weight_update_mode") not in UPDATE_KINDS:
+        violations.append(("weight_update_mode", "must be null, full or lora_merge"))
+    if len(values.get("target_modules") or ()) > 1:
+        violations.append(("target_modules", "names one transformer per update (or none: the transformer)"))
+    if values.get("lora_rank") is not None and not 1 <= values["lora_rank"] <= MAX_RANK:
+        violations.append(("lora_rank", f"must be in [1, {MAX_RANK}]"))
+    if violations:
+        raise InvalidRequest(violations)
+    target = (values["target_modules"] or ["transformer"])[0]
+    check_target(target, transformers, "target_modules")
+    version = current_version + 1 if values["policy_version"] is None else values["policy_version"]
+    check_version(version, current_version)
+    kind = UPDATE_KINDS[values["weight_update_mode"]]
+    load_format = values["load_format"] or payload.SAFETENSORS
+    # Taken out of the body (no reference left here), so that its text is freed once decoded.
+    tensors, nbytes = payload.decode(payloads.pop(), load_format, target, max_bytes)
+    config = ""
+    if kind == LORA:
+        tensors, config = payload.lora_adapter(
+            tensors, values["lora_rank"], values["lora_alpha"], module_names(target)
+        )
+    update = WeightUpdate(version, kind, tensors, nbytes, lora_config_json=config, target=target)
+    unused = [name for name in UNUSED_TENSOR_UPDATE_FIELDS if body.get(name) is not None]
+    if kind != LORA:  # as SGLang, the LoRA fields matter in lora_merge alone
+        unused += [name for name in ("lora_rank", "lora_alpha") if values[name] is not None]
+    return update, unused
+
+
+def checker_request(body: Any) -> tuple[str, dict[str, str]]:
+    """(the module, the expected SHA-256 by tensor name, in lower case) of SGLang's
+    ``update_weights_from_tensor_checker`` body."""
+    if not isinstance(body, dict):
+        raise InvalidRequest([("request", "the body must be a JSON or msgpack object")])
+    fields = {"target_module": ("str", ...), "expected_named_tensors_sha256": ("dict", ...)}
+    values, violations = _read_fields(body, fields)
+    expected = values.get("expected_named_tensors_sha256")
+    if expected is not None:
+        wrong = next((name for name, digest in expected.items() if not _is_sha256(name, digest)), None)
+        if not expected:
+            violations.append(("expected_named_tensors_sha256", "must name at least one tensor"))
+        elif wrong is not None:
+            violations.append(
+                (
+                    "expected_named_tensors_sha256",
+                    f"{quoted(str(wrong))}: must map a tensor name to its SHA-256 in 64 hex digits",
+                )
+            )
+    if violations:
+        raise InvalidRequest(violations)
+    return values["target_module"], {name: digest.lower() for name, digest in expected.items()}
+
+
+def _is_sha256(name: Any, digest: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and _is_unicode(name)
+        and isinstance(digest, str)
+        and len(digest) == 64
+        and all(c in string.hexdigits for c in digest)
+    )
+
+
 def quoted_reason(error: Exception) -> str:
     """A parse error, bounded and escaped for an answer and the log."""
     return quoted(f"{type(error).__name__}: {error}")
@@ -565,16 +687,21 @@ def sglang_violations(error: InvalidRequest) -> list[dict[str, str]]:
     ]
 
 
-def weight_violations(error: InvalidRequest) -> list[dict[str, str]]:
-    """The violations of a rejected ``update_weights_from_disk``, each under the field of its body it
-    concerns: ``target_modules`` and ``policy_version`` for LoadWeights's target and version, and
-    ``model_path`` for everything about what lies there (LoadWeights's path, kind and the tensors,
-    adapter config and sizes read from it)."""
-    names = {"target": "target_modules", "policy_version": "policy_version"}
-    return [
-        {"field": names.get(field, "model_path"), "description": description}
-        for field, description in error.violations
-    ]
+def weight_violations(
+    error: InvalidRequest, weights_field: str, body_fields: Iterable[str] = ()
+) -> list[dict[str, str]]:
+    """The violations of a rejected weight update, each under the field of its SGLang body it
+    concerns: ``target_modules`` and ``policy_version`` for the update's target and version, the
+    ``body_fields`` (and the parts of them) as they are, and ``weights_field`` for everything else about
+    the weights (for ``update_weights_from_disk``, ``model_path``: LoadWeights's path, kind and the
+    tensors, adapter config and sizes read from it)."""
+    body_fields = {weights_field, *body_fields}
+
+    def named(field: str) -> str:
+        whole = field.split("[")[0].split(".")[0] in body_fields
+        return _UPDATE_FIELDS.get(field, field if whole else weights_field)
+
+    return [{"field": named(field), "description": description} for field, description in error.violations]
 
 
 def returned_steps(request: GenerateRequest, num_steps: int) -> list[int]:

@@ -6,6 +6,7 @@ the same bytes (checksum) and the same policy version, and a rollout after is bi
 A release waits for the rollout running when it comes; under --sp 2 every rank releases and resumes.
 The colocated trainer (--colocate) is in test_train.py."""
 
+import base64
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from helpers import http_url, make_request, start_server, vm_rss_bytes
 from safetensors import safe_open
+from safetensors.torch import save
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Finished, RolloutClient, Step
@@ -134,6 +136,19 @@ def test_released_weights_leave_the_process_and_come_back_the_same(small_flux, c
         client.update_weights({name: tensor + 1}, info.policy_version + 1, "subset", progress=False)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "resume it" in refused.value.details()
+    # Over HTTP too: a tensor push, and a check of tensors that are not there to read.
+    pushed = httpx.post(
+        f"{url}/update_weights_from_tensor",
+        json={"serialized_named_tensors": [base64.b64encode(save({name: tensor + 1})).decode()]},
+        timeout=WAIT_SECONDS,
+    )
+    assert pushed.status_code == 400 and "resume it" in pushed.json()["detail"], pushed.text
+    checked = httpx.post(
+        f"{url}/update_weights_from_tensor_checker",
+        json={"target_module": "transformer", "expected_named_tensors_sha256": {name: "0" * 64}},
+        timeout=WAIT_SECONDS,
+    )
+    assert checked.status_code == 400 and "resume it" in checked.json()["detail"], checked.text
 
     emptied = vm_rss_bytes(small_flux.process.pid)
     resumed = client.resume_memory()

@@ -4,6 +4,7 @@ A throwaway CA, server certificate (SAN 127.0.0.1 and localhost) and client cert
 run time; nothing secret is stored in the repository.
 """
 
+import base64
 import datetime
 import ipaddress
 import json
@@ -34,7 +35,7 @@ from helpers import (
     http_url,
     start_server,
 )
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from rollout_client import TLS, RolloutClient, RolloutPool
 from rollout_client import cli as client_cli
@@ -447,8 +448,9 @@ def test_startup_error_is_one_line_without_traceback(files):
 
 def test_the_http_api_takes_the_same_tls_and_tokens(secured_server, pki, tiny_transformer):
     """The HTTP front end of the secured server: the client certificate is required, health is open,
-    rollouts need a token, weights from disk the admin token; an update changes the checksum
-    /get_weights_checksum reports (that of GetServerInfo), and the base weights bring it back."""
+    rollouts need a token, weights from disk or as tensors the admin token; an update changes the
+    checksum /get_weights_checksum reports (that of GetServerInfo), and the base weights bring it
+    back."""
     url = http_url(secured_server)
     assert url.startswith("https://")
     folder = secured_server.log_path.parent
@@ -502,5 +504,12 @@ def test_the_http_api_takes_the_same_tls_and_tokens(secured_server, pki, tiny_tr
         outside = call("/update_weights_from_disk", ADMIN_TOKEN, {"model_path": "/etc/passwd"})
         assert outside.status_code == 403 and outside.json()["success"] is False  # outside the root
         assert admin.server_info().weights_checksum == before.weights_checksum
-    pickled = call("/update_weights_from_tensor", ADMIN_TOKEN, {"serialized_named_tensors": ["x"]})
-    assert pickled.status_code == 400 and "never unpickles" in pickled.json()["message"]
+    # The same change as tensors: UpdateWeights's token too.
+    tensors = {"serialized_named_tensors": [base64.b64encode(save({TO_Q: base[TO_Q] + 1})).decode()]}
+    assert call("/update_weights_from_tensor", ROLLOUT_TOKEN, tensors).status_code == 403
+    pushed = call("/update_weights_from_tensor", ADMIN_TOKEN, tensors)
+    assert (
+        pushed.status_code == 200 and pushed.json()["weights_checksum"] == changed.json()["weights_checksum"]
+    )
+    restored = call("/update_weights_from_disk", ADMIN_TOKEN, {"model_path": "base.safetensors"})
+    assert restored.json()["weights_checksum"] == before.weights_checksum

@@ -395,17 +395,6 @@ def test_bodies_that_are_not_requests(family_resources):
     assert_serving(server, url)
 
 
-def test_weights_from_a_pickle_are_refused_without_reading_them(family_resources):
-    server = family_resources.server("flux")
-    url = http_url(server)
-    pickled = {"serialized_named_tensors": ["gASVAAAAAAAAAACMBXBvc2l4lIwGc3lzdGVtlJOUjAJpZJSFlFKULg=="]}
-    answer = post(url, "/update_weights_from_tensor", pickled)
-    assert answer.status_code == 400
-    assert answer.json()["success"] is False
-    assert "never unpickles" in answer.json()["message"] and "UpdateWeights" in answer.json()["message"]
-    assert_serving(server, url)
-
-
 def steps_taken(server) -> float:
     return scrape(metrics_url(server)).get(("rollout_server_steps_total", ()), 0.0)
 

@@ -106,6 +106,18 @@ def weights_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     return combine(digest_lines(tensors))
 
 
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """One tensor's SHA-256 as SGLang-Diffusion's ``update_weights_from_tensor_checker`` computes it
+    (``compute_tensor_sha256``): the hex digest of the dtype as torch prints it (``"torch.float32"``),
+    the shape as a Python tuple prints it (``"(3, 4)"``), then the tensor's bytes (contiguous, as the
+    host holds them), fed in that order."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    hashed = hashlib.sha256(str(tensor.dtype).encode())
+    hashed.update(repr(tuple(tensor.shape)).encode())
+    hashed.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return hashed.hexdigest()
+
+
 def base_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A transformer's own parameters and buffers under their checkpoint names, looking through the
     LoRA layers PEFT wraps around adapted modules (``x.base_layer.weight`` is ``x.weight``; the

@@ -13,6 +13,8 @@ One module per concern, in the order an update meets them:
 
 * ``update``: the ``WeightUpdate`` record and its kinds;
 * ``upload``: an UpdateWeights stream reassembled into tensors as its bytes arrive;
+* ``payload``: the tensors of an HTTP ``update_weights_from_tensor`` body (safetensors bytes or
+  SGLang's flattened bucket, never a pickle), assembled as an upload's are;
 * ``files``: a LoadWeights path, resolved under the server's root and read;
 * ``group``: an UpdateWeightsFromGroup manifest checked whole, then the trainer's broadcasts received
   on every rank;

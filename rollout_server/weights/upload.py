@@ -126,13 +126,19 @@ def parse_header(text: bytes, data_bytes: int) -> list[Entry]:
     if not isinstance(header, dict):
         raise MalformedBuffer("the header is not a JSON object")
     header.pop("__metadata__", None)
+    return layout_entries(header, data_bytes)
+
+
+def layout_entries(header: dict[str, object], data_bytes: int) -> list[Entry]:
+    """The tensors of a safetensors header's entries (name: dtype, shape, data_offsets), in data order;
+    MalformedBuffer unless their data exactly fills ``data_bytes``."""
     entries, end = [], 0
     for name, info in sorted(header.items(), key=_data_order):
         entry, end = _entry(name, info, end)
         entries.append(entry)
     if end != data_bytes:
         raise MalformedBuffer(
-            f"the tensors' data is {end} bytes; the buffer holds {data_bytes} after its header"
+            f"the tensors' data is {end} bytes; the buffer holds {data_bytes} bytes of data"
         )
     return entries
 
@@ -155,6 +161,16 @@ class TensorAssembler:
         self._raw: torch.Tensor | None = None  # its bytes
         self._raw_view = memoryview(b"")
         self._filled = 0
+
+    @classmethod
+    def of_layout(
+        cls, entries: list[Entry], on_tensor: Callable[[str, torch.Tensor], None]
+    ) -> "TensorAssembler":
+        """An assembler of data laid out as ``entries`` say (from ``layout_entries``), with no header
+        in front of it."""
+        assembler = cls(sum(entry.nbytes for entry in entries), 0, on_tensor)
+        assembler._entries = entries
+        return assembler
 
     def feed(self, data: bytes | memoryview) -> None:
         if self.received + len(data) > self.total_bytes:
