@@ -3,6 +3,7 @@ exceptions that cross layers come from one module, and the client's modules impo
 without a circle."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,21 @@ def test_an_import_circle_is_seen():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert a_cycle(graph) == ["a", "b", "c", "a"]
     assert not a_cycle({"a": {"b"}, "b": set()})
+
+
+def test_the_reference_replayer_imports_only_torch_safetensors_diffusers_and_the_stubs():
+    """conformance/replay.py is the protocol's executable form for other implementations: it reads the
+    docs' formulas, not our code, and stays short enough to read in one sitting."""
+    source = (PACKAGE.parent / "conformance" / "replay.py").read_text()
+    modules = imported_modules(ast.parse(source))
+    allowed = {"torch", "safetensors", "diffusers", "google", "rollout"}
+    assert {name.split(".")[0] for name in modules} <= allowed | set(sys.stdlib_module_names)
+    assert {name for name in modules if name.startswith("rollout")} <= {
+        "rollout.v1",
+        "rollout.v1.rollout_pb2",
+    }
+    assert {name for name in modules if name.startswith("google")} <= {
+        "google.protobuf",
+        "google.protobuf.json_format",
+    }
+    assert len(source.splitlines()) <= 300
