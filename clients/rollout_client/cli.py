@@ -2,10 +2,16 @@
 
     rollout-client info [--address HOST:PORT] [--tls-ca CA.pem] [--token-file FILE]
     rollout-client rollout "a red fox" "a blue bird" --samples-per-prompt 4 --seed 7 --out rollouts/
+    rollout-client conformance HOST:PORT [--model FOLDER]
 
 The rollout command writes, per sample k, sample-<k>.png and sample-<k>.safetensors (a Trajectory),
 plus contact-sheet.png (one row per prompt) and rollout.json (seeds, schedule, log-probs, timings).
 Options left out are left unset in the request, so the server's defaults apply.
+
+The conformance command sends the conformance kit's rollouts (each sampler x CFG mode x solver window)
+and checks every stream: the noise against the seed rule, the log-probs and the deterministic steps
+against the formulas, from the streamed velocities or, with --model, from the model's own forwards. It
+prints a table and exits 3 when a row fails.
 
 The command line is parsed before the client library loads (it imports torch, which takes seconds),
 so --help and usage errors answer at once.
@@ -51,6 +57,7 @@ LATENT_DTYPES = tuple(
 )
 EXIT_RPC_ERROR = 2
 EXIT_USAGE = 1
+EXIT_NONCONFORMANT = 3
 
 
 def _unsigned(bits: int):
@@ -144,7 +151,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="which latents to stream",
     )
     r.add_argument("--latent-dtype", choices=LATENT_DTYPES, help="streamed latent dtype")
-    return parser.parse_args(argv)
+
+    c = commands.add_parser(
+        "conformance", parents=[common], help="check a server's rollouts against the protocol's formulas"
+    )
+    c.add_argument("server", nargs="?", metavar="ADDRESS", help="server address (default: --address)")
+    c.add_argument(
+        "--model",
+        type=Path,
+        metavar="FOLDER",
+        help="the served model's diffusers folder: replay through its transformers (loaded in the "
+        "server's dtype, checked against its weights checksum) instead of the streamed velocities",
+    )
+    c.add_argument("--device", default="cpu", help="where --model's transformers run (default cpu)")
+    c.add_argument("--height", type=_unsigned(32), help="image height (default 2 x limits.side_multiple)")
+    c.add_argument("--width", type=_unsigned(32), help="image width (default 2 x limits.side_multiple)")
+    c.add_argument("--frames", type=_unsigned(32), help="video frames per sample (default 1)")
+    c.add_argument(
+        "--case",
+        action="append",
+        metavar="PATTERN",
+        help="only the cases whose name SAMPLER/CFG/WINDOW (e.g. 'CPS/cfg/sde 2 in unipc', as the table's "
+        "rows) matches this shell-style pattern; repeatable",
+    )
+    args = parser.parse_args(argv)
+    if getattr(args, "server", None):
+        args.address = args.server
+    return args
 
 
 def build_request(args: argparse.Namespace) -> rollout_pb2.RolloutRequest:
@@ -179,7 +212,7 @@ def describe_error(error: grpc.RpcError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from rollout_client.commands import connect, save_rollout, stream_with_progress
+    from rollout_client.commands import connect, run_conformance, save_rollout, stream_with_progress
 
     try:
         client = connect(args)
@@ -191,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "info":
                 print(json_format.MessageToJson(client.server_info(), preserving_proto_field_name=True))
                 return 0
+            if args.command == "conformance":
+                table, passed = run_conformance(client, args)
+                print(table)
+                return 0 if passed else EXIT_NONCONFORMANT
             request = build_request(args)
             events = stream_with_progress(client, request)
         except (ValueError, OSError) as error:

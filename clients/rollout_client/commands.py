@@ -2,10 +2,12 @@
 seconds to import): connect, stream a rollout with a progress bar, write it to disk."""
 
 import argparse
+import fnmatch
 import io
 import json
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from rollout_client.credentials import TLS, read_token
 from rollout_client.events import Event, Finished, Started, Step
 from rollout_client.images import contact_sheet
 from rollout_client.trajectory import Trajectory, collect
+from rollout_core import checksum, dtypes
 
 FINISHED_FIELDS = rollout_pb2.RolloutFinished.DESCRIPTOR.fields
 # Animated previews of video samples play at 16 frames per second, as Wan exports its videos.
@@ -136,3 +139,55 @@ def save_rollout(out: Path, events: list[Event], condition_images: Sequence[byte
     document = summary(started, finished, trajectories)
     (out / "rollout.json").write_text(json.dumps(document, indent=2) + "\n")
     return trajectories
+
+
+def run_conformance(client: RolloutClient, args: argparse.Namespace) -> tuple[str, bool]:
+    """Send each conformance case to the server and check its stream: the table, and whether every
+    row passed. ValueError when ``--model`` is not the policy the server serves."""
+    from rollout_client import conformance
+
+    info = client.server_info()
+    size = None
+    if args.height or args.width or args.frames:
+        side = 2 * info.limits.side_multiple
+        size = (args.height or side, args.width or side, args.frames or (1 if info.limits.frame_step else 0))
+    cases = [
+        case
+        for case in conformance.cases(info)
+        if not args.case or any(fnmatch.fnmatchcase(case.name, pattern) for pattern in args.case)
+    ]
+    if not cases:
+        raise ValueError(f"no conformance case matches {' or '.join(args.case)}")
+    transformers = _served_transformers(args.model, info, args.device) if args.model else None
+    # Sent together: the server batches their rows, as it would a trainer's; each stream is checked
+    # alone, so how it shared its forwards changes nothing the checks compare.
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        streams = list(
+            pool.map(lambda case: list(client.stream(conformance.request(info, case, size))), cases)
+        )
+    results = [
+        conformance.check(case, events, transformers, args.device)
+        for case, events in zip(cases, streams, strict=True)
+    ]
+    return conformance.table(results), all(result.passed for result in results)
+
+
+def _served_transformers(folder: Path, info: rollout_pb2.GetServerInfoResponse, device: str):
+    """The transformers of the model folder by component, in the server's dtype, checked to be the
+    policy it serves (its weights checksum): a replay through other weights would only disagree."""
+    from diffusers import AutoModel  # the trainer's side; the client library never imports diffusers
+
+    dtype = dtypes.BY_NAME[info.dtype]
+    transformers = {
+        name: AutoModel.from_pretrained(str(folder), subfolder=name, torch_dtype=dtype).to(device).eval()
+        for name in info.transformers
+    }
+    served = checksum.weights_checksum(
+        checksum.policy_tensors({name: checksum.base_tensors(t) for name, t in transformers.items()})
+    )
+    if served != info.weights_checksum:
+        raise ValueError(
+            f"the transformers of {folder} (checksum {served}) are not the policy the server serves "
+            f"({info.weights_checksum}): replaying through them would not compare like with like"
+        )
+    return transformers
