@@ -43,7 +43,15 @@ def test_info_prints_server_info_json(server):
     info = json.loads(result.stdout)
     assert info["family"] == "flux"
     assert Path(info["model_path"], "transformer").is_dir()
-    assert info["features"] == ["lora", "tree", "prune_points", "weight_sync", "sigmas", "initial_latents"]
+    assert info["features"] == [
+        "lora",
+        "tree",
+        "prune_points",
+        "weight_sync",
+        "sigmas",
+        "initial_latents",
+        "release_memory",
+    ]
 
 
 def test_rollout_writes_one_image_and_trajectory_per_sample(rollout_dir):
