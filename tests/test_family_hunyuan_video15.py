@@ -16,13 +16,14 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import (
     extract_glyph_texts,
     retrieve_timesteps,
 )
-from helpers import TOLERANCE, LiveTensorBytes, family_request, forward_at, refused_rollout
+from helpers import TOLERANCE, family_request, forward_at, refused_rollout
 from torch.overrides import TorchFunctionMode
 
 from rollout_core.transformer_call import apply_guidance
 from rollout_server.errors import ParallelismUnsupported, UnsupportedModel
 from rollout_server.families.base import MediaShape
 from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter, UlyssesAttnProcessor
+from rollout_server.live_tensors import LiveTensorBytes
 from rollout_server.memory import DECODE_LIVE_FACTOR
 from rollout_server.parallel import ParallelDims, check_splittable
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 from helpers import (
     FAMILIES,
-    LiveTensorBytes,
     condition_png,
     env_at,
     field_violations,
@@ -26,6 +25,7 @@ from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server import families, memory
 from rollout_server.families.base import MediaShape
 from rollout_server.limits import Limits, parse_bytes
+from rollout_server.live_tensors import LiveTensorBytes
 from rollout_server.memory import RUNTIME_OVERHEAD, MemoryBudget, RolloutMemory
 from rollout_server.presets import defaults_for
 from rollout_server.scheduler import STREAM_BUFFER

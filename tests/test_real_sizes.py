@@ -71,7 +71,7 @@ from diffusers import (
 )
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
-from helpers import FAMILIES, LiveTensorBytes
+from helpers import FAMILIES
 from peft import LoraConfig
 from PIL import Image
 from transformers import (
@@ -111,6 +111,7 @@ from rollout_server import families, memory
 from rollout_server.errors import InvalidRequest, ParallelismUnsupported
 from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.limits import Limits
+from rollout_server.live_tensors import LiveTensorBytes
 from rollout_server.parallel import ParallelDims, check_splittable
 from rollout_server.presets import defaults_for
 from rollout_server.presets.cosmos3 import SCHEDULER_CONFIG as COSMOS3_SCHEDULER_CONFIG
