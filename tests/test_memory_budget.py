@@ -115,7 +115,7 @@ def estimate_of(adapter, preset: str, request: rollout_pb2.RolloutRequest) -> Ro
     limits = Limits()
     serving = ServingContext.of(adapter, defaults_for(preset, adapter.defaults()), limits)
     backlog = STREAM_BUFFER * limits.max_message_bytes
-    return memory.estimate(adapter, adapter.measure_decode(), resolve(request, serving), backlog)
+    return memory.estimate(adapter, adapter.measure_vae(), resolve(request, serving), backlog)
 
 
 def estimated_peak(folder, request: rollout_pb2.RolloutRequest, preset: str = "tiny-flux") -> int:
