@@ -102,7 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=byte_size,
         default=None,
         help="bytes the running rollouts may take above the loaded model, e.g. 12GiB (default: half the "
-        "RAM available once the model is loaded on a CPU, 80%% of the free GPU memory on CUDA)",
+        "RAM available once the model is loaded on a CPU, 80%% of the free GPU memory on CUDA). Each "
+        "request's estimate counts what it holds (latents, sampler tensors, stream, env, a video "
+        "decode's cache) and the largest piece of work: a forward, a decode piece or a conditioning "
+        "image's encode, the VAE's measured at start-up on a probe (on a CPU with what glibc's heap "
+        "keeps); a request that cannot fit alone is refused",
     )
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (per rank)")
     s.add_argument(

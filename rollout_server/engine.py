@@ -227,7 +227,7 @@ class Engine:
             prune_hold_seconds=limits.prune_hold_seconds,
             max_image_bytes=limits.max_queued_image_bytes,
         )
-        self._decode_profile = self.adapter.measure_decode() if self.parallel.is_leader else None
+        self._vae_profile = self.adapter.measure_vae() if self.parallel.is_leader else None
         self.policy = Policy(self.adapter.experts, self.parallel)
         modules = self.adapter.pipe.components.items()
         self.weights = Weights(
@@ -251,7 +251,7 @@ class Engine:
         naming the fields that make it large, when it cannot fit the memory budget even alone."""
         backlog = STREAM_BUFFER * self.max_message_bytes
         split = self.parallel.dims.seq_len_divisor
-        estimate = memory.estimate(self.adapter, self._decode_profile, resolved, backlog, split)
+        estimate = memory.estimate(self.adapter, self._vae_profile, resolved, backlog, split)
         video = self.adapter.max_frames > 1
         if too_large := memory.refusal(estimate, self.memory_budget, resolved, video):
             raise InvalidRequest(too_large)

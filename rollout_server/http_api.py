@@ -591,7 +591,7 @@ class HttpFrontEnd:
     async def _probe_rollout(self) -> HttpError | None:
         """Run /health_generate's rollout: None if it went through, else the answer's error."""
         serving = self.service.serving
-        side = serving.side_multiple
+        side = serving.min_side  # the smallest size the model takes (LTX-2's decoder needs 2 x 2 latents)
         probe = rollout_pb2.RolloutRequest(
             prompts=["health"],
             num_steps=serving.min_steps,

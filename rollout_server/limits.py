@@ -152,7 +152,9 @@ class Limits:
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"--memory-budget must be positive, got {self.memory_budget}")
 
-    def to_proto(self, side_multiple: int, max_frames: int, frame_step: int) -> rollout_pb2.Limits:
+    def to_proto(
+        self, side_multiple: int, min_side: int, max_frames: int, frame_step: int
+    ) -> rollout_pb2.Limits:
         from rollout_core import steps  # loads torch, which the command line does without
 
         return rollout_pb2.Limits(
@@ -161,6 +163,7 @@ class Limits:
             max_steps=self.max_steps,
             max_side=self.max_side,
             side_multiple=side_multiple,
+            min_side=min_side,
             max_frames=max_frames,
             frame_step=frame_step,
             max_latent_elements=self.max_latent_elements,

@@ -6,12 +6,14 @@ the messages of its stream (an event's tensors, their safetensors buffer and the
 it, and the outbox's backlog) and its prompts' env. On top of that, one piece of work runs at a time
 on the worker: a transformer forward (at most ``max_batch_size`` rows of one shape, and no more latent
 elements than ``max_latent_elements`` allows, as the runner cuts them; under sequence parallelism each
-rank runs its share of the forward's tokens) or one decode piece (one image, one chunk of a video's
-frames or a whole video, as the VAE decodes it, or a sample's sound). The per-family sizes come from
-the adapter (``forward_activation``, ``text_elements``, ``audio_values``, ``measure_decode``); the
-factors below, live tensors per widest activation, were measured on the tiny presets
-(docs/architecture.md has the table). What grows with the square of a sequence (an attention mask
-materialised query by key, the scores of SDPA's math kernel) is no multiple of a widest activation:
+rank runs its share of the forward's tokens), one decode piece (one image, one chunk of a video's
+frames or a whole video, as the VAE decodes it, or a sample's sound) or one conditioning image's
+encode. The per-family sizes come from the adapter (``forward_activation``, ``text_elements``,
+``audio_values``). A forward's live tensors per widest activation were measured on the tiny presets
+(docs/architecture.md has the table); the VAE's work is measured at start-up on a probe
+(``measure_vae``): what its tensors take per pixel, which a piece of any size follows (on a CPU, in
+glibc's heap, with the convolutions' scratch). What grows with the square of a sequence (an attention
+mask materialised query by key, the scores of SDPA's math kernel) is no multiple of a pixel's bytes:
 the adapter counts it (``attention_matrix_bytes``, ``decode_attention_bytes``). The text sizes are
 bounds: a family whose pipeline truncates no text refuses one above them once it is tokenised
 (``errors.TextTooLong``), never by its characters alone.
@@ -32,16 +34,14 @@ import torch
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes
 from rollout_core.tree import widest
-from rollout_server.families.base import DecodeProfile, FamilyAdapter, MediaShape
+from rollout_server.families.base import FamilyAdapter, MediaShape, VaeProfile
 
 if TYPE_CHECKING:
     from rollout_server.limits import Limits
 
-# Live tensors at a forward's peak, per element of its widest activation (tokens x width), and at a
-# decode piece's peak, per element of the decoder's widest activation; measured on this repository's
-# presets, rounded up.
+# Live tensors at a forward's peak, per element of its widest activation (tokens x width); measured on
+# this repository's presets, rounded up.
 FORWARD_LIVE_FACTOR = 6
-DECODE_LIVE_FACTOR = 6
 # Resident memory that the first work at a new size adds besides its tensors: library code paged in
 # on first use, and what the allocator keeps in its arenas (40 to 120 MiB measured on a CPU).
 RUNTIME_OVERHEAD = 128 * 2**20
@@ -95,6 +95,7 @@ class RolloutMemory:
     rows: int = 0  # its transformer rows: samples x CFG branches
     decode_bytes: int = 0  # one decode piece's working set (0 without images)
     row_elements: int = 1  # one row's latent elements, which bound the rows of a forward
+    encode_bytes: int = 0  # one conditioning image's encode (0 for a family that takes none)
 
 
 @dataclass(frozen=True)
@@ -111,15 +112,15 @@ class MemoryBudget:
 
     def peak(self, rollouts: Iterable[RolloutMemory]) -> int:
         """An upper bound on the peak of ``rollouts`` running together: what each holds, plus the
-        largest single piece of work, a forward or a decode piece, plus the runtime's overhead. A
-        forward's rows share one latent shape, so they are of one rollout's row size, and as many as
-        ``forward_rows`` of all the rows running."""
+        largest single piece of work, a forward, a decode piece or a conditioning image's encode,
+        plus the runtime's overhead. A forward's rows share one latent shape, so they are of one
+        rollout's row size, and as many as ``forward_rows`` of all the rows running."""
         rollouts = list(rollouts)
         if not rollouts:
             return 0
         rows = sum(r.rows for r in rollouts)
         forward = max(self.forward_rows(r, rows) * r.row_bytes for r in rollouts)
-        largest_piece = max(forward, max(r.decode_bytes for r in rollouts))
+        largest_piece = max(forward, *(max(r.decode_bytes, r.encode_bytes) for r in rollouts))
         return RUNTIME_OVERHEAD + sum(r.held for r in rollouts) + largest_piece
 
     def fits(self, rollouts: Iterable[RolloutMemory]) -> bool:
@@ -145,15 +146,15 @@ def sample_sizes(adapter: FamilyAdapter, request: rollout_pb2.RolloutRequest) ->
     )
 
 
-def sound_piece(adapter: FamilyAdapter, decode: DecodeProfile, shape: MediaShape, video_pixels: int) -> int:
+def sound_piece(adapter: FamilyAdapter, vae: VaeProfile, shape: MediaShape, video_pixels: int) -> int:
     """The bytes of one sample's sound decode at ``shape``, which runs after its frames, a decode piece
-    of its own (0 without sound): its decoder's activations, the waveform and its WAV, beside the last
+    of its own (0 without sound): its decoder's tensors, the waveform and its WAV, beside the last
     video piece's images (``video_pixels``), which the decode loop still holds."""
     values = adapter.audio_values(shape)
     if not values:
         return 0
     return (
-        math.ceil(values * decode.sound_width * DECODE_LIVE_FACTOR)
+        math.ceil(values * vae.sound_bytes)
         + values * SOUND_BYTES_PER_VALUE
         + video_pixels * IMAGE_BYTES_PER_PIXEL
     )
@@ -161,12 +162,12 @@ def sound_piece(adapter: FamilyAdapter, decode: DecodeProfile, shape: MediaShape
 
 def estimate(
     adapter: FamilyAdapter,
-    decode: DecodeProfile,
+    vae: VaeProfile,
     request: rollout_pb2.RolloutRequest,
     backlog_bytes: int,
     sequence_split: int = 1,
 ) -> RolloutMemory:
-    """The memory of a resolved request on ``adapter``'s model, whose decoder ``decode`` profiles, on
+    """The memory of a resolved request on ``adapter``'s model, whose VAE's work ``vae`` profiles, on
     rank 0 of ``sequence_split`` ranks that split a forward's tokens (``--sp``; the latents, env and
     stream stay whole on it); ``backlog_bytes`` bounds the messages its outbox holds from earlier
     events."""
@@ -185,19 +186,15 @@ def estimate(
     decode_bytes = decode_state = wav = 0
     frame_pixels = shape.height * shape.width
     if request.images:
-        piece_pixels = decode.piece_frames(shape.frames) * frame_pixels
-        vae_bytes = adapter.pipe.vae.dtype.itemsize
-        activations = math.ceil(piece_pixels * decode.width * DECODE_LIVE_FACTOR) * vae_bytes
+        piece_pixels = vae.piece_frames(shape.frames) * frame_pixels
         decode_bytes = (
-            activations
-            + math.ceil(piece_pixels * decode.workspace) * vae_bytes
+            math.ceil(piece_pixels * vae.piece_bytes)
             + piece_pixels * FRAME_BYTES_PER_PIXEL
             + adapter.decode_attention_bytes(shape)
         )
-        # What a decode keeps between pieces (a few frames of each causal convolution's input) is
-        # part of a piece's activations.
-        decode_state = activations if adapter.decode_keeps_state else 0
-        decode_bytes = max(decode_bytes, sound_piece(adapter, decode, shape, piece_pixels))
+        # What a decode keeps between pieces (a few frames of each causal convolution's input).
+        decode_state = math.ceil(piece_pixels * vae.kept_bytes)
+        decode_bytes = max(decode_bytes, sound_piece(adapter, vae, shape, piece_pixels))
         if values := adapter.audio_values(shape):
             wav = WAV_HEADER_BYTES + 2 * values  # 16-bit PCM
     debug = sum(d != rollout_pb2.DEBUG_TENSOR_SD for d in request.debug_tensors)
@@ -208,7 +205,11 @@ def estimate(
     held = (
         latent * 4 * (SAMPLER_TENSORS + branches) + EVENT_COPIES * event + backlog_bytes + env + decode_state
     )
-    return RolloutMemory(held, row_bytes, samples * branches, decode_bytes, sizes.latent_elements)
+    # Each prompt's conditioning image is encoded on its own, a piece of work (0 without images).
+    encode_bytes = vae.encode(shape)
+    return RolloutMemory(
+        held, row_bytes, samples * branches, decode_bytes, sizes.latent_elements, encode_bytes
+    )
 
 
 def refusal(
@@ -227,9 +228,10 @@ def refusal(
     holds = "its 1 sample holds" if samples == 1 else f"its {samples} samples hold"
     rows = budget.forward_rows(memory, memory.rows)
     size = f"{request.height} x {request.width} pixels" + (f" x {request.num_frames} frames" if video else "")
+    encode = f", an image's encode {format_bytes(memory.encode_bytes)}" if memory.encode_bytes else ""
     sized = (
-        f"at {size} a forward of up to {rows} rows needs {format_bytes(rows * memory.row_bytes)} and a "
-        f"decode piece {format_bytes(memory.decode_bytes)}; {over}"
+        f"at {size} a forward of up to {rows} rows needs {format_bytes(rows * memory.row_bytes)}"
+        f"{encode} and a decode piece {format_bytes(memory.decode_bytes)}; {over}"
     )
     count_field = "samples_per_prompt" if request.samples_per_prompt > 1 else "prompts"
     violations = [(count_field, f"{holds} {format_bytes(memory.held)}; {over}")]

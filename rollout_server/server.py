@@ -141,11 +141,15 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
         sampler_types=list(steps.SAMPLERS_BY_ENUM),
         solvers=list(solvers.SOLVERS_BY_ENUM),
         defaults=defaults_proto(serving),
-        limits=limits.to_proto(adapter.side_multiple, adapter.max_frames, adapter.frame_step),
+        limits=limits.to_proto(
+            adapter.side_multiple, adapter.min_side, adapter.max_frames, adapter.frame_step
+        ),
         versions=versions(),
-        cfg_scale_field=adapter.cfg_scale_field,
-        cfg_rule=adapter.cfg_rule,
+        # A model without CFG states no field to turn it on with.
+        cfg_scale_field=serving.cfg_scale_field if serving.has_cfg else "",
+        cfg_rule=adapter.cfg_rule if serving.has_cfg else "none",
         cfg_off_scale=adapter.cfg_off_scale,
+        scale_fields=serving.scale_fields,
         timestep_rule=adapter.timestep_rule,
         features=features(adapter, options.weights_root),
     )

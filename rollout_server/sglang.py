@@ -655,7 +655,7 @@ def _unread(request: GenerateRequest, serving: "ServingContext") -> list[str]:
     scale = values[serving.cfg_scale_field]
     if scale is None or serving.cfg_scale_field in unread:
         scale = getattr(serving.defaults, serving.cfg_scale_field)
-    cfg = serving.cfg_scale_field in serving.scale_fields and scale > serving.cfg_off_scale
+    cfg = serving.has_cfg and scale > serving.cfg_off_scale
     if request.negative_prompt and not cfg:
         unread.append("negative_prompt")
     experts = serving.boundary_ratio is not None

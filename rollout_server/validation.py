@@ -92,6 +92,13 @@ class ServingContext:
     image_encoding: str = ""  # how the family encodes a conditioning image
 
     @property
+    def has_cfg(self) -> bool:
+        """Whether the model runs CFG at all: it reads its ``cfg_scale_field``. A guidance-distilled
+        model (FLUX.2 [dev]) or a step-distilled one (a distilled FLUX.2 [klein]) reads none, so
+        GetServerInfo states no CFG field for it, and the rule "none"."""
+        return self.cfg_scale_field in self.scale_fields
+
+    @property
     def max_request_bytes(self) -> int:
         """The largest request this server receives (see ``Limits.max_request_bytes``)."""
         return self.limits.max_request_bytes(self.takes_images)
@@ -248,8 +255,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     if not _finite_in(resolved.true_cfg_scale, 1.0, 100.0):
         bad.append(("true_cfg_scale", f"must be finite and in [1, 100], got {resolved.true_cfg_scale}"))
     # A model that does not read its CFG field (step- or guidance-distilled) runs without CFG.
-    has_cfg = context.cfg_scale_field in context.scale_fields
-    reads = f"its CFG scale is {context.cfg_scale_field}" if has_cfg else "it runs without CFG"
+    reads = f"its CFG scale is {context.cfg_scale_field}" if context.has_cfg else "it runs without CFG"
     for field in SCALE_FIELDS:
         # A scale the model does not read would be ignored: refused, unless it is the default that a
         # started event echoes (so a resolved request can be resent).
@@ -259,7 +265,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     if request.negative_prompt and getattr(resolved, context.cfg_scale_field) <= context.cfg_off_scale:
         needs = (
             f"is only used with {context.cfg_scale_field} > {context.cfg_off_scale:g}"
-            if has_cfg
+            if context.has_cfg
             else "this model runs without CFG"
         )
         bad.append(("negative_prompt", needs))

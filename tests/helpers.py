@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import urllib.request
-import weakref
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,13 +26,11 @@ import PIL.Image
 import pytest
 import reference
 import torch
-import torch.utils._pytree as pytree
 from forked import ForkedProcess
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.utils import is_torchvision_available
 
 from rollout.v1 import rollout_pb2
@@ -671,46 +668,6 @@ def qwen_text_length(pipe, prompt: str) -> int:
     """The prompt's token count after QwenImagePipeline drops its template's system prefix."""
     tokens = pipe.tokenizer(pipe.prompt_template_encode.format(prompt)).input_ids
     return len(tokens) - pipe.prompt_template_encode_start_idx
-
-
-# Memory --------------------------------------------------------------------------------------------
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """The most bytes of tensors that the ops run under it made and that were alive at once: a storage
-    counts from the op that makes it until no tensor on it (its views included) is left. Views of
-    tensors made before are not counted, nor the kernels' own scratch buffers."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.tensors: dict[int, list[int]] = {}  # storage address: [tensors on it, its bytes]
-
-    def _released(self, address: int) -> None:
-        entry = self.tensors[address]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self.tensors[address]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        output = func(*args, **(kwargs or {}))
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        before = {t.untyped_storage().data_ptr() for t in inputs} - set(self.tensors)
-        for tensor in pytree.tree_leaves(output):
-            if not isinstance(tensor, torch.Tensor) or any(tensor is t for t in inputs):
-                continue  # an in-place op's
-            storage = tensor.untyped_storage()
-            address = storage.data_ptr()
-            if address in before:
-                continue  # a view of a tensor made before
-            if address not in self.tensors:
-                self.tensors[address] = [0, storage.nbytes()]
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-            self.tensors[address][0] += 1
-            weakref.finalize(tensor, self._released, address)
-        return output
 
 
 # Requests and events -------------------------------------------------------------------------------

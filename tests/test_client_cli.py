@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,15 @@ def test_info_prints_server_info_json(server):
     info = json.loads(result.stdout)
     assert info["family"] == "flux"
     assert Path(info["model_path"], "transformer").is_dir()
-    assert info["features"] == ["lora", "tree", "prune_points", "weight_sync", "sigmas", "initial_latents"]
+    assert info["features"] == [
+        "lora",
+        "tree",
+        "prune_points",
+        "weight_sync",
+        "sigmas",
+        "initial_latents",
+        "release_memory",
+    ]
 
 
 def test_rollout_writes_one_image_and_trajectory_per_sample(rollout_dir):
@@ -221,3 +230,13 @@ def test_grpcurl_examples(server, script, expected):
     )
     assert result.returncode == 0, result.stderr
     assert expected in result.stdout
+
+
+def test_the_readme_lists_every_rollout_flag(capsys):
+    """The README's table of ``rollout-client rollout`` flags names every option its --help shows."""
+    with pytest.raises(SystemExit):
+        parse_args(["rollout", "--help"])
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", capsys.readouterr().out)) - {"--help"}
+    readme = (ROOT / "README.md").read_text()
+    assert {"--frames", "--steps", "--out"} <= flags
+    assert sorted(flag for flag in flags if f"`{flag}" not in readme) == []

@@ -62,13 +62,14 @@ def family() -> str:
     ("family", "expected"),
     [
         (KLEIN, ("Flux2KleinPipeline", "guidance_scale", "true_cfg", 4.0)),  # FLUX.2 [klein] base's CFG 4
-        (DEV, ("Flux2Pipeline", "true_cfg_scale", "none", 4.0)),  # FLUX.2 [dev]'s guidance 4, no CFG
+        (DEV, ("Flux2Pipeline", "", "none", 4.0)),  # FLUX.2 [dev]'s embedded guidance 4, no CFG field
     ],
 )
 def test_server_info(family_client, family, expected):
     info = family_client.server_info()
     assert (info.family, info.pipeline_class, info.timestep_rule) == (family, expected[0], "timestep / 1000")
     assert (info.cfg_scale_field, info.cfg_rule, info.defaults.guidance_scale) == expected[1:]
+    assert list(info.scale_fields) == ["guidance_scale"]  # [klein]'s CFG scale, [dev]'s guidance
     defaults = info.defaults
     assert (defaults.height, defaults.width, defaults.num_steps) == (128, 128, 10)  # the preset's
     assert defaults.true_cfg_scale == 1.0 and info.limits.side_multiple == 16
@@ -347,6 +348,7 @@ def test_a_distilled_klein_runs_without_cfg(family_folder, tmp_path):
     defaults = adapter.defaults()
     assert (defaults.num_steps, defaults.guidance_scale) == (4, 1.0)
     serving = ServingContext.of(adapter, defaults, Limits())
+    assert not serving.has_cfg  # GetServerInfo states no CFG field, and the rule "none"
     for field, value in (("guidance_scale", 4.0), ("negative_prompt", "blurry")):
         with pytest.raises(InvalidRequest) as raised:
             resolve(rollout_pb2.RolloutRequest(prompts=["a fox"], **{field: value}), serving)

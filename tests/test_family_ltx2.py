@@ -11,10 +11,11 @@ import io
 import math
 import wave
 
+import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import TOLERANCE, family_request, refused_rollout, run_example, start_server
+from helpers import TOLERANCE, family_request, http_url, refused_rollout, run_example, start_server
 from safetensors.torch import load_file
 from test_latent_streams import documented_draw
 
@@ -62,7 +63,7 @@ def test_server_info(family_client):
     defaults = info.defaults
     assert (defaults.height, defaults.width, defaults.num_frames) == (64, 64, FRAMES)
     limits = info.limits
-    assert (limits.side_multiple, limits.frame_step, limits.max_frames) == (32, 8, 241)
+    assert (limits.side_multiple, limits.min_side, limits.frame_step, limits.max_frames) == (32, 64, 8, 241)
 
 
 @pytest.mark.parametrize("frames", [2, 5, 16, 249])
@@ -77,6 +78,13 @@ def test_a_side_off_the_32_pixel_grid_or_below_two_latents_is_refused(family_cli
     violations = refused_rollout(family_client, family_request("ltx2", "ODE", cfg=False, height=side))
     assert [violation.field for violation in violations] == ["height"]
     assert message in violations[0].description
+
+
+def test_health_generate_probes_at_the_smallest_size_the_model_takes(family_resources):
+    """/health_generate's rollout is at ``limits.min_side``: LTX-2's one side multiple, 32 pixels,
+    would be refused."""
+    server = family_resources.server("ltx2")
+    assert httpx.get(f"{http_url(server)}/health_generate", timeout=120).status_code == 200
 
 
 def test_both_streams_noise_and_the_joint_log_prob_follow_the_documented_rules(family_client):

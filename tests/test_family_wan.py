@@ -232,7 +232,9 @@ def test_a_latent_above_the_servers_bound_is_refused(family, family_folder):
     bounded = Limits(max_latent_elements=3000)
     serving = ServingContext.of(adapter, defaults_for(FAMILIES[family].preset, adapter.defaults()), bounded)
     assert (
-        bounded.to_proto(adapter.side_multiple, adapter.max_frames, adapter.frame_step).max_latent_elements
+        bounded.to_proto(
+            adapter.side_multiple, adapter.min_side, adapter.max_frames, adapter.frame_step
+        ).max_latent_elements
         == 3000
     )
     assert resolve(family_request(family, "ODE", cfg=False, num_frames=5), serving).num_frames == 5

@@ -5,6 +5,7 @@ memory within the estimate. On every family, what a forward holds grows no faste
 row; on a tiny-hunyuan-video15 server under a small budget, what is admitted peaks within the
 estimate and the budget, and what would not fit is refused."""
 
+import math
 import time
 
 import grpc
@@ -12,7 +13,7 @@ import pytest
 import torch
 from helpers import (
     FAMILIES,
-    LiveTensorBytes,
+    condition_image,
     condition_png,
     env_at,
     field_violations,
@@ -26,6 +27,7 @@ from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server import families, memory
 from rollout_server.families.base import MediaShape
 from rollout_server.limits import Limits, parse_bytes
+from rollout_server.live_tensors import LiveTensorBytes
 from rollout_server.memory import RUNTIME_OVERHEAD, MemoryBudget, RolloutMemory
 from rollout_server.presets import defaults_for
 from rollout_server.scheduler import STREAM_BUFFER
@@ -115,7 +117,7 @@ def estimate_of(adapter, preset: str, request: rollout_pb2.RolloutRequest) -> Ro
     limits = Limits()
     serving = ServingContext.of(adapter, defaults_for(preset, adapter.defaults()), limits)
     backlog = STREAM_BUFFER * limits.max_message_bytes
-    return memory.estimate(adapter, adapter.measure_decode(), resolve(request, serving), backlog)
+    return memory.estimate(adapter, adapter.measure_vae(), resolve(request, serving), backlog)
 
 
 def estimated_peak(folder, request: rollout_pb2.RolloutRequest, preset: str = "tiny-flux") -> int:
@@ -175,6 +177,50 @@ def test_what_a_forward_holds_grows_no_faster_than_its_estimated_row(adapter, fa
         held.append(forward.peak)
         estimated.append(row_bytes(adapter, family, shape))
     assert held[1] - held[0] <= estimated[1] - estimated[0], (held, estimated)
+
+
+def vae_work_peak(adapter, work) -> int:
+    """The most bytes that ``work``, a call into the adapter's VAE, holds at once: its tensors
+    (LiveTensorBytes) and, while a 3D convolution runs, the columns that PyTorch's CPU kernel unfolds
+    its input into beside them (``in_channels x kernel volume`` per output element)."""
+    most = 0
+
+    def unfolding(module, inputs, output) -> None:
+        nonlocal most
+        columns = module.in_channels // module.groups * math.prod(module.kernel_size)
+        most = max(most, held.live + columns * output.numel() // module.out_channels * output.element_size())
+
+    convolutions = [m for m in adapter.pipe.vae.modules() if isinstance(m, torch.nn.Conv3d)]
+    handles = [m.register_forward_hook(unfolding) for m in convolutions]
+    try:
+        with torch.no_grad(), LiveTensorBytes() as held:
+            work()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return max(held.peak, most)
+
+
+def test_an_image_to_video_rollouts_image_encode_is_within_its_largest_piece(family_resources):
+    """Wan I2V encodes its conditioning image with the video's F - 1 other frames, black, all in one
+    piece of work when the rollout joins: at 64 x 64 x 81 frames what that encode holds at once, with
+    its 3D convolutions' columns, is within the estimate's largest piece of work (what the budget
+    counts above what the rollout holds, from a probe of 32 x 32 pixels at 5 and 9 frames). Before,
+    no encode was counted: it held 21.3 MB, above the largest piece counted (a decode piece of 4
+    frames, 20.9 MB)."""
+    adapter = family_resources.adapter("wan-i2v")
+    shape = MediaShape(81, 64, 64)
+    request = make_request(
+        {"prompts": ["a red fox"], "samples_per_prompt": 1, "images": True},
+        height=shape.height,
+        width=shape.width,
+        num_frames=shape.frames,
+        condition_images=[rollout_pb2.ConditionImage(data=condition_png(0))],
+    )
+    estimate = estimate_of(adapter, "tiny-wan-i2v", request)
+    largest_piece = MemoryBudget(0, Limits()).peak([estimate]) - RUNTIME_OVERHEAD - estimate.held
+    encoded = vae_work_peak(adapter, lambda: adapter.encode_image(condition_image(0), shape))
+    assert encoded <= largest_piece, (encoded, largest_piece)
 
 
 # HunyuanVideo 1.5 without images, CFG on (2 rows a forward). At 2048 x 1024 its joint sequence is

@@ -71,7 +71,7 @@ from diffusers import (
 )
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
-from helpers import FAMILIES, LiveTensorBytes
+from helpers import FAMILIES
 from peft import LoraConfig
 from PIL import Image
 from transformers import (
@@ -111,6 +111,7 @@ from rollout_server import families, memory
 from rollout_server.errors import InvalidRequest, ParallelismUnsupported
 from rollout_server.families.base import FamilyAdapter, MediaShape
 from rollout_server.limits import Limits
+from rollout_server.live_tensors import LiveTensorBytes
 from rollout_server.parallel import ParallelDims, check_splittable
 from rollout_server.presets import defaults_for
 from rollout_server.presets.cosmos3 import SCHEDULER_CONFIG as COSMOS3_SCHEDULER_CONFIG
@@ -881,7 +882,8 @@ class Checkpoint:
     # The shapes of a sample's latent streams, for a family with several (LTX-2: video, then audio).
     latent_streams: tuple[tuple[int, ...], ...] = ()
     # A family with sound: one sample's waveform values (channels x samples) at the default size, and
-    # the sound decode's widest activation on the adapter's probe, in bytes per waveform value.
+    # the sound decode's widest activation on the adapter's probe, in bytes per waveform value (its
+    # tensors at once hold at least that).
     audio_values: int = 0
     sound_width: float = 0.0
     # Bytes of the tensors that grow with the square of a sequence: in one transformer row's forward,
@@ -1230,7 +1232,7 @@ class Figures:
     @classmethod
     def of(cls, checkpoint: Checkpoint, adapter: FamilyAdapter) -> "Figures":
         weights = weight_bytes(adapter.pipe)
-        profile = adapter.measure_decode()
+        profile = adapter.measure_vae()
         budget = memory.MemoryBudget(0, Limits())
         peaks = {}
         for split in (1, *SPLITS):
@@ -1342,27 +1344,29 @@ def test_the_memory_estimate_at_scale(adapters, checkpoint):
     activation plus its text, in bf16, each rank's share of the tokens under SP, plus what grows with
     the square of a sequence; a forward takes the rows the runner gives it; a decode piece is the
     larger of a video piece (a whole video where the VAE decodes one at once, with its attention's
-    squares) and the sound's decode; a component's parameters are its published checkpoint's bytes,
-    or its published count."""
+    squares) and the sound's decode, each its probe's tensors per pixel (or waveform value) at once;
+    an image-conditioned family's image encode is its probe's too; a component's parameters are its
+    published checkpoint's bytes, or its published count."""
     adapter = adapters(checkpoint)
     tokens, width = checkpoint.forward
-    profile = adapter.measure_decode()
+    profile = adapter.measure_vae()
     # A video VAE with a causal cache decodes a latent frame (4 frames) a piece; one without, the
     # whole probe (1 + 4 frames; LTX-2's 1 + 8) at once, and so a whole sample: its piece is the
     # default request's every frame.
     video_piece = 4 if adapter.decode_keeps_state else 1 + adapter.frame_step
     assert profile.frames_per_piece == (video_piece if adapter.max_frames > 1 else 1)
     assert profile.whole_sample == (adapter.max_frames > 1 and not adapter.decode_keeps_state)
-    assert profile.workspace == 0  # off the CPU
+    # Only a decode with a cache keeps tensors between its pieces.
+    assert (profile.kept_bytes > 0) == adapter.decode_keeps_state
     shape = default_shape(adapter)
     assert adapter.audio_values(shape) == checkpoint.audio_values
-    assert profile.sound_width == checkpoint.sound_width  # the same division of the same integers
+    assert profile.sound_bytes >= checkpoint.sound_width
     pixels = profile.piece_frames(shape.frames) * shape.height * shape.width
-    video_piece_bytes = math.ceil(pixels * profile.width * 6) * 2 + pixels * memory.FRAME_BYTES_PER_PIXEL
-    # The sound decodes after the frames, beside the last piece's images: 6 x its widest activation,
-    # the waveform's float32 copies and WAV bytes (20 bytes a value), 4 bytes a pixel of the images.
+    video_piece_bytes = math.ceil(pixels * profile.piece_bytes) + pixels * memory.FRAME_BYTES_PER_PIXEL
+    # The sound decodes after the frames, beside the last piece's images: its tensors, the waveform's
+    # float32 copies and WAV bytes (20 bytes a value), 4 bytes a pixel of the images.
     values = checkpoint.audio_values
-    sound_bytes = values and math.ceil(values * checkpoint.sound_width * 6) + 20 * values + 4 * pixels
+    sound_bytes = values and math.ceil(values * profile.sound_bytes) + 20 * values + 4 * pixels
     assert memory.sound_piece(adapter, profile, shape, pixels) == sound_bytes
     video_piece_bytes += checkpoint.decode_attention_bytes
     budget = memory.MemoryBudget(0, Limits())
@@ -1372,6 +1376,7 @@ def test_the_memory_estimate_at_scale(adapters, checkpoint):
         assert estimate.row_bytes == activations + checkpoint.attention_matrix_bytes
         assert budget.forward_rows(estimate, estimate.rows) == checkpoint.forward_rows
         assert estimate.decode_bytes == max(video_piece_bytes, sound_bytes)
+        assert estimate.encode_bytes == (profile.encode(shape) if adapter.takes_images else 0)
     for component, size in checkpoint.published_bytes.items():
         assert 2 * parameters(getattr(adapter.pipe, component)) == size  # bf16
     for component, billions in checkpoint.published_parameters.items():
@@ -1473,16 +1478,17 @@ def test_the_decode_piece_covers_a_real_decode_of_the_tiny_ltx2_presets_longest_
     runner decodes it: the whole video and its frames (the VAE decodes every frame at once), then the
     sound and its WAV, within the estimate's own sound term.
 
-    On this CPU the sound decode's resident memory, in a fresh process, peaked at 70 to 78 MiB, about
-    twice its term, mostly the vocoder's oneDNN convolutions over the tiny preset's narrow tensors
-    (docs/architecture.md#the-memory-budget); the estimate's 128 MiB of runtime overhead covers it."""
+    On this CPU the sound decode's resident memory, in a fresh process, peaked at 70 to 78 MiB, mostly
+    the vocoder's oneDNN convolutions over the tiny preset's narrow tensors
+    (docs/architecture.md#the-memory-budget): within its term (146 MiB), which counts what glibc keeps
+    of them and their reorders."""
     adapter = family_resources.adapter("ltx2")
     serving = ServingContext.of(adapter, defaults_for("tiny-ltx2", adapter.defaults()), Limits())
     request = rollout_pb2.RolloutRequest(prompts=["a drum"], num_frames=241, height=64, width=64)
     request = resolve(request, serving)
     assert request.images and (request.num_frames, request.samples_per_prompt) == (241, 1)
     shape = MediaShape.of(request)
-    profile = adapter.measure_decode()
+    profile = adapter.measure_vae()
     estimate = memory.estimate(adapter, profile, request, BACKLOG)
     latents = torch.randn(1, *adapter.latent_shape(shape), generator=torch.Generator().manual_seed(0))
     with LiveTensorBytes() as video:
@@ -1496,11 +1502,7 @@ def test_the_decode_piece_covers_a_real_decode_of_the_tiny_ltx2_presets_longest_
     # Both are far above the piece the estimate counted before: a video piece of the probe's 9 frames
     # (4.6 MB here, where the video's tensors took 47 MB and the sound's 19 MB), and no sound.
     probe_pixels = profile.frames_per_piece * shape.height * shape.width
-    probe_piece = (
-        math.ceil(probe_pixels * profile.width * 6) * 4
-        + math.ceil(probe_pixels * profile.workspace) * 4
-        + probe_pixels * memory.FRAME_BYTES_PER_PIXEL
-    )
+    probe_piece = math.ceil(probe_pixels * profile.piece_bytes) + probe_pixels * memory.FRAME_BYTES_PER_PIXEL
     assert probe_piece < sound.peak < video.peak
 
 

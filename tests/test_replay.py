@@ -22,6 +22,8 @@ from helpers import (
     family_request,
     make_request,
     qwen_text_length,
+    refused_rollout,
+    split_events,
     stream_events,
 )
 from safetensors import safe_open
@@ -116,6 +118,31 @@ def assert_each_sample_has_its_own_prompts_env(trajectories, pipe, transformer, 
     trajectories[0].env = trajectories[2].env
     mismatch = replay_log_probs(transformer, trajectories[0]) - trajectories[0].log_probs
     assert mismatch.nan_to_num().abs().max() > TOLERANCE
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cfg_turns_on_through_the_field_server_info_advertises(family, family_client):
+    """A client that knows a model only by GetServerInfo turns CFG on by setting ``cfg_scale_field``
+    above ``cfg_off_scale``, and gets a rollout with a negative branch combined by ``cfg_rule``. A
+    model without CFG (rule "none": FLUX.2 [dev]) advertises no field, and every scale field it does
+    not list in ``scale_fields`` is refused above its default, naming it."""
+    info = family_client.server_info()
+    assert (info.cfg_rule == "none") == (info.cfg_scale_field == "")
+    assert set(info.scale_fields) <= {"guidance_scale", "true_cfg_scale"}
+    small = {"samples_per_prompt": 1, "num_steps": 2, "latents": rollout_pb2.LATENT_SELECTION_NONE}
+    if not info.cfg_scale_field:
+        for field in {"guidance_scale", "true_cfg_scale"} - set(info.scale_fields):
+            scale = {field: getattr(info.defaults, field) + 2.0}
+            refused = family_request(family, "ODE", cfg=False, **small, **scale)
+            assert [violation.field for violation in refused_rollout(family_client, refused)] == [field]
+        return
+    assert info.cfg_scale_field in info.scale_fields
+    scale = {info.cfg_scale_field: info.cfg_off_scale + 2.0}
+    request = family_request(family, "ODE", cfg=False, **small, **scale)
+    started = split_events(family_client.stream(request)).started.message
+    call = started.transformer_call
+    assert list(call.branches) == ["positive", "negative"]
+    assert (call.guidance_rule, call.guidance_rule_scale) == (info.cfg_rule, info.cfg_off_scale + 2.0)
 
 
 def test_env_velocity_matches_debug_velocity(client, tiny_transformer):

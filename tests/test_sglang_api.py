@@ -7,18 +7,14 @@ repo). Every stochastic step of every sample replays from the decoded ``dit_traj
 bit; hostile bodies get their 4xx and leave the server serving. TLS and tokens over HTTP are in
 test_security.py."""
 
-import fcntl
-import importlib.util
 import json
 import re
 import socket
-import subprocess
 import sys
 import threading
 import time
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import grpc
 import httpx
@@ -26,13 +22,21 @@ import msgpack
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from helpers import FAMILIES, TOLERANCE, command_line_exit, health_status, http_url, metrics_url, scrape
+from helpers import (
+    FAMILIES,
+    TOLERANCE,
+    command_line_exit,
+    health_status,
+    http_url,
+    metrics_url,
+    scrape,
+    sglang_source,
+)
 from reference import bare_velocity, guidance, log_prob, mean_and_sd
 
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import TransformerCall
 
-SGLANG = "sglang==0.5.23"
 _POST_TRAINING = "sglang/multimodal_gen/runtime/entrypoints/post_training"
 SGLANG_FILES = {"io_struct": f"{_POST_TRAINING}/io_struct.py", "utils": f"{_POST_TRAINING}/utils.py"}
 SAMPLES = 4
@@ -53,31 +57,12 @@ NO_CFG = {"flux": {}, "wan": {"guidance_scale": 1.0}, "ltx2": {"guidance_scale":
 @pytest.fixture(scope="session")
 def sglang(cache_dir):
     """SGLang's RolloutRequest model and its tensor decoder, from the released wheel."""
-    folder = cache_dir / SGLANG.replace("==", "-")
-    folder.mkdir(exist_ok=True)
-    with open(folder / ".lock", "w") as lock:  # the test workers share the cache: one downloads
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not all((folder / f"{name}.py").is_file() for name in SGLANG_FILES):
-            download = [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--quiet",
-                "-d",
-                str(folder),
-                SGLANG,
-            ]
-            subprocess.run(download, check=True, timeout=600)
-            with zipfile.ZipFile(next(folder.glob("sglang-*.whl"))) as wheel:
-                for name, member in SGLANG_FILES.items():
-                    (folder / f"{name}.py").write_bytes(wheel.read(member))
     modules = {}
-    for name in SGLANG_FILES:
-        spec = importlib.util.spec_from_file_location(f"sglang_{name}", folder / f"{name}.py")
-        modules[name] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # for its dataclasses
-        spec.loader.exec_module(modules[name])
+    for name, member in SGLANG_FILES.items():
+        # Registered before it runs: its dataclasses look their module up.
+        module = modules[name] = sys.modules[f"sglang_{name}"] = ModuleType(f"sglang_{name}")
+        module.__file__ = member
+        exec(compile(sglang_source(cache_dir, member), member, "exec"), module.__dict__)
     return SimpleNamespace(
         RolloutRequest=modules["io_struct"].RolloutRequest, deserialize=modules["utils"]._maybe_deserialize
     )

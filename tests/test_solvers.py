@@ -1,15 +1,16 @@
 """The deterministic solvers (rollout_core.solvers): each step is its diffusers scheduler's step
 bitwise and the published formula's in float64; the sampler keeps their history per row, restarts
-it after a stochastic step and regroups it with the rows; on the tiny-flux server a rollout with all
-steps deterministic is FluxPipeline's with DPM-Solver++, the stochastic steps of a window replay
-with every solver around them, the deterministic ones regenerate from the streamed velocities, and
-a tree's children step on from their fork with their own history. Wan's own UniPC is in test_family_wan.py."""
+it after a stochastic step and regroups it with the rows; on the tiny-flux server the stochastic
+steps of a window replay with every solver around them, the deterministic ones regenerate from the
+streamed velocities, and a tree's children step on from their fork with their own history. Wan's own
+UniPC is in test_family_wan.py; a pipeline with each solver's scheduler against an ODE rollout in
+test_replay_diffusers.py."""
 
 import numpy as np
 import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
-from helpers import TOLERANCE, assert_replays, family_request, split_events
+from helpers import assert_replays, family_request, split_events
 from reference import solver_steps
 
 from rollout.v1 import rollout_pb2
@@ -176,51 +177,6 @@ def family() -> str:
 def velocities_of(run) -> torch.Tensor:
     """[B, T, ...]: each sample's streamed velocities (the VELOCITY debug tensors)."""
     return torch.stack([step.debug["velocity"] for step in run.steps], dim=1)
-
-
-def test_ode_with_dpmpp_2m_is_fluxpipeline_with_dpm_solver(family_client, family_pipeline):
-    """An ODE rollout with dpmpp_2m is FluxPipeline's own loop with DPMSolverMultistepScheduler (flow
-    sigmas, flow prediction) stepping the streamed schedule, from the same x_0. Without CFG both run
-    the two prompts' rows in one forward: the difference is the model's rounding (TOLERANCE, see
-    docs/testing.md)."""
-    request = family_request(
-        "flux", "ODE", cfg=False, samples_per_prompt=1, solver=rollout_pb2.SOLVER_DPMPP_2M
-    )
-    run = split_events(family_client.stream(request))
-    started = run.started.message
-    assert started.resolved.solver == rollout_pb2.SOLVER_DPMPP_2M
-    assert list(started.step_solvers) == [rollout_pb2.SOLVER_DPMPP_2M] * 4
-    assert list(started.step_orders) == [1, 2, 2, 1]
-    trajectories = run.trajectories()
-    sigmas, timesteps = trajectories[0].sigmas, trajectories[0].timesteps
-    dpm = DPMSolverMultistepScheduler(**FLOW)
-
-    def set_timesteps(num_inference_steps=None, device=None, sigmas=None, mu=None):
-        # The streamed schedule, as the server ran it (FluxPipeline would pass its own sigmas).
-        DPMSolverMultistepScheduler.set_timesteps(dpm, num_inference_steps=4)
-        dpm.sigmas, dpm.timesteps = streamed_sigmas.clone(), timesteps[:-1].clone()
-
-    streamed_sigmas = sigmas
-    dpm.set_timesteps = set_timesteps
-    pipe = family_pipeline
-    flow_euler, pipe.scheduler = pipe.scheduler, dpm
-    try:
-        final = pipe(
-            prompt=list(request.prompts),
-            latents=torch.stack([t.latents[0] for t in trajectories]),
-            height=64,
-            width=64,
-            num_inference_steps=4,
-            guidance_scale=started.resolved.guidance_scale,
-            max_sequence_length=min(512, pipe.tokenizer_2.model_max_length),  # the adapter's text_tokens
-            output_type="latent",
-        ).images
-    finally:
-        pipe.scheduler = flow_euler
-    assert dpm.lower_order_nums == 2  # its own warm-up ran
-    torch.testing.assert_close(
-        final, torch.stack([t.latents[-1] for t in trajectories]), atol=TOLERANCE, rtol=0
-    )
 
 
 @pytest.mark.parametrize("solver", list(solvers.SOLVERS))

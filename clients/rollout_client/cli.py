@@ -116,7 +116,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     r.add_argument("--sampler", choices=("flow-sde", "dance", "cps", "ode"), help="step rule")
     r.add_argument("--noise-level", type=float, help="noise level a of the stochastic steps")
-    r.add_argument("--guidance", dest="guidance_scale", type=float, help="embedded (distilled) guidance")
+    r.add_argument(
+        "--guidance",
+        dest="guidance_scale",
+        type=float,
+        help="guidance_scale: embedded guidance (FLUX.1 [dev], FLUX.2 [dev]), or the CFG scale where it is "
+        "the model's cfg_scale_field (SD3, Wan, ...)",
+    )
     r.add_argument(
         "--guidance-2",
         dest="guidance_scale_2",

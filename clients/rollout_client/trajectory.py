@@ -74,7 +74,9 @@ class Trajectory:
     latent_mask: torch.Tensor  # bool [T + 1]
     log_probs: torch.Tensor  # float32 [T]
     env: dict[str, dict[str, Any]]  # branch -> kwargs (batched entries with leading dim 1)
-    transformer_call: TransformerCall  # how the server called the transformer and guided
+    # How the server called the transformer and guided: its fields and their rule are documented on
+    # rollout_core.transformer_call.TransformerCall.
+    transformer_call: TransformerCall
     policy_version: int
     # [T]: the pipeline component whose transformer ran each step ("transformer", or "transformer_2"
     # on Wan 2.2's low-noise steps); replay step i with that expert.

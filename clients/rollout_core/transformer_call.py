@@ -145,9 +145,14 @@ BATCHED_CALL = CallForm()
 @dataclass(frozen=True)
 class TransformerCall:
     """How the server called the transformer and combined the branches (rollout.v1 TransformerCall):
-    what a trainer needs to replay a step. Saved as the message's JSON mapping, so a file holds what
-    the stream said, and a file of an earlier or later version loads (fields it lacks take their
-    defaults, fields this version does not know are ignored)."""
+    what a trainer needs to replay a step, by the rule of this module's docstring
+    (docs/protocol.md#calling-the-transformer); ``call_transformer`` and ``apply_guidance`` run it.
+    ``form.inputs`` and ``conditioning.concat`` are rollout.v1 enum numbers (TransformerInputs 1
+    BATCHED, 2 PER_SAMPLE_FRAMES, 3 PACKED_SAMPLE; ConditioningConcat 1 NONE, 2 SEQUENCE, 3
+    CHANNELS; compare them with ``rollout_pb2``'s names), ``form.streams`` the latent streams of a
+    sample (name, shape, argument), empty for one stream. Saved as the message's JSON mapping, so a
+    file holds what the stream said, and a file of an earlier or later version loads (fields it
+    lacks take their defaults, fields this version does not know are ignored)."""
 
     transformer_class: str  # diffusers class name, e.g. "FluxTransformer2DModel"
     model_dtype: str  # "float32", "bfloat16" or "float16"

@@ -5,6 +5,7 @@ frozen env), latent layout, transformer-call conventions and decoding. The sampl
 the server never import a model class.
 """
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -22,6 +23,7 @@ from PIL import Image
 
 from rollout_core import solvers
 from rollout_core.transformer_call import BATCHED_CALL, NO_CONDITIONING, CallForm, LatentConditioning
+from rollout_server.live_tensors import LiveTensorBytes
 
 if TYPE_CHECKING:
     from rollout_core.latent_streams import LatentStream
@@ -50,23 +52,55 @@ class Sound:
 
 
 @dataclass(frozen=True)
-class DecodeProfile:
-    """How large a decode piece's tensors are, in elements per pixel of the frames the piece yields:
-    the widest activation, and the widest convolution workspace (the CPU's 3D convolution unfolds its
-    input into ``in_channels x kernel volume`` columns per output element; none elsewhere). And the
-    most frames one piece yields, or that a piece is a sample's every frame (a video VAE that decodes
-    a whole video at once). For a family with sound, its decode's widest activation in bytes per value
-    of the waveform (channels x samples); 0 without sound."""
+class VaeProfile:
+    """What the VAE's work holds in the device's memory, measured on a small probe
+    (``FamilyAdapter.measure_vae``), per unit of what it yields or takes, which the work of any size
+    follows: a decode piece's bytes per pixel of the frames it yields, and what a decode keeps between
+    its pieces (a causal video VAE's cache) per pixel of a piece; the most frames one piece yields, or
+    that a piece is a sample's every frame (a video VAE that decodes a whole video at once). For a
+    family with sound, its decode's bytes per value of the waveform (channels x samples); for an
+    image-conditioned family, its conditioning image's encode: bytes per pixel of a frame at
+    ``encode_frames`` frames, and per pixel of each frame more (a video VAE encodes the image with
+    the request's other frames, black). 0 where the family has none."""
 
-    width: float
-    workspace: float
+    piece_bytes: float
+    kept_bytes: float
     frames_per_piece: int
     whole_sample: bool = False
-    sound_width: float = 0.0
+    sound_bytes: float = 0.0
+    encode_bytes: float = 0.0
+    encode_frame_bytes: float = 0.0
+    encode_frames: int = 1
 
     def piece_frames(self, frames: int) -> int:
         """The frames of a sample's largest piece, for a sample of ``frames`` frames."""
         return frames if self.whole_sample else self.frames_per_piece
+
+    def encode(self, shape: "MediaShape") -> int:
+        """The bytes of one conditioning image's encode at ``shape``."""
+        more = max(0, shape.frames - self.encode_frames)
+        return math.ceil(shape.height * shape.width * (self.encode_bytes + more * self.encode_frame_bytes))
+
+
+def convolution_scratch(module: torch.nn.Module, output: torch.Tensor, input: torch.Tensor) -> int:
+    """The bytes a convolution's CPU kernel takes besides its input and output: PyTorch's 3D kernel
+    unfolds its input into ``in_channels x kernel volume`` columns per output element; oneDNN, which
+    runs the others (and 3D ones on large inputs, where the columns bound it), reorders the input and
+    the output into its blocked layouts."""
+    if isinstance(module, torch.nn.Conv3d):
+        columns = module.in_channels // module.groups * math.prod(module.kernel_size)
+        return columns * output.numel() // module.out_channels * output.element_size()
+    return (input.numel() + output.numel()) * output.element_size()
+
+
+CONVOLUTIONS = (
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+    torch.nn.ConvTranspose1d,
+    torch.nn.ConvTranspose2d,
+    torch.nn.ConvTranspose3d,
+)
 
 
 @dataclass(frozen=True)
@@ -271,6 +305,12 @@ class FamilyAdapter(ABC):
         the text's env (``encode_text``), for every branch."""
         raise NotImplementedError(f"{type(self).__name__} takes no conditioning image")
 
+    def encode_image_latents(self, image: Image.Image, shape: MediaShape) -> dict[str, Any]:
+        """The entries of ``encode_image`` that the VAE makes of the image, the work that grows with
+        it (the memory estimate measures it): all of them unless the family also reads the image
+        through an encoder of a fixed input size."""
+        return self.encode_image(image, shape)
+
     def conditioning_tokens(self, shape: MediaShape) -> int:
         """Tokens the conditioning adds to the generated ones on the sequence axis (the split axis):
         0 unless conditioning is concatenated on the sequence."""
@@ -306,64 +346,83 @@ class FamilyAdapter(ABC):
         memory estimate sizes its sound decode by: 0 without sound (families with ``decodes_audio``)."""
         return 0
 
-    def measure_decode(self) -> DecodeProfile:
-        """The decoder's tensors per output pixel, measured on a small probe: its channel widths at
-        each resolution, which the tensors of a piece of any size follow. A video probe has two latent
-        frames: a decoder that yields both in one piece decodes a whole sample at once. A family with
-        sound measures its sound decode on the same probe, per value of the waveform."""
+    def measure_vae(self) -> VaeProfile:
+        """What the VAE's work holds, measured on a small probe (``LiveTensorBytes``), per pixel: the
+        tensors of a piece of any size follow its channel widths at each resolution. On a CPU a piece
+        takes what glibc's heap keeps for it, each size's most blocks alive at once (``segregated``),
+        with its convolutions' scratch; elsewhere the most bytes alive at once. A video probe has two
+        latent frames: a decoder that yields both in one piece decodes a whole sample at once. A family
+        with sound measures its sound decode on the same probe, per value of the waveform; an
+        image-conditioned family its conditioning image's encode (a video family's also at a latent
+        frame more: what each frame more adds)."""
         side = 2 * self.side_multiple
         shape = MediaShape(1 + self.frame_step, side, side)
-        widest = workspace = 0
-
-        def record(module, inputs, output) -> None:
-            nonlocal widest, workspace
-            for tensor in output if isinstance(output, tuple) else (output,):
-                if isinstance(tensor, torch.Tensor):
-                    widest = max(widest, tensor.numel())
-            if isinstance(module, torch.nn.Conv3d) and self.device.type == "cpu":
-                columns = module.in_channels // module.groups * math.prod(module.kernel_size)
-                workspace = max(workspace, columns * output.numel() // module.out_channels)
-
-        handles = [module.register_forward_hook(record) for module in self.pipe.vae.modules()]
-        profile = DecodeProfile(0.0, 0.0, 0)
-        pieces = 0
-        try:
-            latents = torch.zeros(1, *self.latent_shape(shape), device=self.device)
+        latents = torch.zeros(1, *self.latent_shape(shape), device=self.device)
+        piece_bytes = 0.0
+        frames_per_piece = 0
+        kept = []  # after each piece, per pixel of it
+        with self._counting([self.pipe.vae]) as tensors:
+            tensors.start_piece()
             for piece in self.decode_pixels(latents, shape):
                 pixels = piece.numel() // 3  # RGB
-                profile = DecodeProfile(
-                    max(profile.width, widest / pixels),
-                    max(profile.workspace, workspace / pixels),
-                    max(profile.frames_per_piece, pixels // (side * side)),
-                )
-                widest = workspace = 0
-                pieces += 1
+                piece_bytes = max(piece_bytes, self._held(tensors) / pixels)
+                frames_per_piece = max(frames_per_piece, pixels // (side * side))
+                kept.append((tensors.live - piece.untyped_storage().nbytes()) / pixels)
+                del piece
+                tensors.start_piece()
+        # What the decode holds besides a piece it yielded, until its next piece (none after the last).
+        kept_bytes = max(kept[:-1], default=0.0)
+        whole_sample = len(kept) == 1 and shape.frames > 1
+        profile = VaeProfile(piece_bytes, kept_bytes, frames_per_piece, whole_sample)
+        if self.decodes_audio:
+            profile = dataclasses.replace(profile, sound_bytes=self._measure_sound(latents, shape))
+        if self.takes_images:
+            profile = dataclasses.replace(profile, **self._measure_encode(side))
+        return profile
+
+    def _held(self, tensors: LiveTensorBytes) -> int:
+        """What the tensors that ``tensors`` counted take in this device's memory: on a CPU, glibc's
+        heap (``segregated``); elsewhere the most bytes alive at once."""
+        return tensors.segregated if self.device.type == "cpu" else tensors.peak
+
+    @contextlib.contextmanager
+    def _counting(self, components: list[torch.nn.Module]) -> Iterator[LiveTensorBytes]:
+        """A LiveTensorBytes over the work run in it (without gradients), told on a CPU of the scratch
+        of the convolutions among ``components``' modules."""
+        tensors = LiveTensorBytes()
+
+        def scratch(module, inputs, output) -> None:
+            tensors.scratch(convolution_scratch(module, output, inputs[0]))
+
+        convolutions = [m for c in components for m in c.modules() if isinstance(m, CONVOLUTIONS)]
+        handles = [m.register_forward_hook(scratch) for m in convolutions if self.device.type == "cpu"]
+        try:
+            with torch.no_grad(), tensors:
+                yield tensors
         finally:
             for handle in handles:
                 handle.remove()
-        whole_sample = pieces == 1 and shape.frames > 1
-        sound_width = self._measure_sound(latents, shape) if self.decodes_audio else 0.0
-        return dataclasses.replace(profile, whole_sample=whole_sample, sound_width=sound_width)
 
     def _measure_sound(self, latents: torch.Tensor, shape: MediaShape) -> float:
-        """The sound decode's widest activation (an output of any module of the pipeline's components
-        that it runs: an audio VAE, a vocoder), in bytes per value of the waveform it decodes."""
-        widest = 0
-
-        def record(module, inputs, output) -> None:
-            nonlocal widest
-            for tensor in output if isinstance(output, tuple) else (output,):
-                if isinstance(tensor, torch.Tensor):
-                    widest = max(widest, tensor.numel() * tensor.element_size())
-
+        """The sound decode's bytes (the modules of every pipeline component it runs: an audio VAE, a
+        vocoder) per value of the waveform it decodes."""
         components = [c for c in self.pipe.components.values() if isinstance(c, torch.nn.Module)]
-        handles = [module.register_forward_hook(record) for c in components for module in c.modules()]
-        try:
+        with self._counting(components) as tensors:
             sound = self.decode_audio(latents, shape)
-        finally:
-            for handle in handles:
-                handle.remove()
-        return widest / sound.waveform.numel()
+        return self._held(tensors) / sound.waveform.numel()
+
+    def _measure_encode(self, side: int) -> dict[str, float | int]:
+        """The ``VaeProfile`` fields of the conditioning image's encode (``encode_image_latents``) of a
+        black ``side`` x ``side`` image: at the probe's frames, and for video at a latent frame more."""
+        image = Image.new("RGB", (side, side))
+        frames = [1 + self.frame_step, 1 + 2 * self.frame_step] if self.frame_step else [1]
+        held = []
+        for count in frames:
+            with self._counting([self.pipe.vae]) as tensors:
+                self.encode_image_latents(image, MediaShape(count, side, side))
+            held.append(self._held(tensors) / side**2)
+        more = max(0.0, (held[-1] - held[0]) / self.frame_step) if self.frame_step else 0.0
+        return {"encode_bytes": held[0], "encode_frame_bytes": more, "encode_frames": frames[0]}
 
     @abstractmethod
     def decode_pixels(self, latents: torch.Tensor, shape: MediaShape) -> Iterator[torch.Tensor]:

@@ -70,10 +70,14 @@ class WanImageToVideoAdapter(WanAdapter):
 
     @torch.no_grad()
     def encode_image(self, image: Image.Image, shape: "MediaShape") -> dict:
-        pipe = self.pipe
         embeds = None
-        if self.reads_image_embeddings:
-            embeds = pipe.encode_image(image, self.device).to(pipe.transformer.dtype)
+        if self.reads_image_embeddings:  # CLIP's, of the image resized to its own input size
+            embeds = self.pipe.encode_image(image, self.device).to(self.pipe.transformer.dtype)
+        return {"encoder_hidden_states_image": embeds, **self.encode_image_latents(image, shape)}
+
+    @torch.no_grad()
+    def encode_image_latents(self, image: Image.Image, shape: "MediaShape") -> dict:
+        pipe = self.pipe
         pixels = pipe.video_processor.preprocess(image, height=shape.height, width=shape.width)
         # prepare_latents draws the initial noise unless it is given some: only its condition is kept.
         noise = torch.zeros(1, *self.latent_shape(shape), device=self.device)
@@ -88,4 +92,4 @@ class WanImageToVideoAdapter(WanAdapter):
             device=self.device,
             latents=noise,
         )
-        return {"encoder_hidden_states_image": embeds, self.conditioning.env_key: condition}
+        return {self.conditioning.env_key: condition}
