@@ -3,25 +3,20 @@ imports torch, safetensors, diffusers and the `rollout.v1` stubs (with protobuf)
 
     python conformance/replay.py [--models DIR] [VECTOR_FILE ...]
 
-A vector file (README.md) holds cases: a rollout's request, its started event and the tensors of its
-stream a replay needs. Each case is checked with the file's model (DIR/<model>, or the preset cache's
-DIR/<model>-<fingerprint>; DIR is rollout-server's cache by default):
-  * noise: x_0 and each stochastic step's eps, drawn again by the seed rule, bitwise;
-  * log-probs: each stochastic step replayed (the transformer-call rule, guidance, the sampler's mean
-    and sd) scores the streamed x_{i+1} within LOG_PROB_TOLERANCE of the streamed log-prob, and each
-    latent stream's own;
-  * latents: the deterministic steps solved again from the last latent the case holds, with this
-    replay's velocities, reach the next one it holds (the final latent among them) within
-    latent_tolerance, each step at the streamed solver order.
+Each case of a vector file (README.md: a rollout's request, started event and the stream's tensors a
+replay needs) is checked with the file's model, DIR/<model> or DIR/<model>-<fingerprint> (DIR: the
+preset cache): x_0 and eps drawn again by the seed rule, bitwise; each stochastic step's log-prob of the
+stored x_{i+1}, replayed, within LOG_PROB_TOLERANCE; each latent the case stores, solved again from
+the one before with the replay's own velocities, within latent_tolerance; the solver orders.
 """
 
-import argparse
 import hashlib
 import json
 import math
 import os
 import re
 import sys
+from argparse import ArgumentParser, RawDescriptionHelpFormatter
 from pathlib import Path
 
 import diffusers
@@ -40,10 +35,9 @@ MASK64 = (1 << 64) - 1
 
 
 def latent_tolerance(rule: str, scale: float) -> float:
-    """A solved latent's bound (docs/testing.md, "Batch and split rounding"): the velocity's difference
-    between two forwards (within 1e-5), amplified by CFG at scale s by up to 2s - 1, carried into x_{i+1}
-    with coefficients of about 1 at most (Euler's dt; a multistep solver's weights sum to it), and over
-    a segment of steps whose dt sum to at most 1."""
+    """A solved latent's bound (docs/testing.md, "Batch and split rounding"): two forwards' velocities
+    differ by 1e-5 at most, CFG at scale s amplifies it by 2s - 1, and the steps carry it on with
+    coefficients of about 1 (dt, or a multistep solver's weights, summing to at most 1)."""
     return LOG_PROB_TOLERANCE * (1.0 if rule == "none" else max(1.0, 2 * abs(scale) - 1))
 
 
@@ -69,7 +63,7 @@ def draw(seeds, j: int, shape, streams) -> torch.Tensor:
 
 def sde_mean(x, v, s, s_next, std_t):
     dt = s_next - s
-    return x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+    return x * (1 + std_t * std_t / (2 * s) * dt) + v * ((1 + std_t * std_t * (1 - s) / (2 * s)) * dt)
 
 
 def transition(sampler: str, x, v, sigmas, i: int, a: float):
@@ -82,15 +76,15 @@ def transition(sampler: str, x, v, sigmas, i: int, a: float):
     if sampler == "DANCE":
         return sde_mean(x, v, s, s_next, a), a * torch.sqrt(s - s_next)
     assert sampler == "CPS", sampler
-    sd = s_next * torch.sin(a * math.pi / 2)
+    sd = s_next * torch.sin(a * (math.pi / 2))
     return (1 - s_next) * (x - s * v) + torch.sqrt(s_next**2 - sd**2) * (x + (1 - s) * v), sd
 
 
 def log_prob(residual, sd, constants: bool) -> torch.Tensor:
     """Per row, the mean over its elements of the Gaussian log-density (-residual^2 without constants)."""
     if constants:
-        return (-((residual / sd) ** 2) / 2 - torch.log(sd) - LOG_SQRT_2PI).flatten(1).mean(1)
-    return (-(residual**2)).flatten(1).mean(1)
+        return (-((residual / sd) * (residual / sd)) / 2 - torch.log(sd) - LOG_SQRT_2PI).flatten(1).mean(1)
+    return (-(residual * residual)).flatten(1).mean(1)
 
 
 def lam(s):  # the half log-SNR log((1 - s) / s); m_j = x_j - s_j v_j is step j's data prediction
@@ -104,29 +98,40 @@ def solver_order(solver: str, i: int, steps: int, known: int) -> int:
 
 
 def solve(solver: str, x, v, sigmas, i: int, history: dict):
-    """(x_{i+1}, order) of deterministic step i; ``history`` (the data predictions of the deterministic
-    steps since the last stochastic one, UniPC's corrected sample and the last order) is updated."""
+    """(x_{i+1}, order) of deterministic step i, in protocol.md's order of operations; ``history`` (the
+    data predictions of the run's earlier steps, UniPC's corrected sample and last order) is updated."""
     s, s_next, ms = sigmas[i], sigmas[i + 1], history["m"]
     order = solver_order(solver, i, len(sigmas) - 1, len(ms))
     if solver == "euler":
         return x + (s_next - s) * v, order
     m, h = x - s * v, lam(s_next) - lam(s)
-    phi = torch.expm1(-h)
-    if solver == "unipc" and ms:  # UniC: x_i corrected with m_i, at the previous step's order
-        s_prev, hc = sigmas[i - 1], lam(s) - lam(sigmas[i - 1])
-        phi_c = torch.expm1(-hc)
-        b1 = (phi_c / -hc - 1) / phi_c
-        x = s / s_prev * history["corrected"] - (1 - s) * phi_c * ms[-1]
+    if solver == "dpmpp_2m":
+        c = (1 - s_next) * (torch.exp(-h) - 1)
+        x_next = s_next / s * x - c * m
+        if order == 2:
+            x_next = x_next - 0.5 * c * ((1 / ((lam(s) - lam(sigmas[i - 1])) / h)) * (m - ms[-1]))
+        history.update(m=[m])
+        return x_next, order
+    if ms:  # UniC: x_i corrected with m_i, at the previous step's order
+        hc = lam(s) - lam(sigmas[i - 1])
+        phi = torch.expm1(-hc)
+        g1 = phi / -hc - 1
+        xc = s / sigmas[i - 1] * history["corrected"] - (1 - s) * phi * ms[-1]
         if history["order"] == 1:
-            x = x - (1 - s) * phi_c * 0.5 * (m - ms[-1])
+            x = xc - (1 - s) * phi * (0.5 * (m - ms[-1]))
         else:
-            b2 = 2 * ((phi_c / -hc - 1) / -hc - 0.5) / phi_c
-            r = (lam(sigmas[i - 2]) - lam(s_prev)) / hc
-            rho_0 = torch.zeros(()) if torch.isinf(r) else (b1 - b2) / (1 - r)  # [[1, 1], [r, 1]] rho = b
-            x = x - (1 - s) * phi_c * (rho_0 * (ms[-2] - ms[-1]) / r + (b1 - rho_0) * (m - ms[-1]))
+            b = torch.stack([g1 / phi, (g1 / -hc - 0.5) * 2 / phi])
+            r = (lam(sigmas[i - 2]) - lam(sigmas[i - 1])) / hc
+            rho = (
+                torch.linalg.solve(torch.tensor([[1.0, 1.0], [float(r), 1.0]]), b)
+                if r.isfinite()
+                else [0, b[0]]
+            )
+            x = xc - (1 - s) * phi * (rho[0] * ((ms[-2] - ms[-1]) / r) + rho[1] * (m - ms[-1]))
+    phi = torch.expm1(-h)
     x_next = s_next / s * x - (1 - s_next) * phi * m
-    if order == 2:  # DPM-Solver++(2M)'s midpoint term and UniP-2's: the same, r = h_{i-1} / h
-        x_next = x_next - 0.5 * (1 - s_next) * phi * (m - ms[-1]) / ((lam(s) - lam(sigmas[i - 1])) / h)
+    if order == 2:  # UniP-2
+        x_next = x_next - (1 - s_next) * phi * (0.5 * ((ms[-1] - m) / ((lam(sigmas[i - 1]) - lam(s)) / h)))
     history.update(m=(ms + [m])[-2:], corrected=x, order=order)
     return x_next, order
 
@@ -173,15 +178,14 @@ def velocity(model, call, x, timestep: float, env: dict) -> torch.Tensor:
 
 
 def guide(rule: str, scale: float, v: dict) -> torch.Tensor:
-    if rule == "none":
-        return v["positive"]
-    if rule == "cfg_from_positive":
-        return v["positive"] + scale * (v["positive"] - v["negative"])
-    c = v["negative"] + scale * (v["positive"] - v["negative"])
-    if rule == "true_cfg":
-        return c
-    assert rule == "true_cfg_norm_rescale", rule
-    return c * (torch.norm(v["positive"], dim=-1, keepdim=True) / torch.norm(c, dim=-1, keepdim=True))
+    positive, negative = v["positive"], v.get("negative")
+    if rule in ("none", "cfg_from_positive"):
+        return positive if rule == "none" else positive + scale * (positive - negative)
+    assert rule in ("true_cfg", "true_cfg_norm_rescale"), rule
+    c = negative + scale * (positive - negative)
+    return (
+        c if rule == "true_cfg" else c * (positive.norm(dim=-1, keepdim=True) / c.norm(dim=-1, keepdim=True))
+    )
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -209,8 +213,7 @@ def load_models(roots: list[Path], document: dict) -> dict[str, torch.nn.Module]
 
 
 def entry(key: str, value, tensors: dict, call, rows: int):
-    """An env entry of the case's one prompt for its rows: a tensor named {"tensor": name}, repeated
-    along dim 0 when batched."""
+    """An env entry of the case's prompt for its rows: {"tensor": name} is that tensor, batched: repeated."""
     if not (isinstance(value, dict) and set(value) == {"tensor"}):
         return value
     value = tensors[value["tensor"]]
@@ -218,8 +221,7 @@ def entry(key: str, value, tensors: dict, call, rows: int):
 
 
 def replay_case(case: dict, tensors: dict, models: dict) -> dict:
-    """The checks of one case (max_log_prob_error, max_latent_error, noise_bitwise, orders_match) and
-    whether it passed."""
+    """The checks of one case (max_log_prob_error, max_latent_error, noise_bitwise, orders_match), passed."""
     started = json_format.ParseDict(case["started"], pb.RolloutStarted())
     call, rows = started.transformer_call, len(started.seeds)
     sampler = case["request"]["sampler"].removeprefix("SAMPLER_TYPE_")
@@ -246,17 +248,17 @@ def replay_case(case: dict, tensors: dict, models: dict) -> dict:
             expected = {"": case["log_probs"][i], **(case["stream_log_probs"][i] if streams else {})}
             parts = {"": residual, **split_streams(residual, streams)}  # joint, and each stream's own
             for name, part in parts.items():
-                error = log_prob(part, sd, constants) - torch.tensor(expected[name])
-                lp_errors.append(float(error.abs().max()))
+                lp_errors.append(
+                    float((log_prob(part, sd, constants) - torch.tensor(expected[name])).abs().max())
+                )
             x_next, order, history = mean + sd * eps, 1, {"m": []}  # the noise ends the solver's history
         else:
             solver = pb.Solver.Name(started.step_solvers[i]).lower().removeprefix("solver_")
             x_next, order = solve(solver, x, v, sigmas, i, history)
         orders.append(order)
-        if i + 1 in known:
+        if i + 1 in known:  # a stored latent: compared, and the next step starts from it
             latent_errors.append(float((x_next - known[i + 1]).abs().max()))
-            x_next = known[i + 1]
-        x = x_next
+        x = known.get(i + 1, x_next)
     scale = max([call.guidance_rule_scale, *call.guidance_rule_scales], key=abs)
     result = {
         "max_log_prob_error": max(lp_errors),
@@ -281,9 +283,7 @@ def replay_file(path: Path, roots: list[Path], names=None) -> dict[str, dict]:
 
 def main(argv=None) -> int:
     cache = Path(os.environ.get("ROLLOUT_SERVER_CACHE", Path.home() / ".cache" / "rollout-server")) / "models"
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="*", type=Path, help="vector files (default: vectors/*.safetensors)")
     parser.add_argument("--models", type=Path, action="append", help=f"the model folders' folder ({cache})")
     args = parser.parse_args(argv)

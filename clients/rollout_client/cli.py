@@ -170,8 +170,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "server's dtype, checked against its weights checksum) instead of the streamed velocities",
     )
     c.add_argument("--device", default="cpu", help="where --model's transformers run (default cpu)")
-    c.add_argument("--height", type=_unsigned(32), help="image height (default 2 x limits.side_multiple)")
-    c.add_argument("--width", type=_unsigned(32), help="image width (default 2 x limits.side_multiple)")
+    c.add_argument(
+        "--height",
+        type=_unsigned(32),
+        help="image height (default 2 x limits.side_multiple, at least min_side)",
+    )
+    c.add_argument(
+        "--width",
+        type=_unsigned(32),
+        help="image width (default 2 x limits.side_multiple, at least min_side)",
+    )
     c.add_argument("--frames", type=_unsigned(32), help="video frames per sample (default 1)")
     c.add_argument(
         "--case",

@@ -147,10 +147,8 @@ def run_conformance(client: RolloutClient, args: argparse.Namespace) -> tuple[st
     from rollout_client import conformance
 
     info = client.server_info()
-    size = None
-    if args.height or args.width or args.frames:
-        side = 2 * info.limits.side_multiple
-        size = (args.height or side, args.width or side, args.frames or (1 if info.limits.frame_step else 0))
+    height, width, frames = conformance.default_size(info)
+    size = (args.height or height, args.width or width, args.frames or frames)
     cases = [
         case
         for case in conformance.cases(info)

@@ -123,10 +123,9 @@ def request(
     info: rollout_pb2.GetServerInfoResponse, case: Case, size: tuple[int, int, int] | None = None
 ) -> rollout_pb2.RolloutRequest:
     """The case's request: one prompt, ``SAMPLES`` seeds from ``BASE_SEED``, float32 latents, every
-    latent and the debug tensors streamed, no images. ``size`` is (height, width, frames); unset, small:
-    2 x ``limits.side_multiple`` pixels, one frame (sent to a video family, whose default is more)."""
-    side = 2 * info.limits.side_multiple
-    height, width, frames = size or (side, side, 1 if info.limits.frame_step else 0)
+    latent and the debug tensors streamed, no images. ``size`` is (height, width, frames); unset, the
+    smallest size of ``default_size``."""
+    height, width, frames = size or default_size(info)
     fields = {
         "prompts": [PROMPT],
         "samples_per_prompt": SAMPLES,
@@ -151,6 +150,14 @@ def request(
     if "condition_images" in info.features:
         fields["condition_images"] = [rollout_pb2.ConditionImage(data=condition_png(max(height, width)))]
     return rollout_pb2.RolloutRequest(**{name: value for name, value in fields.items() if value is not None})
+
+
+def default_size(info: rollout_pb2.GetServerInfoResponse) -> tuple[int, int, int]:
+    """(height, width, frames) of the cases: 2 x ``limits.side_multiple`` pixels (2 x 2 patches of
+    the packed families), at least ``limits.min_side`` (LTX-2's decoder needs 64), and one frame, sent
+    to a video family (whose default is more); frames 0 leaves an image family's unset."""
+    side = max(2 * info.limits.side_multiple, info.limits.min_side)
+    return side, side, 1 if info.limits.frame_step else 0
 
 
 def _cfg_off_scale(info: rollout_pb2.GetServerInfoResponse) -> float:
