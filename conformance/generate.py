@@ -140,13 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", action="append", help="a tiny preset (default: every one that builds)")
+    parser.add_argument(
+        "--model",
+        action="append",
+        choices=sorted(PRESETS),
+        help="a preset (default: every tiny one that builds)",
+    )
     parser.add_argument("--out", type=Path, default=VECTORS, help=f"vector folder (default {VECTORS})")
     parser.add_argument("--cache-dir", type=Path, help="the preset cache (default: rollout-server's)")
     args = parser.parse_args(argv)
     cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir else []
     for name in args.model or tiny_presets():
-        resolve_model(name, args.cache_dir)  # built before the server starts, which waits for none
+        resolve_model(name, args.cache_dir)  # built here: the server's start has a deadline, a build none
         with tempfile.TemporaryDirectory() as logs:
             server = LocalServer.start(Path(logs) / "server.log", "--model", name, "--threads", "1", *cache)
             try:

@@ -49,8 +49,8 @@ def splitmix64(value: int) -> int:
 
 
 def draw(seeds, j: int, shape, streams) -> torch.Tensor:
-    """Noise stream j (0: x_0, i + 1: eps of step i) of each seed; latent stream k draws its part from
-    stream j + k 2^32 at its own shape, and the parts are flattened and joined."""
+    """Noise stream j (0: x_0, i + 1: eps of step i) of each seed (protocol.md 6); latent stream k draws
+    its part from stream j + k 2^32 at its own shape, and the parts are flattened and joined."""
     rows, generator = [], torch.Generator("cpu")
     for seed in seeds:
         parts = []
@@ -67,7 +67,7 @@ def sde_mean(x, v, s, s_next, std_t):
 
 
 def transition(sampler: str, x, v, sigmas, i: int, a: float):
-    """(mean, sd) of stochastic step i, float32."""
+    """(mean, sd) of stochastic step i, float32 (protocol.md 5)."""
     s, s_next, a = sigmas[i], sigmas[i + 1], torch.tensor(a)
     if sampler == "FLOW_SDE":
         s_hat = sigmas[1] if i == 0 else s  # the first step takes sigma_1, whatever sigma_0 is
@@ -81,7 +81,7 @@ def transition(sampler: str, x, v, sigmas, i: int, a: float):
 
 
 def log_prob(residual, sd, constants: bool) -> torch.Tensor:
-    """Per row, the mean over its elements of the Gaussian log-density (-residual^2 without constants)."""
+    """Per row, the mean of the Gaussian log-density over its elements (-residual^2 without constants: 7)."""
     if constants:
         return (-((residual / sd) * (residual / sd)) / 2 - torch.log(sd) - LOG_SQRT_2PI).flatten(1).mean(1)
     return (-(residual * residual)).flatten(1).mean(1)
@@ -98,7 +98,7 @@ def solver_order(solver: str, i: int, steps: int, known: int) -> int:
 
 
 def solve(solver: str, x, v, sigmas, i: int, history: dict):
-    """(x_{i+1}, order) of deterministic step i, in protocol.md's order of operations; ``history`` (the
+    """(x_{i+1}, order) of deterministic step i in protocol.md 8's order of operations; ``history`` (the
     data predictions of the run's earlier steps, UniPC's corrected sample and last order) is updated."""
     s, s_next, ms = sigmas[i], sigmas[i + 1], history["m"]
     order = solver_order(solver, i, len(sigmas) - 1, len(ms))
@@ -143,7 +143,7 @@ def split_streams(x, streams) -> dict[str, torch.Tensor]:
 
 
 def velocity(model, call, x, timestep: float, env: dict) -> torch.Tensor:
-    """One branch's float32 velocity of the rows x by the transformer-call rule (env rows stacked)."""
+    """One branch's float32 velocity of the rows x by the transformer-call rule (protocol.md 2, 3)."""
     dtype = getattr(torch, call.model_dtype)
     t = torch.full((len(x),), timestep, dtype=torch.float32)
     t = (
@@ -177,7 +177,7 @@ def velocity(model, call, x, timestep: float, env: dict) -> torch.Tensor:
     return -v if call.negated_prediction else v
 
 
-def guide(rule: str, scale: float, v: dict) -> torch.Tensor:
+def guide(rule: str, scale: float, v: dict) -> torch.Tensor:  # protocol.md 2, "Guidance"
     positive, negative = v["positive"], v.get("negative")
     if rule in ("none", "cfg_from_positive"):
         return positive if rule == "none" else positive + scale * (positive - negative)

@@ -157,9 +157,14 @@ def run_conformance(client: RolloutClient, args: argparse.Namespace) -> tuple[st
     if not cases:
         raise ValueError(f"no conformance case matches {' or '.join(args.case)}")
     transformers = _served_transformers(args.model, info, args.device) if args.model else None
-    # Sent together: the server batches their rows, as it would a trainer's; each stream is checked
-    # alone, so how it shared its forwards changes nothing the checks compare.
-    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+    # Sent a few at a time, as many as fill one forward (and never more than the server queues): the
+    # server batches their rows as it would a trainer's. Each stream is checked alone, so how it shared
+    # its forwards changes nothing the checks compare beyond the rounding their bounds allow.
+    limits = info.limits
+    together = min(
+        len(cases), max(1, limits.max_batch_size // conformance.SAMPLES), limits.max_queued_requests
+    )
+    with ThreadPoolExecutor(max_workers=max(1, together)) as pool:
         streams = list(
             pool.map(lambda case: list(client.stream(conformance.request(info, case, size))), cases)
         )
