@@ -29,8 +29,10 @@ sys.path.insert(0, str(KIT))  # the kit's scripts import each other as scripts d
 import generate  # noqa: E402
 import replay  # noqa: E402
 
-# The family (tests/helpers.py FAMILIES) of each tiny preset that builds here.
+# The family (tests/helpers.py FAMILIES) of each tiny preset.
 FAMILY_OF = {spec.preset: name for name, spec in FAMILIES.items() if spec.preset.startswith("tiny-")}
+# Its processor needs torchvision, which the machine that recorded the vectors lacks.
+WITHOUT_VECTORS = {"tiny-qwen-image-edit"}
 # One case per family, the suite's share of the kit: CFG on where the family has it (both branches and
 # its guidance rule), the sampler and the solver window taking turns, so that every sampler, solver and
 # window is replayed on some family. HunyuanVideo 1.5's forwards, the slowest (2000 text tokens), take
@@ -60,17 +62,11 @@ def vector_file(preset: str):
         return json.loads(opened.metadata()["conformance"]), load_file(path)
 
 
-def buildable(preset: str) -> bool:
-    return not FAMILIES[FAMILY_OF[preset]].missing
-
-
 def test_there_are_vectors_of_every_case_of_every_tiny_preset():
-    """A file per tiny preset that builds here, holding today's cases: those of a server with every
-    sampler and solver, with CFG but on FLUX.2 [dev], which has none."""
-    assert {path.stem for path in (KIT / "vectors").glob("*.safetensors")} == set(
-        filter(buildable, FAMILY_OF)
-    )
-    assert set(SUITE_CASES) == set(filter(buildable, FAMILY_OF))
+    """A file per tiny preset, holding today's cases: those of a server with every sampler and solver,
+    with CFG but on FLUX.2 [dev], which has none."""
+    presets = FAMILY_OF.keys() - WITHOUT_VECTORS
+    assert {path.stem for path in (KIT / "vectors").glob("*.safetensors")} == presets == SUITE_CASES.keys()
     for preset in SUITE_CASES:
         info = rollout_pb2.GetServerInfoResponse(
             sampler_types=list(rollout_pb2.SamplerType.values())[1:],
