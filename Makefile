@@ -17,7 +17,7 @@ SHAPES_TRAINING := --model shapes --prompt-set shapes --reward rollout_client.re
 	--algorithm awm --lr 3e-4 --ema-decay 0.9 --awm-kl 1 --prompts 4 --group-size 16 --steps 8 --size 64 \
 	--iterations 120 --eval-every 40 --eval-samples 4 --time-budget 870 --threads 2
 
-.PHONY: serve test demo train train-shapes pretrain-shapes proto lint bench clean
+.PHONY: serve test conformance demo train train-shapes pretrain-shapes proto lint bench clean
 
 serve: $(STAMP) $(STUBS)
 	$(VENV)/bin/rollout-server serve --model $(MODEL) --host $(HOST) --port $(PORT)
@@ -30,6 +30,13 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP) $(STUBS)
 	$(PY) -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
+# The conformance kit's reference replayer over every recorded case (conformance/README.md): the presets
+# the vectors were recorded from are built into the preset cache first (once).
+conformance: $(STAMP) $(STUBS)
+	$(PY) -c "from pathlib import Path; from rollout_server.presets import resolve_model; \
+		[resolve_model(f.stem) for f in sorted(Path('conformance/vectors').glob('*.safetensors'))]"
+	OMP_NUM_THREADS=1 $(PY) conformance/replay.py
 
 demo: $(STAMP) $(STUBS)
 	$(PY) examples/demo.py --out demo-output
