@@ -23,11 +23,10 @@ import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_client.events import Started, Step
-from rollout_client.grpo import expert
+from rollout_client.grpo import expert, guided_velocity
 from rollout_client.replay import regenerate_deterministic_steps
 from rollout_client.trajectory import collect
 from rollout_core import dtypes, noise, solvers, steps
-from rollout_core.transformer_call import apply_guidance, call_transformer, stack_envs
 
 PROMPT = "a red fox in the snow"
 NEGATIVE_PROMPT = "blurry"
@@ -210,28 +209,11 @@ def velocities_of(transformer, trajectories: Sequence, device: torch.device) -> 
     """v_i after guidance at every step of one rollout's samples, [T, B, ...], recomputed with
     ``transformer`` (or the experts by component name) from the streamed x_i, by the stream's
     transformer-call rule, the rows of each branch in one call."""
-    call = trajectories[0].transformer_call
-    model_dtype = dtypes.BY_NAME[call.model_dtype]
     rows = []
     for i in range(trajectories[0].num_steps):
-        model = expert(transformer, trajectories[0], i)
         x = torch.stack([t.latents[i] for t in trajectories]).to(device)
-        branches = {}
-        for branch in trajectories[0].env:
-            env = stack_envs([t.env[branch] for t in trajectories], call.batched_env_keys)
-            env = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in env.items()}
-            branches[branch] = call_transformer(
-                model,
-                x,
-                trajectories[0].timesteps[i],
-                env,
-                model_dtype,
-                call.timestep_divisor,
-                call.conditioning,
-                call.form,
-                call.batched_env_keys,
-            )
-        rows.append(apply_guidance(call.guidance_rule, call.guidance_scale_at(i), branches).cpu())
+        v = guided_velocity(expert(transformer, trajectories[0], i), trajectories, i, x, device)
+        rows.append(v.cpu())
     return torch.stack(rows)
 
 

@@ -156,25 +156,8 @@ def step_transitions(
             raise ValueError(
                 "the trajectories differ in transformer call, env shapes or expert: pass them apart"
             )
-    model_dtype = dtypes.BY_NAME[call.model_dtype]
     x = torch.stack([t.latents[i] for t in trajectories]).to(device)
-    timesteps = torch.stack([t.timesteps[i] for t in trajectories])
-    velocities = {}
-    for branch in first.env:
-        env = stack_envs([t.env[branch] for t in trajectories], call.batched_env_keys)
-        env = {key: _on(value, device) for key, value in env.items()}
-        velocities[branch] = call_transformer(
-            model,
-            x,
-            timesteps,
-            env,
-            model_dtype,
-            call.timestep_divisor,
-            call.conditioning,
-            call.form,
-            call.batched_env_keys,
-        )
-    v = apply_guidance(call.guidance_rule, call.guidance_scale_at(i), velocities)
+    v = guided_velocity(model, trajectories, i, x, device)
     means, stds, log_probs, per_stream = [], [], [], []
     for row, trajectory in enumerate(trajectories):
         kind, sigmas, level = trajectory.sampler_type, trajectory.sigmas, trajectory.noise_level_at(i)
@@ -192,6 +175,32 @@ def step_transitions(
         stream.name: torch.cat([row[stream.name] for row in per_stream]) for stream in call.form.streams
     }
     return Transition(torch.cat(log_probs), torch.cat(means), torch.cat(stds), stream_log_probs)
+
+
+def guided_velocity(
+    model: torch.nn.Module, trajectories: Sequence["Trajectory"], i: int, x: torch.Tensor, device
+) -> torch.Tensor:
+    """v_i after guidance [B, ...] of ``x`` [B, ...] (the trajectories' x_i, on ``device``) with
+    ``model``, by the trajectories' shared transformer-call rule: each CFG branch's rows in one call."""
+    call = trajectories[0].transformer_call
+    model_dtype = dtypes.BY_NAME[call.model_dtype]
+    timesteps = torch.stack([t.timesteps[i] for t in trajectories])
+    velocities = {}
+    for branch in trajectories[0].env:
+        env = stack_envs([t.env[branch] for t in trajectories], call.batched_env_keys)
+        env = {key: _on(value, device) for key, value in env.items()}
+        velocities[branch] = call_transformer(
+            model,
+            x,
+            timesteps,
+            env,
+            model_dtype,
+            call.timestep_divisor,
+            call.conditioning,
+            call.form,
+            call.batched_env_keys,
+        )
+    return apply_guidance(call.guidance_rule, call.guidance_scale_at(i), velocities)
 
 
 def step_log_probs(
