@@ -76,6 +76,23 @@ def family() -> str:
     return "flux"
 
 
+def flux_from_x0(pipeline, scheduler, started, trajectories, **arguments) -> list[torch.Tensor]:
+    """FluxPipeline with ``scheduler`` from the streamed x_0 and text states of tiny-flux's 64 x 64,
+    4-step rollout (``arguments`` go to the call)."""
+    return run_pipeline(
+        pipeline,
+        scheduler,
+        prompt_embeds=positive_env(trajectories, "encoder_hidden_states"),
+        pooled_prompt_embeds=positive_env(trajectories, "pooled_projections"),
+        latents=torch.stack([trajectory.latents[0] for trajectory in trajectories]),
+        height=64,
+        width=64,
+        num_inference_steps=4,
+        guidance_scale=started.resolved.guidance_scale,
+        **arguments,
+    )
+
+
 @pytest.mark.parametrize(
     ("solver", "sigmas_argument"),
     [("euler", False), ("euler", True), ("dpmpp_2m", False), ("unipc", False)],
@@ -96,18 +113,7 @@ def test_fluxpipeline_with_the_solvers_scheduler_is_the_ode_rollout(
         arguments["sigmas"] = list(started.sigmas)[:-1]
     else:
         scheduler = replay_doc["use_server_schedule"](scheduler, started.sigmas, started.timesteps)
-    latents = run_pipeline(
-        family_pipeline,
-        scheduler,
-        prompt_embeds=positive_env(trajectories, "encoder_hidden_states"),
-        pooled_prompt_embeds=positive_env(trajectories, "pooled_projections"),
-        latents=torch.stack([trajectory.latents[0] for trajectory in trajectories]),
-        height=64,
-        width=64,
-        num_inference_steps=4,
-        guidance_scale=started.resolved.guidance_scale,
-        **arguments,
-    )
+    latents = flux_from_x0(family_pipeline, scheduler, started, trajectories, **arguments)
     assert torch.equal(scheduler.sigmas, torch.tensor(list(started.sigmas)))
     assert torch.equal(scheduler.timesteps, torch.tensor(list(started.timesteps)[:-1]))
     assert_each_step_is_the_streamed_one(latents, trajectories)
@@ -130,17 +136,7 @@ def test_dpm_solver_on_its_own_flow_sigmas_is_not_the_rollout(family_client, fam
     scheduler = DPMSolverMultistepScheduler.from_config(
         family_pipeline.scheduler.config, use_flow_sigmas=True, prediction_type="flow_prediction"
     )
-    latents = run_pipeline(
-        family_pipeline,
-        scheduler,
-        prompt_embeds=positive_env(trajectories, "encoder_hidden_states"),
-        pooled_prompt_embeds=positive_env(trajectories, "pooled_projections"),
-        latents=torch.stack([trajectory.latents[0] for trajectory in trajectories]),
-        height=64,
-        width=64,
-        num_inference_steps=4,
-        guidance_scale=started.resolved.guidance_scale,
-    )
+    latents = flux_from_x0(family_pipeline, scheduler, started, trajectories)
     assert scheduler.sigmas[0] < 1.0 == started.sigmas[0]
     assert scheduler.timesteps.dtype == torch.int64
     final = torch.stack([trajectory.latents[-1] for trajectory in trajectories])
