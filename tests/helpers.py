@@ -189,6 +189,18 @@ def sglang_source(cache_dir: Path, member: str) -> str:
         return wheel.read(member).decode()
 
 
+# GetServerInfo.features of every server, in the order it lists them; a server adds its own after them.
+SERVED_FEATURES = [
+    "lora",
+    "tree",
+    "prune_points",
+    "weight_sync",
+    "sigmas",
+    "initial_latents",
+    "release_memory",
+]
+
+
 # Model families ------------------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, imported_modules
+from helpers import ROOT, SERVED_FEATURES, imported_modules
 from PIL import Image
 
 from rollout_client import Trajectory
@@ -44,15 +44,7 @@ def test_info_prints_server_info_json(server):
     info = json.loads(result.stdout)
     assert info["family"] == "flux"
     assert Path(info["model_path"], "transformer").is_dir()
-    assert info["features"] == [
-        "lora",
-        "tree",
-        "prune_points",
-        "weight_sync",
-        "sigmas",
-        "initial_latents",
-        "release_memory",
-    ]
+    assert info["features"] == SERVED_FEATURES
 
 
 def test_rollout_writes_one_image_and_trajectory_per_sample(rollout_dir):

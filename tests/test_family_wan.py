@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from helpers import FAMILIES, TOLERANCE, assert_replays, family_request, refused_rollout, split_events
+from helpers import (
+    FAMILIES,
+    SERVED_FEATURES,
+    TOLERANCE,
+    assert_replays,
+    family_request,
+    refused_rollout,
+    split_events,
+)
 
 from rollout_client.images import LABEL_HEIGHT
 from rollout_core import solvers
@@ -31,16 +39,7 @@ def test_server_info(family_client, family):
         "timestep",
     )
     assert list(info.transformers) == list(FAMILIES[family].experts)
-    served = [
-        "lora",
-        "tree",
-        "prune_points",
-        "weight_sync",
-        "sigmas",
-        "initial_latents",
-        "release_memory",
-        "video",
-    ]
+    served = [*SERVED_FEATURES, "video"]
     two_experts = [*served, "experts", "guidance_scale_2", "boundary_ratio"]
     assert list(info.features) == (two_experts if family == "wan2.2" else served)
     defaults = info.defaults

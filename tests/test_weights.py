@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import (
     LORA_TARGETS,
+    SERVED_FEATURES,
     TO_Q,
     Rollout,
     assert_replays,
@@ -368,9 +369,8 @@ def test_bad_update_is_refused_and_changes_nothing(
 
 
 def test_load_weights_is_a_feature_of_a_server_with_a_root(updated, client):
-    served = ["lora", "tree", "prune_points", "weight_sync", "sigmas", "initial_latents", "release_memory"]
-    assert list(updated.server_info().features) == [*served, "load_weights"]
-    assert list(client.server_info().features) == served
+    assert list(updated.server_info().features) == [*SERVED_FEATURES, "load_weights"]
+    assert list(client.server_info().features) == SERVED_FEATURES
 
 
 def test_load_weights_is_disabled_without_a_root(client):
