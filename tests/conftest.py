@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAMILIES, start_server
+from support.families import FAMILIES
+from support.servers import start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)

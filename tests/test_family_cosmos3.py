@@ -11,7 +11,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import FAMILIES, TOLERANCE, family_request, forward_at, http_url, refused_rollout
+from support.adapters import forward_at
+from support.errors import refused_rollout
+from support.families import FAMILIES, family_request
+from support.parity import TOLERANCE
+from support.servers import http_url
 
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import TransformerCall

@@ -16,21 +16,15 @@ import pytest
 import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-from helpers import (
-    FAMILIES,
-    TOLERANCE,
-    assert_replays,
-    assert_same_numbers,
-    family_request,
-    field_violations,
-    joint_attention_tokens,
-    next_version,
-    split_events,
-    start_server,
-    with_lora,
-)
 from peft import get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
+from support.adapters import joint_attention_tokens
+from support.errors import field_violations
+from support.families import FAMILIES, family_request
+from support.parity import TOLERANCE, assert_replays, assert_same_numbers
+from support.requests import split_events
+from support.servers import start_server
+from support.weights import next_version, with_lora
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient

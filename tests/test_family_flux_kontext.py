@@ -7,19 +7,11 @@ with the other families."""
 import numpy as np
 import pytest
 import torch
-from helpers import (
-    FAMILIES,
-    TOLERANCE,
-    adapter_ode,
-    assert_replays,
-    assert_same_numbers,
-    at_server_threads,
-    condition_image,
-    family_request,
-    joint_attention_tokens,
-    split_events,
-    stream_at_sp2,
-)
+from support.adapters import adapter_ode, joint_attention_tokens
+from support.families import FAMILIES, family_request
+from support.parity import TOLERANCE, assert_replays, assert_same_numbers
+from support.requests import condition_image, split_events
+from support.servers import at_server_threads, stream_at_sp2
 
 from rollout.v1 import rollout_pb2
 from rollout_core import wire

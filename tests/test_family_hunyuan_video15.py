@@ -16,7 +16,10 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import (
     extract_glyph_texts,
     retrieve_timesteps,
 )
-from helpers import TOLERANCE, family_request, forward_at, refused_rollout
+from support.adapters import forward_at
+from support.errors import refused_rollout
+from support.families import family_request
+from support.parity import TOLERANCE
 from torch.overrides import TorchFunctionMode
 
 from rollout_core.transformer_call import apply_guidance

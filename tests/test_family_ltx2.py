@@ -15,8 +15,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import TOLERANCE, family_request, http_url, refused_rollout, run_example, start_server
 from safetensors.torch import load_file
+from support.errors import refused_rollout
+from support.families import family_request
+from support.parity import TOLERANCE
+from support.servers import http_url, run_example, start_server
 from test_latent_streams import documented_draw
 
 from rollout.v1 import rollout_pb2

@@ -10,7 +10,7 @@ length, so a request mixing prompt lengths must give each sample the env of its 
 import numpy as np
 import pytest
 import torch
-from helpers import LONG_PROMPT, SHORT_PROMPT, family_request, qwen_text_length
+from support.families import LONG_PROMPT, SHORT_PROMPT, family_request, qwen_text_length
 
 
 @pytest.fixture

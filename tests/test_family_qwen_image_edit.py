@@ -13,14 +13,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
-from helpers import (
-    FAMILIES,
-    adapter_ode,
-    condition_image,
-    family_request,
-    joint_attention_tokens,
-    refused_rollout,
-)
+from support.adapters import adapter_ode, joint_attention_tokens
+from support.errors import refused_rollout
+from support.families import FAMILIES, family_request
+from support.requests import condition_image
 
 from rollout.v1 import rollout_pb2
 from rollout_core import wire

@@ -10,7 +10,7 @@ prompt as its own env branch.
 import numpy as np
 import pytest
 import torch
-from helpers import family_request
+from support.families import family_request
 
 
 @pytest.fixture

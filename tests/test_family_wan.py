@@ -12,15 +12,11 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from helpers import (
-    FAMILIES,
-    SERVED_FEATURES,
-    TOLERANCE,
-    assert_replays,
-    family_request,
-    refused_rollout,
-    split_events,
-)
+from support.errors import refused_rollout
+from support.families import FAMILIES, family_request
+from support.parity import TOLERANCE, assert_replays
+from support.requests import split_events
+from support.servers import SERVED_FEATURES
 
 from rollout_client.images import LABEL_HEIGHT
 from rollout_core import solvers

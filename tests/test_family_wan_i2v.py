@@ -14,17 +14,11 @@ import shutil
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
-from helpers import (
-    FAMILIES,
-    TOLERANCE,
-    adapter_ode,
-    assert_replays,
-    assert_same_numbers,
-    condition_image,
-    family_request,
-    split_events,
-    stream_at_sp2,
-)
+from support.adapters import adapter_ode
+from support.families import FAMILIES, family_request
+from support.parity import TOLERANCE, assert_replays, assert_same_numbers
+from support.requests import condition_image, split_events
+from support.servers import stream_at_sp2
 
 from rollout.v1 import rollout_pb2
 from rollout_core import wire

@@ -17,24 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import (
-    FAMILIES,
-    LONG_PROMPT,
-    LORA_TARGETS,
-    SHORT_PROMPT,
-    TOLERANCE,
-    assert_replays,
-    assert_same_numbers,
-    family_request,
-    field_violations,
-    metrics_url,
-    next_version,
-    scrape,
-    split_events,
-    stream_at_sp2,
-    with_lora,
-)
 from peft import get_peft_model_state_dict
+from support.errors import field_violations
+from support.families import FAMILIES, LONG_PROMPT, SHORT_PROMPT, family_request
+from support.parity import TOLERANCE, assert_replays, assert_same_numbers
+from support.requests import split_events
+from support.servers import metrics_url, scrape, stream_at_sp2
+from support.weights import LORA_TARGETS, next_version, with_lora
 
 from rollout.v1 import rollout_pb2
 from rollout_client import replay_log_probs

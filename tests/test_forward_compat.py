@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from google.protobuf.unknown_fields import UnknownFieldSet
-from helpers import ROOT, assert_same_kwargs, family_request, make_request
+from support.families import family_request
+from support.parity import assert_same_kwargs
+from support.requests import make_request
+from support.servers import ROOT
 
 from rollout.v1 import rollout_pb2
 from rollout_client.client import varint

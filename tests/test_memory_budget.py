@@ -11,17 +11,11 @@ import time
 import grpc
 import pytest
 import torch
-from helpers import (
-    FAMILIES,
-    condition_image,
-    condition_png,
-    env_at,
-    field_violations,
-    forward_of,
-    health_status,
-    make_request,
-    start_server,
-)
+from support.adapters import env_at, forward_of
+from support.errors import field_violations, health_status
+from support.families import FAMILIES
+from support.requests import condition_image, condition_png, make_request
+from support.servers import start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server import families, memory

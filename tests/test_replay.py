@@ -11,23 +11,12 @@ import json
 
 import pytest
 import torch
-from helpers import (
-    FAMILIES,
-    LATENT_DTYPES,
-    LONG_PROMPT,
-    SHORT_PROMPT,
-    TOLERANCE,
-    assert_replays,
-    assert_same_kwargs,
-    family_request,
-    make_request,
-    qwen_text_length,
-    refused_rollout,
-    split_events,
-    stream_events,
-)
 from safetensors import safe_open
 from safetensors.torch import save_file
+from support.errors import refused_rollout
+from support.families import FAMILIES, LONG_PROMPT, SHORT_PROMPT, family_request, qwen_text_length
+from support.parity import TOLERANCE, assert_replays, assert_same_kwargs
+from support.requests import LATENT_DTYPES, make_request, split_events, stream_events
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Trajectory, replay_log_probs

@@ -13,19 +13,10 @@ import time
 import grpc
 import pytest
 import torch
-from helpers import (
-    FAMILIES,
-    SERVER_THREADS,
-    TOLERANCE,
-    assert_replays,
-    assert_same_numbers,
-    make_request,
-    metrics_url,
-    scrape,
-    split_events,
-    start_server,
-    stream_at_sp2,
-)
+from support.families import FAMILIES
+from support.parity import TOLERANCE, assert_replays, assert_same_numbers
+from support.requests import make_request, split_events
+from support.servers import SERVER_THREADS, metrics_url, scrape, start_server, stream_at_sp2
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient
