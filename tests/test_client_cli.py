@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from support.servers import ROOT, SERVED_FEATURES, imported_modules
+from support.families import SERVED_FEATURES
+from support.servers import ROOT, imported_modules
 
 from rollout_client import Trajectory
 from rollout_client.cli import LATENT_DTYPES, build_request, main, parse_args

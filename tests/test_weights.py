@@ -19,9 +19,10 @@ import torch
 from peft import LoraConfig, get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load, save, save_file
+from support.families import SERVED_FEATURES
 from support.parity import assert_replays
 from support.requests import Rollout, make_request, split_events, stream_events
-from support.servers import SERVED_FEATURES, start_server
+from support.servers import start_server
 from support.weights import (
     LORA_TARGETS,
     TO_Q,

@@ -2,12 +2,15 @@
 keyed by family name, and the request every family's contract checks start from."""
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from transformers.utils import is_torchvision_available
 
 from rollout.v1 import rollout_pb2
+from rollout_core import wire
 from rollout_server import families
+from support.parity import TOLERANCE
 from support.requests import SAMPLERS, condition_png, make_request
 
 
@@ -44,6 +47,26 @@ class Family:
     conditioning: tuple[str, str] = ("CONDITIONING_CONCAT_NONE", "")
     # Why the preset cannot be built on this machine (a library it needs is missing); "" if it can.
     missing: str = ""
+    # The rows of the contract suite (tests/families/test_contract.py) beyond replay, which every family
+    # has. What GetServerInfo says of the preset: attribute paths of the reply and their values (a
+    # repeated field as a list; an optional field must be set).
+    server_info: dict[str, Any] = field(default_factory=dict)
+    # Capabilities GetServerInfo.features lists besides SERVED_FEATURES.
+    features: frozenset[str] = frozenset()
+    # num_frames values refused (off the frame step, or above the bound) for a video family.
+    refused_frames: tuple[int, ...] = ()
+    # The SP=2 row: fields over the family's FLOW_SDE request with CFG (None: no SP=2 row here, where
+    # a file of its own runs the family at SP=2 with other tests), the tolerance of its latents and
+    # velocities, and what its started event shows: the latent layout, the streams' shapes, the
+    # attention split, text states of uneven, odd lengths.
+    sp2_fields: dict[str, Any] | None = None
+    sp2_tolerance: float = TOLERANCE
+    sp2_layout: tuple[int, ...] = ()
+    sp2_streams: tuple[tuple[int, ...], ...] = ()
+    sp2_attention_split: str = ""
+    sp2_uneven_text: bool = False
+    # The LoRA row: a name the trained adapter's keys hold (the family's own modules); "": no row.
+    lora_module: str = ""
 
 
 # FluxTransformer2DModel's kwargs besides hidden_states and timestep (guidance is None without an embedding).
@@ -65,6 +88,18 @@ FLUX2_ENV_KEYS = frozenset(
 SHORT_PROMPT = "a fox"
 LONG_PROMPT = "A cozy cabin in the mountains covered with fresh snow, warm light in the windows."
 # FLUX.1-dev: packed 2x2 tokens, embedded guidance, true CFG.
+# GetServerInfo.features of every server, in the order it lists them; a server adds its own after them.
+SERVED_FEATURES = [
+    "lora",
+    "tree",
+    "prune_points",
+    "weight_sync",
+    "sigmas",
+    "initial_latents",
+    "release_memory",
+]
+# The prompts and seed of the SP=2 rows that run their own request.
+SP_PROMPTS = {"prompts": ["a red fox in the snow", "two cats"], "base_seed": 17}
 FLUX = Family(
     preset="tiny-flux",
     transformer="FluxTransformer2DModel",
@@ -83,6 +118,24 @@ FLUX = Family(
 # Qwen-Image: every prompt has its own text length, and true CFG rescales to the positive norm.
 QWEN_IMAGE = Family(
     preset="tiny-qwen-image",
+    server_info={
+        "family": "qwen-image",
+        "pipeline_class": "QwenImagePipeline",
+        "cfg_scale_field": "true_cfg_scale",
+        "cfg_rule": "true_cfg_norm_rescale",
+        "timestep_rule": "timestep / 1000",
+        **{"defaults.height": 128, "defaults.width": 128, "defaults.num_steps": 10},  # the preset's
+        **{"defaults.guidance_scale": 1.0, "defaults.true_cfg_scale": 4.0},  # Qwen-Image's
+        "defaults.noise_level": 0.7,
+        "limits.side_multiple": 16,  # 8x VAE, 2x2 patches
+        **{"limits.max_frames": 1, "defaults.num_frames": 1},  # an image family
+    },
+    # Prompts of odd, different lengths: diffusers' uneven Ulysses split of the text tokens.
+    sp2_fields={
+        **SP_PROMPTS,
+        "prompts": ["a fox", "an old lighthouse on a rocky cliff at dusk, oil painting"],
+    },
+    sp2_uneven_text=True,
     transformer="QwenImageTransformer2DModel",
     pipeline="QwenImagePipeline",
     prompts=(SHORT_PROMPT, LONG_PROMPT),
@@ -106,6 +159,21 @@ QWEN_IMAGE = Family(
 # Wan 2.1: video latents, the raw integer timestep, classic CFG on guidance_scale.
 WAN = Family(
     preset="tiny-wan",
+    server_info={
+        "family": "wan",
+        "pipeline_class": "WanPipeline",
+        **{"cfg_scale_field": "guidance_scale", "cfg_rule": "true_cfg", "timestep_rule": "timestep"},
+        "transformers": ["transformer"],
+        "features": [*SERVED_FEATURES, "video"],
+        **{"defaults.height": 64, "defaults.width": 64, "defaults.num_frames": 5, "defaults.num_steps": 10},
+        "defaults.guidance_scale": 5.0,  # Wan 2.1's
+        # 8x VAE, 1x2x2 patches
+        **{"limits.side_multiple": 16, "limits.frame_step": 4, "limits.max_frames": 161},
+    },
+    refused_frames=(2, 4, 6, 200),
+    # 9 frames: 3 latent frames of 8 x 8, 2 x 2 patches: 3 x 4 x 4 tokens.
+    sp2_fields={**SP_PROMPTS, "num_frames": 9, "guidance_scale": 5.0, "negative_prompt": "blurry"},
+    sp2_layout=(16, 3, 8, 8),
     transformer="WanTransformer3DModel",
     pipeline="WanPipeline",
     prompts=("a red fox in the snow", "two cats"),
@@ -126,6 +194,19 @@ FAMILIES = {
     "flux-kontext": dataclasses.replace(
         FLUX,
         preset="tiny-flux-kontext",
+        server_info={
+            "family": "flux-kontext",
+            "pipeline_class": "FluxKontextPipeline",
+            "cfg_scale_field": "true_cfg_scale",
+            "cfg_rule": "true_cfg",
+            "timestep_rule": "timestep / 1000",
+            **{"defaults.height": 128, "defaults.width": 128, "defaults.num_steps": 10},  # the preset's
+            **{"defaults.guidance_scale": 2.5, "defaults.true_cfg_scale": 1.0},  # FLUX.1 Kontext dev's
+            "limits.side_multiple": 16,
+        },
+        features=frozenset({wire.FEATURE_CONDITION_IMAGES}),
+        # The ranks split the 16 generated and 16 image tokens together and gather them back.
+        sp2_fields={"samples_per_prompt": 1},
         pipeline="FluxKontextPipeline",
         prompts=("make the fox red", "two cats on the snow"),
         base_seed=61,
@@ -138,6 +219,12 @@ FAMILIES = {
     # its env), a 4x VAE and 24 text tokens.
     "shapes": Family(
         preset="shapes",
+        # The pretrained network at true CFG 3: the split attention rounds differently from the whole
+        # one, guided v = (1 - s) v_uncond + s v_cond takes each branch's difference up to 2 + 3 times
+        # at s = 3, and a trained network carries a difference in its input on to the next steps: up
+        # to 6.1e-5 here, against 1e-5 for the random tiny presets.
+        sp2_fields={"prompts": ["a red circle", "two blue squares"], "base_seed": 17},
+        sp2_tolerance=10 * TOLERANCE,
         transformer="FluxTransformer2DModel",
         pipeline="FluxPipeline",
         prompts=("a red circle", "a blue square to the left of a yellow triangle"),
@@ -152,6 +239,16 @@ FAMILIES = {
     # SD3: unpacked latents, the raw timestep, CFG driven by guidance_scale.
     "sd3": Family(
         preset="tiny-sd3",
+        server_info={
+            "family": "sd3",
+            "pipeline_class": "StableDiffusion3Pipeline",
+            **{"cfg_scale_field": "guidance_scale", "cfg_rule": "true_cfg", "timestep_rule": "timestep"},
+            **{"defaults.height": 128, "defaults.width": 128, "defaults.num_steps": 10},  # the preset's
+            **{"defaults.guidance_scale": 4.5, "defaults.true_cfg_scale": 1.0},  # SD3.5-Medium's
+            "defaults.noise_level": 0.7,
+            "limits.side_multiple": 16,  # 8x VAE, 2x2 patches
+            **{"limits.max_frames": 1, "defaults.num_frames": 1},  # an image family
+        },
         transformer="SD3Transformer2DModel",
         pipeline="StableDiffusion3Pipeline",
         prompts=("a red fox in the snow", "two cats"),
@@ -169,6 +266,19 @@ FAMILIES = {
     # states, CFG driven by guidance_scale and no guidance embedding (guidance is None in its env).
     "flux2-klein": Family(
         preset="tiny-flux2-klein",
+        server_info={
+            "family": "flux2-klein",
+            "pipeline_class": "Flux2KleinPipeline",
+            "timestep_rule": "timestep / 1000",
+            **{
+                "cfg_scale_field": "guidance_scale",
+                "cfg_rule": "true_cfg",
+                "defaults.guidance_scale": 4.0,
+            },  # FLUX.2 [klein] base's CFG 4
+            "scale_fields": ["guidance_scale"],  # [klein]'s CFG scale, [dev]'s guidance
+            **{"defaults.height": 128, "defaults.width": 128, "defaults.num_steps": 10},  # the preset's
+            **{"defaults.true_cfg_scale": 1.0, "limits.side_multiple": 16},
+        },
         transformer="Flux2Transformer2DModel",
         pipeline="Flux2KleinPipeline",
         prompts=("a red fox in the snow", "two cats"),
@@ -185,6 +295,19 @@ FAMILIES = {
     # FLUX.2 [dev]: [klein]'s call with a Mistral3 embedding and the guidance scale embedded, no CFG.
     "flux2": Family(
         preset="tiny-flux2",
+        server_info={
+            "family": "flux2",
+            "pipeline_class": "Flux2Pipeline",
+            "timestep_rule": "timestep / 1000",
+            **{
+                "cfg_scale_field": "",
+                "cfg_rule": "none",
+                "defaults.guidance_scale": 4.0,
+            },  # FLUX.2 [dev]'s embedded guidance 4, no CFG field
+            "scale_fields": ["guidance_scale"],  # [klein]'s CFG scale, [dev]'s guidance
+            **{"defaults.height": 128, "defaults.width": 128, "defaults.num_steps": 10},  # the preset's
+            **{"defaults.true_cfg_scale": 1.0, "limits.side_multiple": 16},
+        },
         transformer="Flux2Transformer2DModel",
         pipeline="Flux2Pipeline",
         prompts=("a red fox in the snow", "two cats"),
@@ -205,6 +328,19 @@ FAMILIES = {
     "qwen-image-edit": dataclasses.replace(
         QWEN_IMAGE,
         preset="tiny-qwen-image-edit",
+        server_info={
+            "family": "qwen-image-edit",
+            "pipeline_class": "QwenImageEditPipeline",
+            "cfg_scale_field": "true_cfg_scale",
+            "cfg_rule": "true_cfg_norm_rescale",
+            "timestep_rule": "timestep / 1000",
+            **{"defaults.height": 128, "defaults.width": 128, "defaults.num_steps": 10},  # the preset's
+            **{"defaults.guidance_scale": 1.0, "defaults.true_cfg_scale": 4.0},  # Qwen-Image-Edit's
+            "limits.side_multiple": 16,
+        },
+        features=frozenset({wire.FEATURE_CONDITION_IMAGES}),
+        sp2_fields=None,
+        sp2_uneven_text=False,
         pipeline="QwenImageEditPipeline",
         prompts=("make the fox red", LONG_PROMPT),
         base_seed=81,
@@ -218,6 +354,16 @@ FAMILIES = {
     "wan2.2": dataclasses.replace(
         WAN,
         preset="tiny-wan2.2",
+        server_info={
+            **WAN.server_info,
+            "family": "wan",  # Wan 2.2's pipeline is WanPipeline too
+            "transformers": ["transformer", "transformer_2"],
+            "features": [*SERVED_FEATURES, "video", "experts", "guidance_scale_2", "boundary_ratio"],
+            "defaults.boundary_ratio": 0.875,  # the pipeline's boundary, exact in float32
+        },
+        refused_frames=(),
+        sp2_fields=None,
+        sp2_layout=(),
         base_seed=51,
         experts=("transformer", "transformer_2"),
         step_transformers=("transformer", "transformer", "transformer_2", "transformer_2"),
@@ -227,6 +373,23 @@ FAMILIES = {
     "wan-i2v": dataclasses.replace(
         WAN,
         preset="tiny-wan-i2v",
+        server_info={
+            "family": "wan-i2v",
+            "pipeline_class": "WanImageToVideoPipeline",
+            **{"cfg_scale_field": "guidance_scale", "cfg_rule": "true_cfg", "timestep_rule": "timestep"},
+            **{
+                "defaults.height": 64,
+                "defaults.width": 64,
+                "defaults.num_frames": 5,
+                "defaults.num_steps": 10,
+            },
+            **{"limits.side_multiple": 16, "limits.frame_step": 4},
+        },
+        features=frozenset({wire.FEATURE_CONDITION_IMAGES, wire.FEATURE_VIDEO}),
+        refused_frames=(),
+        # The ranks split the 2 x 4 x 4 video tokens the patch embedding makes of the 36 channels.
+        sp2_fields={},
+        sp2_layout=(),
         pipeline="WanImageToVideoPipeline",
         prompts=("the fox runs off", "the cats turn around"),
         base_seed=71,
@@ -239,6 +402,25 @@ FAMILIES = {
     # guidance_scale.
     "hunyuan-video15": Family(
         preset="tiny-hunyuan-video15",
+        server_info={
+            "family": "hunyuan-video15",
+            "pipeline_class": "HunyuanVideo15Pipeline",
+            **{"cfg_scale_field": "guidance_scale", "cfg_rule": "true_cfg", "timestep_rule": "timestep"},
+            **{
+                "defaults.height": 64,
+                "defaults.width": 64,
+                "defaults.num_frames": 5,
+                "defaults.num_steps": 10,
+            },
+            "defaults.guidance_scale": 6.0,  # the preset's guider's
+            # 16x VAE, 1x1 patches
+            **{"limits.side_multiple": 16, "limits.frame_step": 4, "limits.max_frames": 241},
+        },
+        refused_frames=(2, 4, 6, 245),
+        # 16x VAE, 1 x 1 patches: 3 x 4 x 4 tokens, beside a context of 1985 (1000 Qwen2.5-VL tokens,
+        # 256 ByT5 bytes, 729 image tokens) that our plan splits unevenly, 993 and 992.
+        sp2_fields={**SP_PROMPTS, "num_frames": 9, "guidance_scale": 5.0, "negative_prompt": "blurry"},
+        sp2_layout=(32, 3, 4, 4),
         transformer="HunyuanVideo15Transformer3DModel",
         pipeline="HunyuanVideo15Pipeline",
         prompts=("a red fox in the snow", 'a sign that says "open"'),  # the second quotes glyph text
@@ -268,6 +450,20 @@ FAMILIES = {
     # fed as sigma, classic CFG on guidance_scale for both streams.
     "ltx2": Family(
         preset="tiny-ltx2",
+        server_info={
+            **{"family": "ltx2", "pipeline_class": "LTX2Pipeline"},
+            **{"cfg_scale_field": "guidance_scale", "cfg_rule": "true_cfg"},
+            # The preset's 9 frames: 2 latent frames of 2 x 2 tokens, 9 latent audio frames.
+            **{"defaults.height": 64, "defaults.width": 64, "defaults.num_frames": 9},
+            **{"limits.side_multiple": 32, "limits.min_side": 64, "limits.frame_step": 8},
+            "limits.max_frames": 241,
+        },
+        features=frozenset({wire.FEATURE_LATENT_STREAMS, wire.FEATURE_AUDIO, wire.FEATURE_VIDEO}),
+        refused_frames=(2, 5, 16, 249),
+        # The plan splits the video tokens (3 x 2 x 2 at 17 frames) and the text tokens; the audio
+        # stream runs whole on every rank.
+        sp2_fields={**SP_PROMPTS, "num_frames": 17, "guidance_scale": 3.0, "negative_prompt": "silence"},
+        sp2_streams=((12, 128), (18, 32)),
         transformer="LTX2VideoTransformer3DModel",
         pipeline="LTX2Pipeline",
         prompts=("a drum and a bell", "rain on a tin roof at night"),
@@ -306,6 +502,26 @@ FAMILIES = {
     # negative prompt's own (inverse) templates.
     "cosmos3": Family(
         preset="tiny-cosmos3",
+        server_info={
+            **{"family": "cosmos3", "pipeline_class": "Cosmos3OmniPipeline"},
+            **{"cfg_scale_field": "guidance_scale", "cfg_rule": "true_cfg", "cfg_off_scale": 1.0},
+            **{
+                "defaults.height": 64,
+                "defaults.width": 64,
+                "defaults.num_frames": 5,
+                "defaults.num_steps": 10,
+            },
+            "defaults.guidance_scale": 6.0,  # Cosmos3OmniPipeline.__call__'s
+            "defaults.solver": rollout_pb2.SOLVER_UNIPC,  # the pipeline's scheduler
+            # The VAE's 16 (the transformer pads an odd patch grid), 4x in time, about twice the 189 frames.
+            **{"limits.side_multiple": 16, "limits.frame_step": 4, "limits.max_frames": 377},
+        },
+        refused_frames=(2, 4, 6, 381),
+        # 16x VAE of 48 channels, 2 x 2 patches: 3 x 2 x 2 vision tokens, packed after a text that the
+        # seams split unevenly (71 and 68 tokens, the negative's 73: 36 / 35, 34 / 34, 37 / 36); 4 query
+        # and 2 key/value heads, 2 and 1 a rank.
+        sp2_fields={**SP_PROMPTS, "num_frames": 9, "guidance_scale": 5.0, "negative_prompt": "blurry"},
+        sp2_layout=(48, 3, 4, 4),
         transformer="Cosmos3OmniTransformer",
         pipeline="Cosmos3OmniPipeline",
         prompts=(SHORT_PROMPT, LONG_PROMPT),  # two text lengths: two packed sequences of their own
@@ -336,6 +552,21 @@ FAMILIES = {
     # guidance_scale > 0.
     "z-image": Family(
         preset="tiny-z-image",
+        server_info={
+            **{"family": "z-image", "pipeline_class": "ZImagePipeline"},
+            **{"cfg_scale_field": "guidance_scale", "cfg_rule": "cfg_from_positive"},
+            "timestep_rule": "(1000 - timestep) / 1000, float32",
+            "cfg_off_scale": 0.0,  # CFG on above 0
+            **{"defaults.height": 128, "defaults.width": 128, "defaults.num_steps": 10},  # the preset's
+            **{"defaults.guidance_scale": 5.0, "defaults.true_cfg_scale": 1.0},  # ZImagePipeline's
+            "limits.side_multiple": 16,  # 8x VAE, 2x2 patches
+            **{"limits.max_frames": 1, "defaults.num_frames": 1},
+        },
+        # Our plan splits the image's, the caption's and the unified tokens over the two ranks and
+        # gathers them back, over prompts of different lengths.
+        sp2_fields={"samples_per_prompt": 1},
+        sp2_attention_split="ulysses",
+        lora_module=".attention.to_q.",  # Z-Image's own module names
         transformer="ZImageTransformer2DModel",
         pipeline="ZImagePipeline",
         prompts=(SHORT_PROMPT, LONG_PROMPT),

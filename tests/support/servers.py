@@ -115,18 +115,6 @@ def scrape(url: str) -> dict[tuple, float]:
     }
 
 
-# GetServerInfo.features of every server, in the order it lists them; a server adds its own after them.
-SERVED_FEATURES = [
-    "lora",
-    "tree",
-    "prune_points",
-    "weight_sync",
-    "sigmas",
-    "initial_latents",
-    "release_memory",
-]
-
-
 def stream_at_sp2(cache_dir: Path, log_path: Path, preset: str, request) -> Rollout:
     """The events of ``request`` from a fresh server of ``preset`` at --sp 2, stopped cleanly after."""
     server = start_server(cache_dir, log_path, "--model", preset, "--sp", "2")
