@@ -191,7 +191,7 @@ def assert_each_sample_has_its_own_prompts_env(trajectories, pipe, transformer, 
 # SP=2 -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", rows(lambda spec: spec.sp2_fields is not None))
+@pytest.mark.parametrize("family", rows(lambda spec: spec.sp2))
 def test_sp2_matches_sp1(family, family_client, family_transformer, cache_dir, tmp_path):
     """The family's request with CFG from a fresh server at --sp 2 (the split through the family's
     context-parallel plan or seams, gathered back) against its SP=1 server: x_0, eps and log-probs
@@ -199,17 +199,17 @@ def test_sp2_matches_sp1(family, family_client, family_transformer, cache_dir, t
     the stream replays through a plain transformer."""
     spec = FAMILIES[family]
     debug = [rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_VELOCITY]
-    request = family_request(family, "FLOW_SDE", cfg=True, debug_tensors=debug, **spec.sp2_fields)
+    request = family_request(family, "FLOW_SDE", cfg=True, debug_tensors=debug, **spec.sp2.fields)
     runs = {1: split_events(family_client.stream(request))}
     runs[2] = stream_at_sp2(cache_dir, tmp_path / "sp2.log", spec.preset, request)
     started = runs[2].started.message
-    if spec.sp2_layout:
-        assert tuple(started.layout.shape) == spec.sp2_layout
-    if spec.sp2_streams:
-        assert [tuple(stream.shape) for stream in started.transformer_call.streams] == list(spec.sp2_streams)
-    if spec.sp2_attention_split:
-        assert started.attention_split == spec.sp2_attention_split
-    if spec.sp2_uneven_text:
+    if spec.sp2.layout:
+        assert tuple(started.layout.shape) == spec.sp2.layout
+    if spec.sp2.streams:
+        assert [tuple(stream.shape) for stream in started.transformer_call.streams] == list(spec.sp2.streams)
+    if spec.sp2.attention_split:
+        assert started.attention_split == spec.sp2.attention_split
+    if spec.sp2.uneven_text:
         lengths = {env[spec.text_key].shape[1] for env in runs[2].started.env["positive"]}
         assert len(lengths) == 2 and any(length % 2 for length in lengths)
     # Noise, and log-probs from eps: bitwise. Latents and velocities: Batch and split rounding
@@ -217,7 +217,7 @@ def test_sp2_matches_sp1(family, family_client, family_transformer, cache_dir, t
     # kernel on several threads may cut otherwise, and CFG at s takes a difference up to 2s - 1 times;
     # TOLERANCE is 10-100 times the typical difference for the random tiny presets (the pretrained
     # shapes network's row carries its own, derived in the table).
-    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True, tolerance=spec.sp2_tolerance)
+    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True, tolerance=spec.sp2.tolerance)
     streams = {stream.name for stream in started.transformer_call.streams}  # LTX-2's video and audio
     for one, two in zip(runs[1].steps, runs[2].steps, strict=True):
         assert one.stream_log_probs.keys() == two.stream_log_probs.keys() == streams

@@ -2,72 +2,15 @@
 keyed by family name, and the request every family's contract checks start from."""
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
 
 from transformers.utils import is_torchvision_available
 
 from rollout.v1 import rollout_pb2
 from rollout_core import wire
 from rollout_server import families
+from support.family_spec import Family, Sp2Row
 from support.parity import TOLERANCE
 from support.requests import SAMPLERS, condition_png, make_request
-
-
-@dataclass(frozen=True)
-class Family:
-    """A model family's tiny preset and the conventions a trainer replays it with."""
-
-    preset: str
-    transformer: str  # the diffusers transformer class a trainer loads
-    pipeline: str  # the diffusers pipeline class
-    prompts: tuple[str, ...]  # of the requests built by ``family_request``
-    base_seed: int
-    cfg_on: dict  # request fields that turn the family's CFG on (its scale field, a negative prompt)
-    cfg_off: dict
-    timestep_divisor: float
-    cfg_rule: tuple[str, float]  # the transformer call's guidance rule and scale with ``cfg_on``
-    env_keys: frozenset[str]  # the transformer's kwargs besides hidden_states and timestep
-    latent_shape: tuple[int, ...]  # one sample's latents at 64 x 64 pixels
-    cfg_off_rule: tuple[str, float] = ("none", 1.0)  # the guidance rule and scale with ``cfg_off``
-    # What test_replay.py's replay-parity test covers: each sampler with CFG off and on, at each latent
-    # dtype (None: the request leaves it unset).
-    replay_samplers: tuple[str, ...] = ("FLOW_SDE", "CPS")
-    replay_latent_dtypes: tuple[str | None, ...] = (None,)
-    # The CFG settings it covers: off and on, or off alone for a family without CFG (cfg_on unused).
-    replay_cfg: tuple[bool, ...] = (False, True)
-    # The env entry of the text states [1, tokens, width]; "" for a transformer fed token ids (Cosmos3).
-    text_key: str = "encoder_hidden_states"
-    text_width: str = "joint_attention_dim"  # the transformer config entry of the text states' width
-    # The pipeline's denoising transformers; a trainer replays with all of them by name when several.
-    experts: tuple[str, ...] = ("transformer",)
-    # The expert of each of the 4 steps of ``family_request``.
-    step_transformers: tuple[str, ...] = ("transformer",) * 4
-    # How the conditioning image's latents enter the call (image-conditioned families), and where.
-    conditioning: tuple[str, str] = ("CONDITIONING_CONCAT_NONE", "")
-    # Why the preset cannot be built on this machine (a library it needs is missing); "" if it can.
-    missing: str = ""
-    # The rows of the contract suite (tests/families/test_contract.py) beyond replay, which every family
-    # has. What GetServerInfo says of the preset: attribute paths of the reply and their values (a
-    # repeated field as a list; an optional field must be set).
-    server_info: dict[str, Any] = field(default_factory=dict)
-    # Capabilities GetServerInfo.features lists besides SERVED_FEATURES.
-    features: frozenset[str] = frozenset()
-    # num_frames values refused (off the frame step, or above the bound) for a video family.
-    refused_frames: tuple[int, ...] = ()
-    # The SP=2 row: fields over the family's FLOW_SDE request with CFG (None: no SP=2 row here, where
-    # a file of its own runs the family at SP=2 with other tests), the tolerance of its latents and
-    # velocities, and what its started event shows: the latent layout, the streams' shapes, the
-    # attention split, text states of uneven, odd lengths.
-    sp2_fields: dict[str, Any] | None = None
-    sp2_tolerance: float = TOLERANCE
-    sp2_layout: tuple[int, ...] = ()
-    sp2_streams: tuple[tuple[int, ...], ...] = ()
-    sp2_attention_split: str = ""
-    sp2_uneven_text: bool = False
-    # The LoRA row: a name the trained adapter's keys hold (the family's own modules); "": no row.
-    lora_module: str = ""
-
 
 # FluxTransformer2DModel's kwargs besides hidden_states and timestep (guidance is None without an embedding).
 FLUX_ENV_KEYS = frozenset(
@@ -98,8 +41,9 @@ SERVED_FEATURES = [
     "initial_latents",
     "release_memory",
 ]
-# The prompts and seed of the SP=2 rows that run their own request.
+# The prompts and seed of the SP=2 rows that run their own request, and the videos' 9 frames with CFG 5.
 SP_PROMPTS = {"prompts": ["a red fox in the snow", "two cats"], "base_seed": 17}
+VIDEO_SP2 = {"num_frames": 9, "guidance_scale": 5.0, "negative_prompt": "blurry"}
 FLUX = Family(
     preset="tiny-flux",
     transformer="FluxTransformer2DModel",
@@ -131,11 +75,10 @@ QWEN_IMAGE = Family(
         **{"limits.max_frames": 1, "defaults.num_frames": 1},  # an image family
     },
     # Prompts of odd, different lengths: diffusers' uneven Ulysses split of the text tokens.
-    sp2_fields={
-        **SP_PROMPTS,
-        "prompts": ["a fox", "an old lighthouse on a rocky cliff at dusk, oil painting"],
-    },
-    sp2_uneven_text=True,
+    sp2=Sp2Row(
+        {**SP_PROMPTS, "prompts": ["a fox", "an old lighthouse on a rocky cliff at dusk, oil painting"]},
+        uneven_text=True,
+    ),
     transformer="QwenImageTransformer2DModel",
     pipeline="QwenImagePipeline",
     prompts=(SHORT_PROMPT, LONG_PROMPT),
@@ -172,8 +115,7 @@ WAN = Family(
     },
     refused_frames=(2, 4, 6, 200),
     # 9 frames: 3 latent frames of 8 x 8, 2 x 2 patches: 3 x 4 x 4 tokens.
-    sp2_fields={**SP_PROMPTS, "num_frames": 9, "guidance_scale": 5.0, "negative_prompt": "blurry"},
-    sp2_layout=(16, 3, 8, 8),
+    sp2=Sp2Row({**SP_PROMPTS, **VIDEO_SP2}, layout=(16, 3, 8, 8)),
     transformer="WanTransformer3DModel",
     pipeline="WanPipeline",
     prompts=("a red fox in the snow", "two cats"),
@@ -206,7 +148,7 @@ FAMILIES = {
         },
         features=frozenset({wire.FEATURE_CONDITION_IMAGES}),
         # The ranks split the 16 generated and 16 image tokens together and gather them back.
-        sp2_fields={"samples_per_prompt": 1},
+        sp2=Sp2Row({"samples_per_prompt": 1}),
         pipeline="FluxKontextPipeline",
         prompts=("make the fox red", "two cats on the snow"),
         base_seed=61,
@@ -223,8 +165,9 @@ FAMILIES = {
         # one, guided v = (1 - s) v_uncond + s v_cond takes each branch's difference up to 2 + 3 times
         # at s = 3, and a trained network carries a difference in its input on to the next steps: up
         # to 6.1e-5 here, against 1e-5 for the random tiny presets.
-        sp2_fields={"prompts": ["a red circle", "two blue squares"], "base_seed": 17},
-        sp2_tolerance=10 * TOLERANCE,
+        sp2=Sp2Row(
+            {"prompts": ["a red circle", "two blue squares"], "base_seed": 17}, tolerance=10 * TOLERANCE
+        ),
         transformer="FluxTransformer2DModel",
         pipeline="FluxPipeline",
         prompts=("a red circle", "a blue square to the left of a yellow triangle"),
@@ -339,8 +282,7 @@ FAMILIES = {
             "limits.side_multiple": 16,
         },
         features=frozenset({wire.FEATURE_CONDITION_IMAGES}),
-        sp2_fields=None,
-        sp2_uneven_text=False,
+        sp2=None,
         pipeline="QwenImageEditPipeline",
         prompts=("make the fox red", LONG_PROMPT),
         base_seed=81,
@@ -362,8 +304,7 @@ FAMILIES = {
             "defaults.boundary_ratio": 0.875,  # the pipeline's boundary, exact in float32
         },
         refused_frames=(),
-        sp2_fields=None,
-        sp2_layout=(),
+        sp2=None,
         base_seed=51,
         experts=("transformer", "transformer_2"),
         step_transformers=("transformer", "transformer", "transformer_2", "transformer_2"),
@@ -388,8 +329,7 @@ FAMILIES = {
         features=frozenset({wire.FEATURE_CONDITION_IMAGES, wire.FEATURE_VIDEO}),
         refused_frames=(),
         # The ranks split the 2 x 4 x 4 video tokens the patch embedding makes of the 36 channels.
-        sp2_fields={},
-        sp2_layout=(),
+        sp2=Sp2Row({}),
         pipeline="WanImageToVideoPipeline",
         prompts=("the fox runs off", "the cats turn around"),
         base_seed=71,
@@ -419,8 +359,7 @@ FAMILIES = {
         refused_frames=(2, 4, 6, 245),
         # 16x VAE, 1 x 1 patches: 3 x 4 x 4 tokens, beside a context of 1985 (1000 Qwen2.5-VL tokens,
         # 256 ByT5 bytes, 729 image tokens) that our plan splits unevenly, 993 and 992.
-        sp2_fields={**SP_PROMPTS, "num_frames": 9, "guidance_scale": 5.0, "negative_prompt": "blurry"},
-        sp2_layout=(32, 3, 4, 4),
+        sp2=Sp2Row({**SP_PROMPTS, **VIDEO_SP2}, layout=(32, 3, 4, 4)),
         transformer="HunyuanVideo15Transformer3DModel",
         pipeline="HunyuanVideo15Pipeline",
         prompts=("a red fox in the snow", 'a sign that says "open"'),  # the second quotes glyph text
@@ -462,8 +401,10 @@ FAMILIES = {
         refused_frames=(2, 5, 16, 249),
         # The plan splits the video tokens (3 x 2 x 2 at 17 frames) and the text tokens; the audio
         # stream runs whole on every rank.
-        sp2_fields={**SP_PROMPTS, "num_frames": 17, "guidance_scale": 3.0, "negative_prompt": "silence"},
-        sp2_streams=((12, 128), (18, 32)),
+        sp2=Sp2Row(
+            {**SP_PROMPTS, "num_frames": 17, "guidance_scale": 3.0, "negative_prompt": "silence"},
+            streams=((12, 128), (18, 32)),
+        ),
         transformer="LTX2VideoTransformer3DModel",
         pipeline="LTX2Pipeline",
         prompts=("a drum and a bell", "rain on a tin roof at night"),
@@ -520,8 +461,7 @@ FAMILIES = {
         # 16x VAE of 48 channels, 2 x 2 patches: 3 x 2 x 2 vision tokens, packed after a text that the
         # seams split unevenly (71 and 68 tokens, the negative's 73: 36 / 35, 34 / 34, 37 / 36); 4 query
         # and 2 key/value heads, 2 and 1 a rank.
-        sp2_fields={**SP_PROMPTS, "num_frames": 9, "guidance_scale": 5.0, "negative_prompt": "blurry"},
-        sp2_layout=(48, 3, 4, 4),
+        sp2=Sp2Row({**SP_PROMPTS, **VIDEO_SP2}, layout=(48, 3, 4, 4)),
         transformer="Cosmos3OmniTransformer",
         pipeline="Cosmos3OmniPipeline",
         prompts=(SHORT_PROMPT, LONG_PROMPT),  # two text lengths: two packed sequences of their own
@@ -564,8 +504,7 @@ FAMILIES = {
         },
         # Our plan splits the image's, the caption's and the unified tokens over the two ranks and
         # gathers them back, over prompts of different lengths.
-        sp2_fields={"samples_per_prompt": 1},
-        sp2_attention_split="ulysses",
+        sp2=Sp2Row({"samples_per_prompt": 1}, attention_split="ulysses"),
         lora_module=".attention.to_q.",  # Z-Image's own module names
         transformer="ZImageTransformer2DModel",
         pipeline="ZImagePipeline",
