@@ -198,6 +198,7 @@ SERVED_FEATURES = [
     "sigmas",
     "initial_latents",
     "release_memory",
+    "previews",
 ]
 
 
