@@ -40,6 +40,7 @@ SERVED_FEATURES = [
     "sigmas",
     "initial_latents",
     "release_memory",
+    "previews",
 ]
 # The prompts and seed of the SP=2 rows that run their own request, and the videos' 9 frames with CFG 5.
 SP_PROMPTS = {"prompts": ["a red fox in the snow", "two cats"], "base_seed": 17}
