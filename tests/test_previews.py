@@ -15,10 +15,10 @@ import wave
 import numpy as np
 import pytest
 import torch
+from support.adapters import video_and_audio
 from support.errors import refused_rollout
 from support.families import family_request
 from support.servers import at_server_threads
-from test_family_ltx2 import video_and_audio
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Collector, Preview, Step, Trajectory

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.adapters import video_and_audio
 from support.errors import refused_rollout
 from support.families import family_request
 from support.parity import TOLERANCE
@@ -43,19 +44,6 @@ ONE_BYTE = 1
 @pytest.fixture
 def family() -> str:
     return "ltx2"
-
-
-def video_and_audio(pipe, joint: torch.Tensor, streams) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pipeline's output_type="latent" forms of joint latents [B, N]: the video unpacked and
-    denormalised [B, C, F', H', W'], the audio denormalised and unpacked [B, C, L, M']."""
-    video, audio = latent_streams.split(joint, streams)
-    video = pipe._unpack_latents(video, 2, 2, 2)
-    video = pipe._denormalize_latents(
-        video, pipe.vae.latents_mean, pipe.vae.latents_std, pipe.vae.config.scaling_factor
-    )
-    audio = pipe._denormalize_audio_latents(audio, pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std)
-    mel_bins = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
-    return video, pipe._unpack_audio_latents(audio, streams[1].shape[0], num_mel_bins=mel_bins)
 
 
 @pytest.mark.parametrize(("side", "message"), [(48, "a multiple of 32"), (32, "at least 64 pixels")])

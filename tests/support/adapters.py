@@ -1,10 +1,11 @@
 """An adapter's transformer called by hand: one forward at a shape, an image-conditioned family's ODE, and
-the tokens its joint attention runs over."""
+the tokens its joint attention runs over; LTX-2's joint latents in its pipeline's own forms."""
 
 from typing import Any
 
 import torch
 
+from rollout_core import latent_streams
 from support.requests import condition_image
 
 
@@ -96,3 +97,16 @@ def joint_attention_tokens(adapter, env: dict, shape) -> int:
         handle.remove()
     assert v.shape == x.shape
     return seen[0]
+
+
+def video_and_audio(pipe, joint: torch.Tensor, streams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pipeline's output_type="latent" forms of joint latents [B, N]: the video unpacked and
+    denormalised [B, C, F', H', W'], the audio denormalised and unpacked [B, C, L, M']."""
+    video, audio = latent_streams.split(joint, streams)
+    video = pipe._unpack_latents(video, 2, 2, 2)
+    video = pipe._denormalize_latents(
+        video, pipe.vae.latents_mean, pipe.vae.latents_std, pipe.vae.config.scaling_factor
+    )
+    audio = pipe._denormalize_audio_latents(audio, pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std)
+    mel_bins = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
+    return video, pipe._unpack_audio_latents(audio, streams[1].shape[0], num_mel_bins=mel_bins)
