@@ -45,8 +45,8 @@ from rollout_client import (
     replay_log_probs,
 )
 from rollout_core import codec
+from rollout_core.local_server import LocalServer
 from rollout_server import families
-from rollout_server.local import LocalServer
 
 ROOT = Path(__file__).resolve().parents[1]
 # The torch threads of every server a test starts: 1 by default (two test workers share 2 cores);
