@@ -64,6 +64,8 @@ def test_server_info(family_client):
     assert (defaults.height, defaults.width, defaults.num_frames) == (64, 64, FRAMES)
     limits = info.limits
     assert (limits.side_multiple, limits.min_side, limits.frame_step, limits.max_frames) == (32, 64, 8, 241)
+    # Video at the rate the pipeline conditions on; the sound's format is checked against the WAVs below.
+    assert (info.decode.media, info.decode.frame_rate) == (rollout_pb2.MEDIA_KIND_VIDEO, 24.0)
 
 
 @pytest.mark.parametrize("frames", [2, 5, 16, 249])
@@ -187,6 +189,7 @@ def test_frames_and_a_playable_wav_per_sample_as_the_pipeline_decodes_them(
         waveforms = pipe.vocoder(pipe.audio_vae.decode(audio, return_dict=False)[0])
     expected_frames = pipe.video_processor.postprocess_video(pixels, output_type="np")  # [B, F, H, W, 3]
     rate = pipe.vocoder.config.output_sampling_rate
+    decode = family_client.server_info().decode
     for k, trajectory in enumerate(trajectories):
         frames = np.stack(
             [np.asarray(frame.convert("RGB"), dtype=np.float64) for frame in trajectory.frames()]
@@ -197,6 +200,7 @@ def test_frames_and_a_playable_wav_per_sample_as_the_pipeline_decodes_them(
         assert wav_file.read_bytes() == trajectory.audio_wav
         with wave.open(io.BytesIO(trajectory.audio_wav)) as reader:
             assert (reader.getframerate(), reader.getnchannels(), reader.getsampwidth()) == (rate, 2, 2)
+            assert (decode.audio_sample_rate, decode.audio_channels) == (rate, 2)  # as GetServerInfo says
             samples = reader.getnframes()
             pcm = np.frombuffer(reader.readframes(samples), dtype="<i2").reshape(samples, 2)
         # The vocoder's 240 samples per mel frame of the audio VAE's 4 L - 3: 33 frames, 0.33 s of sound
