@@ -31,7 +31,7 @@ from support.servers import SERVER_THREADS, http_url, imported_modules, metrics_
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RetryPolicy, RolloutClient
 from rollout_client.client import RolloutStats
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 from rollout_server.presets import PRESETS, resolve_model
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

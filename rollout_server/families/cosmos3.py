@@ -286,6 +286,19 @@ class Cosmos3Adapter(FamilyAdapter):
     decode_keeps_state = True  # the causal convolutions' cache, between latent frames
     generated_inputs = ("vision_tokens",)
     max_frames = 2 * DEFAULT_FRAMES - 1  # about twice the default (4k + 1) bounds one request's work
+    frame_rate = FPS
+    # The generation pathway of every mixture-of-transformers layer (the attention projections its vision
+    # tokens use, and its feed-forward); the understanding (text) pathway is the vision-language model's, left
+    # as it is. Cosmos3-Edge's relu2 feed-forward has no gate_proj, which then matches nothing.
+    lora_targets = (
+        "self_attn.add_q_proj",
+        "self_attn.add_k_proj",
+        "self_attn.add_v_proj",
+        "self_attn.to_add_out",
+        "mlp_moe_gen.gate_proj",
+        "mlp_moe_gen.up_proj",
+        "mlp_moe_gen.down_proj",
+    )
 
     def __init__(self, pipe, device, dtype, folder=None):
         super().__init__(pipe, device, dtype, folder)

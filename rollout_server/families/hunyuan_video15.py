@@ -220,6 +220,22 @@ class HunyuanVideo15Adapter(FamilyAdapter):
         "condition",
     )
     max_frames = 2 * DEFAULT_FRAMES - 1  # about twice the default (4k + 1) bounds one request's work
+    # The joint attention of every dual-stream block (and of the text token refiner), and both streams' feed-
+    # forwards.
+    lora_targets = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    )
 
     def __init__(self, pipe, device, dtype, folder=None):
         super().__init__(pipe, device, dtype, folder)

@@ -397,6 +397,8 @@ FAMILIES = {
             **{"defaults.height": 64, "defaults.width": 64, "defaults.num_frames": 9},
             **{"limits.side_multiple": 32, "limits.min_side": 64, "limits.frame_step": 8},
             "limits.max_frames": 241,
+            # Video at the rate the pipeline conditions on; the sound's format is checked against its WAVs.
+            **{"decode.media": rollout_pb2.MEDIA_KIND_VIDEO, "decode.frame_rate": 24.0},
         },
         features=frozenset({wire.FEATURE_LATENT_STREAMS, wire.FEATURE_AUDIO, wire.FEATURE_VIDEO}),
         refused_frames=(2, 5, 16, 249),

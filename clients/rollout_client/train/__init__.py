@@ -45,7 +45,7 @@ the first and last iteration's images in samples/iter-NNNN/, the final LoRA in l
 adapter folder) and checkpoint.pt.
 
 ``--prompt-set shapes`` draws each iteration's P prompts from the shapes task's train prompts
-(``rollout_client.rewards.scenes.train_prompts()``); with ``--eval-every N`` the served policy is
+(``rollout_core.scenes.train_prompts()``); with ``--eval-every N`` the served policy is
 evaluated GenEval-style on the disjoint eval prompts (``rollout_client.shapes_eval``) before
 iterations 0, N, 2N ... and once more after the last: metrics.csv gains ``eval_accuracy``, and the
 run writes accuracy.png, eval.json (the tables before and after) and samples/eval-before.png and
