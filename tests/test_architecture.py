@@ -1,7 +1,8 @@
 """The layering the code keeps: the front ends (gRPC and HTTP) call the engine's facade only, the
-exceptions that cross layers come from one module, the client's modules import one another
-without a circle, the server and the client library import nothing of each other (``rollout_core`` is
-the contract both import), and the client library names no model family."""
+exceptions that cross layers come from one module, every collective of the server is in its parallel
+package, the client's modules import one another without a circle, the server and the client library
+import nothing of each other (``rollout_core`` is the contract both import), and the client library names
+no model family."""
 
 import ast
 import re
@@ -80,6 +81,27 @@ def test_exceptions_that_cross_layers_are_defined_in_the_errors_module_only():
             if isinstance(node, ast.ClassDef) and node.name in CROSS_LAYER_ERRORS:
                 defined.setdefault(node.name, []).append(path.relative_to(PACKAGE).as_posix())
     assert defined == {name: ["errors.py"] for name in CROSS_LAYER_ERRORS}
+
+
+def uses_torch_distributed(tree: ast.Module) -> bool:
+    """Whether a module imports torch.distributed (or a module of it), or reaches it as an attribute."""
+    named = {
+        *imported_modules(tree),
+        *(ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)),
+    }
+    return any(name == "torch.distributed" or name.startswith("torch.distributed.") for name in named)
+
+
+def test_only_the_parallel_package_uses_torch_distributed():
+    """The process groups, the collectives between ranks (the families' Ulysses exchanges among them)
+    and the weight-sync group are rollout_server/parallel/'s: how ranks talk is one package's."""
+    users = {
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if uses_torch_distributed(ast.parse(path.read_text()))
+    }
+    assert {"parallel/mesh.py", "parallel/ulysses.py", "parallel/sync_group.py"} <= users
+    assert all(path.startswith("parallel/") for path in users), sorted(users)
 
 
 def module_name(path: Path, root: Path = CLIENTS) -> str:
