@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from rollout_client.rewards import scenes, shapes
-from rollout_server.presets.shapes import TEXT_TOKENS, untrained_shapes_pipeline
+from rollout_server.families.flux.shapes import TEXT_TOKENS, untrained_shapes_pipeline
 
 STAGES = ("vae", "transformer")
 CAPTION_DROPOUT = 0.1

@@ -45,7 +45,7 @@ from rollout_client import (
     replay_log_probs,
 )
 from rollout_core import codec
-from rollout_server import families
+from rollout_server.families import registry
 from rollout_server.local import LocalServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -660,7 +660,7 @@ def family_request(family: str, sampler: str, cfg: bool, **fields) -> rollout_pb
     does it, and a conditioning image per prompt for an image-conditioned family; ``fields`` override
     (None leaves a field unset)."""
     spec = FAMILIES[family]
-    if families.ADAPTERS[spec.pipeline].takes_images:
+    if registry.adapter_class(spec.pipeline).takes_images:
         images = [rollout_pb2.ConditionImage(data=condition_png(p)) for p in range(len(spec.prompts))]
         fields = {"condition_images": images, **fields}
     base = {

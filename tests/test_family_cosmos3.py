@@ -17,7 +17,7 @@ from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import TransformerCall
 from rollout_server.errors import ParallelismUnsupported
 from rollout_server.families.base import MediaShape
-from rollout_server.families.cosmos3 import TEXT_TOKENS
+from rollout_server.families.cosmos3.adapter import TEXT_TOKENS
 from rollout_server.parallel import ParallelDims, check_splittable
 from rollout_server.prompt_cache import PromptCache
 

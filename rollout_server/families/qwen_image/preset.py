@@ -28,7 +28,7 @@ from transformers import (
 )
 from transformers.utils import is_torchvision_available
 
-from .tokenizers import write_qwen2_tokenizer
+from rollout_server.families.common.tokenizers import write_qwen2_tokenizer
 
 
 @dataclass(frozen=True)

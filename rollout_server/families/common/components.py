@@ -6,7 +6,11 @@ from pathlib import Path
 from diffusers import AutoencoderKL
 from transformers import Qwen2Tokenizer, Qwen3Config, T5Config, T5EncoderModel
 
-from .tokenizers import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL_TOKENS, write_qwen2_tokenizer
+from rollout_server.families.common.tokenizers import (
+    QWEN3_CHAT_TEMPLATE,
+    QWEN3_SPECIAL_TOKENS,
+    write_qwen2_tokenizer,
+)
 
 
 def kl_vae(cfg, scaling_factor: float, shift_factor: float) -> AutoencoderKL:

@@ -26,7 +26,7 @@ from PIL import Image
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import LatentConditioning
 from rollout_server.errors import UnsupportedModel
-from rollout_server.families.wan import WanAdapter
+from rollout_server.families.wan.adapter import WanAdapter
 
 if TYPE_CHECKING:
     from rollout_server.families.base import MediaShape

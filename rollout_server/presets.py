@@ -18,50 +18,22 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollout_server.families import registry
+
 if TYPE_CHECKING:
     from rollout_server.families.base import FamilyDefaults
 
 logger = logging.getLogger(__name__)
 
-# name -> (builder module in this package, its build function, size). Builders are imported only to
-# build, so listing the presets (e.g. in --help) loads no model library.
-PRESETS: dict[str, tuple[str, str, str]] = {
-    "tiny-flux": ("flux", "build_flux_preset", "tiny"),
-    "small-flux": ("flux", "build_flux_preset", "small"),
-    "tiny-flux-kontext": ("flux", "build_flux_kontext_preset", "tiny"),
-    "tiny-flux2": ("flux2", "build_flux2_preset", "tiny"),
-    "tiny-flux2-klein": ("flux2", "build_flux2_klein_preset", "tiny"),
-    "tiny-sd3": ("sd3", "build_sd3_preset", "tiny"),
-    "tiny-qwen-image": ("qwen_image", "build_qwen_image_preset", "tiny"),
-    "tiny-qwen-image-edit": ("qwen_image", "build_qwen_image_edit_preset", "tiny"),
-    "tiny-wan": ("wan", "build_wan_preset", "tiny"),
-    "tiny-wan2.2": ("wan", "build_wan_preset", "tiny-2.2"),
-    "tiny-wan-i2v": ("wan_i2v", "build_wan_i2v_preset", "tiny"),
-    "tiny-hunyuan-video15": ("hunyuan_video15", "build_hunyuan_video15_preset", "tiny"),
-    "tiny-ltx2": ("ltx2", "build_ltx2_preset", "tiny"),
-    "tiny-cosmos3": ("cosmos3", "build_cosmos3_preset", "tiny"),
-    "tiny-z-image": ("z_image", "build_z_image_preset", "tiny"),
-    "shapes": ("shapes", "build_shapes_preset", "pretrained"),
-}
-
-_BUILDER_SOURCES = (
-    "flux.py",
-    "flux2.py",
-    "sd3.py",
-    "qwen_image.py",
-    "wan.py",
-    "wan_i2v.py",
-    "hunyuan_video15.py",
-    "ltx2.py",
-    "cosmos3.py",
-    "z_image.py",
-    "shapes.py",
-    "tokenizers.py",
-    "components.py",
-)
-# Pretrained weights a builder loads: part of the fingerprint like the sources.
-_BUILDER_DATA = ("shapes_weights",)
+# The shared builder helpers every family's preset module may use.
+_COMMON_SOURCES = ("components.py", "tokenizers.py", "published.py")
+_FAMILIES_DIR = Path(registry.__file__).parent
 _FINGERPRINTED_PACKAGES = ("diffusers", "transformers", "tokenizers", "sentencepiece", "torch")
+
+
+def preset_names() -> tuple[str, ...]:
+    """Every preset of every registered family, in the registry's order (no model library is loaded)."""
+    return tuple(registry.presets())
 
 
 def default_cache_dir() -> Path:
@@ -76,15 +48,24 @@ def preset_fingerprint() -> str:
     """Short hash of the preset builders' source, the weights they load and the versions of the libraries
     they call."""
     digest = hashlib.sha256()
-    here = Path(__file__).parent
-    for name in _BUILDER_SOURCES:
-        digest.update((here / name).read_bytes())
-    for folder in _BUILDER_DATA:
-        for path in sorted((here / folder).iterdir()):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for path in _builder_files():
+        digest.update(str(path.relative_to(_FAMILIES_DIR)).encode() + b"\0" + path.read_bytes())
     for package in _FINGERPRINTED_PACKAGES:
         digest.update(f"{package}=={version(package)}\n".encode())
     return digest.hexdigest()[:12]
+
+
+def _builder_files() -> list[Path]:
+    """What a build reads, found through the registry: the shared helpers, and each family's published
+    configs, preset builder modules and builder data."""
+    files = [_FAMILIES_DIR / "common" / name for name in _COMMON_SOURCES]
+    for family in registry.specs():
+        folder = _FAMILIES_DIR / family.name
+        modules = {"published", *(preset.builder.split(":")[0] for preset in family.presets.values())}
+        files += [folder / f"{module}.py" for module in sorted(modules)]
+        for data in family.preset_data:
+            files += sorted((folder / data).iterdir())
+    return files
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
@@ -93,7 +74,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
 
     Presets are built into `cache_dir` (default: `default_cache_dir()`) on first use.
     """
-    if name_or_path in PRESETS:
+    if name_or_path in registry.presets():
         cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         return _build_preset_once(name_or_path, cache.resolve())
     path = Path(name_or_path).expanduser().resolve()
@@ -101,8 +82,9 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
         return path
     if path.is_dir():
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder: it has no model_index.json")
+    known = ", ".join(preset_names())
     raise FileNotFoundError(
-        f"{name_or_path!r} is neither a known preset ({', '.join(PRESETS)}) nor an existing model folder"
+        f"{name_or_path!r} is neither a known preset ({known}) nor an existing model folder"
     )
 
 
@@ -133,8 +115,9 @@ def _build(name: str, target: Path) -> Path:
     logger.info("Building model preset %r into %s", name, target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=models_dir))
     try:
-        module, builder, size = PRESETS[name]
-        getattr(importlib.import_module(f".{module}", __package__), builder)(staging, size=size)
+        family, preset = registry.presets()[name]
+        module, builder = preset.builder.split(":")
+        getattr(importlib.import_module(f"{family.package}.{module}"), builder)(staging, size=preset.size)
         staging.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
         try:
             os.rename(staging, target)
@@ -146,29 +129,7 @@ def _build(name: str, target: Path) -> Path:
     return target
 
 
-# Tiny presets run on a laptop CPU: small images and few steps unless the request says otherwise.
-PRESET_DEFAULTS: dict[str, dict[str, int | float]] = {
-    "tiny-flux": {"height": 128, "width": 128, "num_steps": 10},
-    "small-flux": {"height": 256, "width": 256, "num_steps": 10},
-    "tiny-flux-kontext": {"height": 128, "width": 128, "num_steps": 10},
-    "tiny-flux2": {"height": 128, "width": 128, "num_steps": 10},
-    "tiny-flux2-klein": {"height": 128, "width": 128, "num_steps": 10},
-    "tiny-sd3": {"height": 128, "width": 128, "num_steps": 10},
-    "tiny-qwen-image": {"height": 128, "width": 128, "num_steps": 10},
-    "tiny-qwen-image-edit": {"height": 128, "width": 128, "num_steps": 10},
-    "tiny-wan": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
-    "tiny-wan2.2": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
-    "tiny-wan-i2v": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
-    "tiny-hunyuan-video15": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
-    # 64: the VAE's decoder needs 2x2 latents (32x); 9 = 1 + 8 frames, two latent frames (8x, causal).
-    "tiny-ltx2": {"height": 64, "width": 64, "frames": 9, "num_steps": 10},
-    "tiny-cosmos3": {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
-    "tiny-z-image": {"height": 128, "width": 128, "num_steps": 10},
-    # The size it was pretrained at, and true CFG against the empty caption it was also trained on.
-    "shapes": {"height": 64, "width": 64, "num_steps": 20, "true_cfg_scale": 3.0},
-}
-
-
 def defaults_for(name_or_path: str, family_defaults: "FamilyDefaults") -> "FamilyDefaults":
     """The family's usual defaults, with a preset's own overrides."""
-    return dataclasses.replace(family_defaults, **PRESET_DEFAULTS.get(name_or_path, {}))
+    named = registry.presets().get(name_or_path)
+    return dataclasses.replace(family_defaults, **(named[1].defaults if named else {}))

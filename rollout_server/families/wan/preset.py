@@ -20,7 +20,7 @@ import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
 
-from .tokenizers import write_t5_tokenizer
+from rollout_server.families.common.tokenizers import write_t5_tokenizer
 
 
 @dataclass(frozen=True)

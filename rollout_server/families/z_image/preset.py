@@ -15,7 +15,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from transformers import Qwen3Model
 
-from .components import kl_vae, qwen3_config, qwen3_tokenizer
+from rollout_server.families.common.components import kl_vae, qwen3_config, qwen3_tokenizer
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from .components import kl_vae, t5_encoder
-from .tokenizers import write_clip_tokenizer, write_t5_tokenizer
+from rollout_server.families.common.components import kl_vae, t5_encoder
+from rollout_server.families.common.tokenizers import write_clip_tokenizer, write_t5_tokenizer
 
 
 @dataclass(frozen=True)

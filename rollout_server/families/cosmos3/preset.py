@@ -20,7 +20,11 @@ from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransfo
 from diffusers.pipelines.cosmos import pipeline_cosmos3_omni
 from transformers import AutoTokenizer
 
-from .tokenizers import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL_TOKENS, write_qwen2_tokenizer
+from rollout_server.families.common.tokenizers import (
+    QWEN3_CHAT_TEMPLATE,
+    QWEN3_SPECIAL_TOKENS,
+    write_qwen2_tokenizer,
+)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from .components import qwen3_config, qwen3_tokenizer
-from .tokenizers import write_mistral_tokenizer
+from rollout_server.families.common.components import qwen3_config, qwen3_tokenizer
+from rollout_server.families.common.tokenizers import write_mistral_tokenizer
 
 
 @dataclass(frozen=True)

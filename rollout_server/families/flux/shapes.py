@@ -18,8 +18,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from .flux import FluxPresetConfig, flux_pipeline
-from .tokenizers import CORPUS
+from rollout_server.families.common.tokenizers import CORPUS
+from rollout_server.families.flux.preset import FluxPresetConfig, flux_pipeline
 
 SHAPES_CONFIG = FluxPresetConfig(
     num_layers=2,

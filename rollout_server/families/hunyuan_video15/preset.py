@@ -32,7 +32,7 @@ from transformers import (
     T5EncoderModel,
 )
 
-from .tokenizers import QWEN3_CHAT_TEMPLATE, write_qwen2_tokenizer
+from rollout_server.families.common.tokenizers import QWEN3_CHAT_TEMPLATE, write_qwen2_tokenizer
 
 
 @dataclass(frozen=True)

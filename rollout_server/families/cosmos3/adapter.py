@@ -99,7 +99,7 @@ from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import CallForm
 from rollout_server.errors import TextTooLong, UnsupportedModel
 from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape, set_up_schedule
-from rollout_server.families.wan import wan_vae_frames
+from rollout_server.families.wan.adapter import wan_vae_frames
 
 # Cosmos3OmniPipeline.__call__'s defaults: 189 frames of 1280 x 720 at 24 fps, 35 steps, CFG 6.
 _CALL_DEFAULTS = inspect.signature(Cosmos3OmniPipeline.__call__).parameters

@@ -17,7 +17,7 @@ import torch
 from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
 from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
 
-from .wan import (
+from rollout_server.families.wan.preset import (
     LATENT_CHANNELS,
     WAN_PRESET_CONFIGS,
     WAN_SCHEDULER_CONFIG,

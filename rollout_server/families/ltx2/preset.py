@@ -36,7 +36,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from .tokenizers import write_gemma_tokenizer
+from rollout_server.families.common.tokenizers import write_gemma_tokenizer
 
 
 @dataclass(frozen=True)
