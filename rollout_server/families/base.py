@@ -448,7 +448,7 @@ class FamilyAdapter(ABC):
 
 class PackedLatentAdapter(FamilyAdapter):
     """Families whose pipeline packs 2x2 latent patches into tokens and shifts linspace sigmas by the
-    image token count (FluxPipeline, QwenImagePipeline)."""
+    image token count (FLUX.1's and Qwen-Image's pipelines)."""
 
     @property
     def side_multiple(self) -> int:

@@ -550,7 +550,7 @@ CHECKPOINTS = (
         # CFG doubles the group's rows to 16; the 1,577,280-element latent fits 5 times in the
         # default max_latent_elements (8 Mi), so 5 rows a forward.
         forward_rows=5,
-        # Our plan (families/hunyuan_video15.py); its 16 heads divide by 2, 4 and 8. The default's
+        # Our plan (families/hunyuan_video15/adapter.py); its 16 heads divide by 2, 4 and 8. The default's
         # 31 x 30 x 53 = 2 x 24645 tokens split across 2 ranks, not 4 or 8 (848 x 480 is the size
         # the pipeline picks for 16:9; 832 x 480, 31 x 30 x 52 = 8 x 6045 tokens, splits across 8).
         uneven_splits=frozenset({4, 8}),

@@ -1,6 +1,6 @@
 """HunyuanVideo 1.5 (``HunyuanVideo15Pipeline``)."""
 
-from rollout_server.families.sd3 import JOINT_ATTENTION_TARGETS
+from rollout_server.families.common.lora import JOINT_ATTENTION_TARGETS
 from rollout_server.families.spec import FamilySpec, Preset
 
 SPEC = FamilySpec(

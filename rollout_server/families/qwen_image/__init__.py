@@ -1,6 +1,6 @@
 """Qwen-Image (``QwenImagePipeline``) and Qwen-Image-Edit (``QwenImageEditPipeline``)."""
 
-from rollout_server.families.sd3 import JOINT_ATTENTION_TARGETS
+from rollout_server.families.common.lora import JOINT_ATTENTION_TARGETS
 from rollout_server.families.spec import FamilySpec, Preset
 
 TINY = {"height": 128, "width": 128, "num_steps": 10}
