@@ -1,7 +1,8 @@
 """The published configs more than one family's checkpoints ship: shared text encoders and autoencoders.
 
-Values the diffusers or transformers class defaults to are left out. Each comment names the file the values
-come from; they are data, read by the real-size checks on the meta device (tests/families/test_real_sizes.py).
+Every family's published.py holds such values, each under a comment naming the file they come from;
+values the diffusers or transformers class defaults to are left out. They are data, read by the
+tests and the real-size checks on the meta device (tests/families/test_real_sizes.py).
 """
 
 # black-forest-labs/FLUX.1-dev vae/config.json.

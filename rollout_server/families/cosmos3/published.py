@@ -1,8 +1,4 @@
-"""Cosmos3's published configs.
-
-Values the diffusers or transformers class defaults to are left out. Each comment names the file the values
-come from; they are data, read by the real-size checks on the meta device (tests/families/test_real_sizes.py).
-"""
+"""Cosmos3's published configs."""
 
 # nvidia/Cosmos3-Nano transformer/config.json, the arguments Cosmos3OmniTransformer takes (the file
 # also carries the source model's, e.g. "model_type": "qwen3_vl_text" and "use_moe", which diffusers

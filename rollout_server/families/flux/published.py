@@ -1,8 +1,4 @@
-"""FLUX.1 [dev] and FLUX.1 Kontext [dev]'s published configs.
-
-Values the diffusers or transformers class defaults to are left out. Each comment names the file the values
-come from; they are data, read by the real-size checks on the meta device (tests/families/test_real_sizes.py).
-"""
+"""FLUX.1 [dev] and FLUX.1 Kontext [dev]'s published configs."""
 
 # black-forest-labs/FLUX.1-dev transformer/config.json; FLUX.1-Kontext-dev ships the same one.
 FLUX_1_DEV = {

@@ -1,8 +1,4 @@
-"""FLUX.2 [dev] and [klein]'s published configs.
-
-Values the diffusers or transformers class defaults to are left out. Each comment names the file the values
-come from; they are data, read by the real-size checks on the meta device (tests/families/test_real_sizes.py).
-"""
+"""FLUX.2 [dev] and [klein]'s published configs."""
 
 from rollout_server.families.common.published import QWEN3_4B
 

@@ -1,8 +1,4 @@
-"""HunyuanVideo 1.5's published configs.
-
-Values the diffusers or transformers class defaults to are left out. Each comment names the file the values
-come from; they are data, read by the real-size checks on the meta device (tests/families/test_real_sizes.py).
-"""
+"""HunyuanVideo 1.5's published configs."""
 
 # hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v transformer/config.json (the "480p_t2v"
 # entry of diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py, which wrote it). Its VAE is

@@ -1,8 +1,4 @@
-"""LTX-2's published configs.
-
-Values the diffusers or transformers class defaults to are left out. Each comment names the file the values
-come from; they are data, read by the real-size checks on the meta device (tests/families/test_real_sizes.py).
-"""
+"""LTX-2's published configs."""
 
 # Lightricks/LTX-2 (LTX-2.0, the 19B audio-video model): the "2.0" entries of diffusers'
 # scripts/convert_ltx2_to_diffusers.py (its transformer, video VAE, audio VAE, vocoder and connectors

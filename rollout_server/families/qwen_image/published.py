@@ -1,8 +1,4 @@
-"""Qwen-Image and Qwen-Image-Edit's published configs.
-
-Values the diffusers or transformers class defaults to are left out. Each comment names the file the values
-come from; they are data, read by the real-size checks on the meta device (tests/families/test_real_sizes.py).
-"""
+"""Qwen-Image and Qwen-Image-Edit's published configs."""
 
 # Qwen/Qwen-Image transformer/config.json; Qwen/Qwen-Image-Edit ships the same one.
 QWEN_IMAGE = {

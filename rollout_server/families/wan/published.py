@@ -1,8 +1,4 @@
-"""Wan 2.1 and 2.2 text-to-video's published configs.
-
-Values the diffusers or transformers class defaults to are left out. Each comment names the file the values
-come from; they are data, read by the real-size checks on the meta device (tests/families/test_real_sizes.py).
-"""
+"""Wan 2.1 and 2.2 text-to-video's published configs."""
 
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json (diffusers' scripts/convert_wan_to_diffusers.py).
 WAN_1_3B = {

@@ -1,8 +1,4 @@
-"""Wan 2.1 image-to-video's published configs.
-
-Values the diffusers or transformers class defaults to are left out. Each comment names the file the values
-come from; they are data, read by the real-size checks on the meta device (tests/families/test_real_sizes.py).
-"""
+"""Wan 2.1 image-to-video's published configs."""
 
 from rollout_server.families.wan.published import WAN_14B
 

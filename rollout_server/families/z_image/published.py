@@ -1,8 +1,4 @@
-"""Z-Image-Turbo's published configs.
-
-Values the diffusers or transformers class defaults to are left out. Each comment names the file the values
-come from; they are data, read by the real-size checks on the meta device (tests/families/test_real_sizes.py).
-"""
+"""Z-Image-Turbo's published configs."""
 
 # Tongyi-MAI/Z-Image-Turbo transformer/config.json.
 Z_IMAGE_TURBO = {
