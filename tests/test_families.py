@@ -3,7 +3,8 @@
 import json
 
 import pytest
-from helpers import FAMILIES, command_line_exit
+from support.families import FAMILIES
+from support.servers import command_line_exit
 
 from rollout_server import errors, families
 from rollout_server.families import registry

@@ -18,29 +18,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import forked
 import pytest
 import torch
 from diffusers import AutoModel
-from forked import ForkedProcess
-from helpers import (
-    ROOT,
-    TOLERANCE,
-    assert_replays,
-    example_module,
-    make_request,
-    metrics_url,
-    next_version,
-    perturbed,
-    run_example,
-    scrape,
-    start_server,
-    with_lora,
-)
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from PIL import Image
 from safetensors.torch import load_file
+from support import forked
+from support.forked import ForkedProcess
+from support.parity import TOLERANCE, assert_replays
+from support.requests import make_request
+from support.servers import ROOT, example_module, metrics_url, run_example, scrape, start_server
+from support.weights import next_version, perturbed, with_lora
 
 from rollout_client import RolloutClient
 from rollout_client.rewards import jpeg_compressibility

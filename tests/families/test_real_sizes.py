@@ -37,7 +37,6 @@ import torch
 from diffusers import (
     DiffusionPipeline,
 )
-from helpers import FAMILIES, ROOT
 from peft import LoraConfig
 from PIL import Image
 from real_size_pipelines import (
@@ -48,6 +47,8 @@ from real_size_pipelines import (
     SPLITS,
     Checkpoint,
 )
+from support.families import FAMILIES
+from support.servers import ROOT
 
 from rollout.v1 import rollout_pb2
 from rollout_client.train.lora import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK

@@ -10,7 +10,7 @@ import importlib
 import re
 
 import pytest
-from helpers import ROOT
+from support.servers import ROOT
 
 from rollout_server.families import registry
 from rollout_server.presets import preset_names
