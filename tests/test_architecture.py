@@ -251,10 +251,11 @@ def test_an_import_across_the_line_is_seen_wherever_it_is(tmp_path):
 
 
 def family_words() -> set[str]:
-    """Every family's wire name (GetServerInfo.family) and its pipeline class."""
-    from rollout_server.families import ADAPTERS
+    """Every family's wire name (GetServerInfo.family) and its pipeline class, from the registry."""
+    from rollout_server.families import registry
 
-    return {*ADAPTERS, *(adapter.family for adapter in ADAPTERS.values())}
+    adapters = [registry.adapter_class(pipeline) for pipeline in registry.pipeline_classes()]
+    return {*registry.pipeline_classes(), *(adapter.family for adapter in adapters)}
 
 
 def names_of_families(source: str, words: set[str]) -> set[str]:

@@ -23,6 +23,7 @@ from PIL import Image
 
 from rollout_core import solvers
 from rollout_core.transformer_call import BATCHED_CALL, NO_CONDITIONING, CallForm, LatentConditioning
+from rollout_server.families import registry
 from rollout_server.live_tensors import LiveTensorBytes
 
 if TYPE_CHECKING:
@@ -157,13 +158,16 @@ class FamilyAdapter(ABC):
     decode_keeps_state: ClassVar[bool] = False
     # Whether a sample also decodes to sound (``decode_audio``), streamed as a WAV after its frames.
     decodes_audio: ClassVar[bool] = False
-    # The trainer's default LoRA targets (GetServerInfo's lora_targets): module names as PEFT matches them
-    # (a name, or the end of a dotted one), linear layers of the family's published transformers
-    # (tests/test_real_sizes.py checks them on the real module trees).
-    lora_targets: ClassVar[tuple[str, ...]]
     # The transformer inputs that carry the generated (image or video) tokens, whose count
     # ``generated_tokens`` gives: the sequence-parallel split checks them when a request arrives.
     generated_inputs: ClassVar[tuple[str, ...]] = ("hidden_states",)
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The trainer's default LoRA targets (GetServerInfo's ``lora_targets``), as the family's spec
+        declares them: module names as PEFT matches them, layers of its published transformers
+        (tests/families/test_real_sizes.py checks them on the real module trees)."""
+        return registry.family_of(self.pipeline_type.__name__).lora_targets
 
     def __init__(
         self, pipe: DiffusionPipeline, device: torch.device, dtype: torch.dtype, folder: Path | None = None
@@ -460,7 +464,7 @@ class FamilyAdapter(ABC):
 
 class PackedLatentAdapter(FamilyAdapter):
     """Families whose pipeline packs 2x2 latent patches into tokens and shifts linspace sigmas by the
-    image token count (FluxPipeline, QwenImagePipeline)."""
+    image token count (FLUX.1's and Qwen-Image's pipelines)."""
 
     @property
     def side_multiple(self) -> int:

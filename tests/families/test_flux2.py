@@ -31,7 +31,7 @@ from rollout_client import RolloutClient
 from rollout_server import families
 from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import MediaShape
-from rollout_server.families.flux2 import stacked_text_layers
+from rollout_server.families.flux2.adapter import stacked_text_layers
 from rollout_server.limits import Limits
 from rollout_server.validation import ServingContext, resolve
 

@@ -7,7 +7,7 @@ from transformers.utils import is_torchvision_available
 
 from rollout.v1 import rollout_pb2
 from rollout_core import wire
-from rollout_server import families
+from rollout_server.families import registry
 from support.family_spec import Family, Sp2Row
 from support.parity import TOLERANCE
 from support.requests import SAMPLERS, condition_png, make_request
@@ -533,7 +533,7 @@ def family_request(family: str, sampler: str, cfg: bool, **fields) -> rollout_pb
     does it, and a conditioning image per prompt for an image-conditioned family; ``fields`` override
     (None leaves a field unset)."""
     spec = FAMILIES[family]
-    if families.ADAPTERS[spec.pipeline].takes_images:
+    if registry.adapter_class(spec.pipeline).takes_images:
         images = [rollout_pb2.ConditionImage(data=condition_png(p)) for p in range(len(spec.prompts))]
         fields = {"condition_images": images, **fields}
     base = {
