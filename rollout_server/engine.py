@@ -26,15 +26,15 @@ import logging
 import resource
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_core import checksum
+from rollout_core import checksum, solvers
 from rollout_server import memory
 from rollout_server.errors import (
     InvalidRequest,
@@ -646,16 +646,32 @@ class Engine:
             rollout.transformer_rows += len(rollout.rows)
             try:
                 v = rollout.fork(velocities.guided[rollout.key])
+                x = rollout.state.x  # x_i of the rows that take the step
                 record = advance(rollout.plan, rollout.state, v)
                 if rollout.stream is not None:
                     if record.index in rollout.request.prune_points:
                         self.scheduler.hold(rollout.key)  # before its caller can see the step
                     rollout.stream.on_step(record, rollout.live)
+                    if record.index in rollout.request.preview_steps:
+                        self._stream_previews(rollout, record.index, x, v)
                 if rollout.done:
                     self._denoised(rollout)
             except Exception as error:  # noqa: BLE001 - it fails this rollout only
                 self._end(rollout.key, error)
         self.metrics.batched_step(len(rollouts), time.perf_counter() - began)
+
+    def _stream_previews(self, rollout: Rollout, step: int, x: torch.Tensor, v: torch.Tensor) -> None:
+        """Rank 0: each row's x0_hat = x_i - sigma_i v_i at ``step``, decoded as the final images are
+        (the same pieces, one at a time), streamed after the step's event and before the next
+        step's, in this round: a rollout held at this step has sent them before its caller prunes."""
+        x0_hat = solvers.data_prediction(x, v, rollout.plan.sigmas, step)
+        pieces = self.runner.decode_pieces(x0_hat, MediaShape.of(rollout.request))
+        previews = _media(pieces, rollout.live)
+        pending = next(previews)
+        for following in previews:  # one ahead: the last says so
+            rollout.stream.on_preview(step, *pending, last=False)
+            pending = following
+        rollout.stream.on_preview(step, *pending, last=True)
 
     def _dropped(self, key: int) -> bool:
         """Whether the stream of rollout ``key`` has ended (rank 0 knows; the runner asks it)."""
@@ -716,13 +732,11 @@ class Engine:
             if piece is None:
                 self._finish(rollout)
                 return
-            if isinstance(piece[1], Sound):
-                row, sound = piece
-                rollout.stream.on_audio(rollout.live[row], sound)
-                return
-            row, first_frame, frames = piece
-            for f, frame in enumerate(frames, start=first_frame):
-                rollout.stream.on_image(rollout.live[row], f, frame)
+            for node, frame_index, media in _media([piece], rollout.live):
+                if isinstance(media, Sound):
+                    rollout.stream.on_audio(node, media)
+                else:
+                    rollout.stream.on_image(node, frame_index, media)
         except Exception as error:  # noqa: BLE001 - it fails this rollout only
             self._end(rollout.key, error)
 
@@ -763,6 +777,19 @@ class Engine:
             else:
                 job.refuse_prunes(error)
                 job.outbox.end(error)
+
+
+def _media(pieces: Iterable, nodes: list[int]) -> Iterator[tuple[int, int, Any]]:
+    """(node, frame index, image or Sound) of ``Runner.decode_pieces``'s pieces, whose rows are the
+    ``nodes``."""
+    for piece in pieces:
+        if isinstance(piece[1], Sound):
+            row, sound = piece
+            yield nodes[row], 0, sound
+        else:
+            row, first_frame, frames = piece
+            for f, frame in enumerate(frames, start=first_frame):
+                yield nodes[row], f, frame
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -102,6 +102,7 @@ def features(adapter: families.base.FamilyAdapter, weights_root: Path | None) ->
     # Every family's transformer takes PEFT adapters.
     names = [wire.FEATURE_LORA, wire.FEATURE_TREE, wire.FEATURE_PRUNE_POINTS, wire.FEATURE_WEIGHT_SYNC]
     names += [wire.FEATURE_SIGMAS, wire.FEATURE_INITIAL_LATENTS, wire.FEATURE_RELEASE_MEMORY]
+    names.append(wire.FEATURE_PREVIEWS)
     if weights_root is not None:
         names.append(wire.FEATURE_LOAD_WEIGHTS)
     if adapter.max_frames > 1:

@@ -7,8 +7,8 @@ import subprocess
 
 import grpc
 import pytest
-from helpers import GRPCURL, SERVICE, grpcurl, grpcurl_exit
 from safetensors.torch import load as safetensors_load
+from support.errors import GRPCURL, SERVICE, grpcurl, grpcurl_exit
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SAMPLES, STEPS = 2, 3

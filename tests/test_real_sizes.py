@@ -71,9 +71,9 @@ from diffusers import (
 )
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
-from helpers import FAMILIES
 from peft import LoraConfig
 from PIL import Image
+from support.families import FAMILIES
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,

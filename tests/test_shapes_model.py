@@ -10,8 +10,9 @@ import json
 
 import pytest
 import torch
-from helpers import TOLERANCE, example_module, run_example, start_server
 from PIL import Image
+from support.parity import TOLERANCE
+from support.servers import example_module, run_example, start_server
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient

@@ -15,27 +15,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import forked
 import pytest
 import torch
 from diffusers import AutoModel
-from helpers import (
-    TOLERANCE,
-    assert_replays,
-    example_module,
-    make_request,
-    metrics_url,
-    next_version,
-    perturbed,
-    scrape,
-    start_server,
-    with_lora,
-)
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from PIL import Image
 from safetensors.torch import load_file
-from train_runs import (
+from support import forked
+from support.parity import TOLERANCE, assert_replays
+from support.requests import make_request
+from support.servers import example_module, metrics_url, scrape, start_server
+from support.train_runs import (
     TIMED,
     TINY,
     WAIT_SECONDS,
@@ -48,6 +39,7 @@ from train_runs import (
     training_server,
     wait_until,
 )
+from support.weights import next_version, perturbed, with_lora
 
 from rollout_client import RolloutClient
 from rollout_client.rewards import jpeg_compressibility

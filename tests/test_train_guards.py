@@ -7,7 +7,7 @@ import math
 import re
 
 import pytest
-from helpers import ROOT
+from support.servers import ROOT
 
 from rollout_client.train.algorithms.awm import AWMConfig
 from rollout_client.train.algorithms.nft import NFTConfig

@@ -8,9 +8,10 @@ import re
 import numpy
 import pytest
 import torch
-from helpers import ROOT, TOLERANCE
+from support.parity import TOLERANCE
+from support.servers import ROOT
+from support.train_runs import run_trainer, training_server
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from train_runs import run_trainer, training_server
 
 from rollout_client import RolloutClient
 from rollout_client.images import LABEL_HEIGHT

@@ -16,26 +16,23 @@ import time
 import grpc
 import pytest
 import torch
-from helpers import (
-    LORA_TARGETS,
-    SERVED_FEATURES,
-    TO_Q,
-    Rollout,
-    assert_replays,
-    assert_unchanged,
-    fingerprint,
-    make_request,
-    next_version,
-    perturbed,
-    push_update,
-    split_events,
-    start_server,
-    stream_events,
-    with_lora,
-)
 from peft import LoraConfig, get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load, save, save_file
+from support.families import SERVED_FEATURES
+from support.parity import assert_replays
+from support.requests import Rollout, make_request, split_events, stream_events
+from support.servers import start_server
+from support.weights import (
+    LORA_TARGETS,
+    TO_Q,
+    assert_unchanged,
+    fingerprint,
+    next_version,
+    perturbed,
+    push_update,
+    with_lora,
+)
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient

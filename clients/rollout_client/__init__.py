@@ -14,6 +14,7 @@ _EXPORTS = {
     "Collector": "trajectory",
     "Finished": "events",
     "Image": "events",
+    "Preview": "events",
     "RetryPolicy": "channel",
     "RolloutClient": "client",
     "RolloutPool": "pool",

@@ -47,6 +47,8 @@ def run(config: "TrainConfig") -> tuple[list[dict], float, Ranks]:
                 raise ServerFailure(
                     f"the server at {address} holds no rollout for its prune: --prune-at needs it"
                 )
+            if config.tree.prune_at is not None and wire.FEATURE_PREVIEWS not in info.features:
+                raise ServerFailure(f"the server at {address} sends no previews: --prune-at scores them")
             if config.server.colocate and wire.FEATURE_RELEASE_MEMORY not in info.features:
                 raise ServerFailure(f"the server at {address} cannot release its memory: --colocate needs it")
             model_path = config.server.model_path or Path(info.model_path)

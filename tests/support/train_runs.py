@@ -6,11 +6,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import forked
-from forked import ForkedProcess
-from helpers import run_example, start_server
-
 from rollout_client.train.metrics import COLUMNS
+from support import forked
+from support.forked import ForkedProcess
+from support.servers import run_example, start_server
 
 # Columns every iteration times (above 0).
 TIMED = ("rollout_seconds", "train_seconds", "update_seconds")

@@ -3,8 +3,8 @@ encoder's chat template, three hidden states side by side, 4-D position ids, [de
 guidance), the schedule shifts with the image tokens and the step count, an ODE rollout reaches the
 pipeline's own final latents and images ([klein] with its CFG on and off), SP=2 matches SP=1, a LoRA
 on FLUX.2's modules changes the rollouts as the trainer replays them, and a model without CFG (a
-step-distilled [klein]) refuses a CFG scale. Replay parity (each sampler, [klein]'s CFG on and off,
-bf16 latents) is test_replay.py's, with the other families."""
+step-distilled [klein]) refuses a CFG scale. Server info and replay parity (each sampler, [klein]'s CFG on
+and off, bf16 latents) are test_contract.py's, with the other families."""
 
 import json
 import os
@@ -16,21 +16,15 @@ import pytest
 import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-from helpers import (
-    FAMILIES,
-    TOLERANCE,
-    assert_replays,
-    assert_same_numbers,
-    family_request,
-    field_violations,
-    joint_attention_tokens,
-    next_version,
-    split_events,
-    start_server,
-    with_lora,
-)
 from peft import get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
+from support.adapters import joint_attention_tokens
+from support.errors import field_violations
+from support.families import FAMILIES, family_request
+from support.parity import TOLERANCE, assert_replays, assert_same_numbers
+from support.requests import split_events
+from support.servers import start_server
+from support.weights import next_version, with_lora
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
@@ -56,23 +50,6 @@ U = 2.0**-24  # float32 unit roundoff
 def family() -> str:
     """The family of the tests that are [klein]'s alone (the others are parametrized over both)."""
     return KLEIN
-
-
-@pytest.mark.parametrize(
-    ("family", "expected"),
-    [
-        (KLEIN, ("Flux2KleinPipeline", "guidance_scale", "true_cfg", 4.0)),  # FLUX.2 [klein] base's CFG 4
-        (DEV, ("Flux2Pipeline", "", "none", 4.0)),  # FLUX.2 [dev]'s embedded guidance 4, no CFG field
-    ],
-)
-def test_server_info(family_client, family, expected):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class, info.timestep_rule) == (family, expected[0], "timestep / 1000")
-    assert (info.cfg_scale_field, info.cfg_rule, info.defaults.guidance_scale) == expected[1:]
-    assert list(info.scale_fields) == ["guidance_scale"]  # [klein]'s CFG scale, [dev]'s guidance
-    defaults = info.defaults
-    assert (defaults.height, defaults.width, defaults.num_steps) == (128, 128, 10)  # the preset's
-    assert defaults.true_cfg_scale == 1.0 and info.limits.side_multiple == 16
 
 
 @pytest.mark.parametrize("family", BOTH)
