@@ -95,7 +95,7 @@ class Pusher:
         kind = "full" if self.lora_config is None else "lora"
         with Watchdog("policy push", self.config.server.stall_timeout):
             version = client.server_info().policy_version + 1
-            if self.config.sync.weight_sync == "group":
+            if self.config.weight_sync == "group":
                 served = self._push_over_group(weights, version, kind, expected)
             else:
                 pushed = client.push(WeightsUpdate(weights, version, kind, self.lora_config), progress=False)
