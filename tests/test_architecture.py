@@ -40,7 +40,9 @@ def imported_modules(tree: ast.Module) -> set[str]:
     return modules
 
 
-@pytest.mark.parametrize("layer", ["service.py", "server.py", "http_api.py", "sglang.py"])
+@pytest.mark.parametrize(
+    "layer", ["grpc_api.py", "http_api.py", "sglang.py", "admission.py", "engine_client.py", "server.py"]
+)
 def test_the_front_ends_use_the_engine_facade_only(layer):
     tree = ast.parse((PACKAGE / layer).read_text())
     internals = {f"rollout_server.{name}" for name in ENGINE_INTERNALS}
@@ -53,6 +55,51 @@ def test_the_front_ends_use_the_engine_facade_only(layer):
         and node.value.attr == "engine"
     }
     assert not reached & {*ENGINE_INTERNALS, "metrics", "on_fatal"}, reached
+
+
+# The server's imports of the client library still to move into rollout_core (the shared contract):
+# constants both sides read. Nothing else of the server may import it.
+CLIENT_IMPORTS_TO_MOVE = {
+    ("limits.py", "rollout_client.channel"),  # MAX_RECEIVE_BYTES
+    ("grpc_api.py", "rollout_client.channel"),  # the previous-attempts header and trailer
+    ("auth.py", "rollout_client.credentials"),  # the token reader
+    # The shapes preset's tokenizers learn the captions of the reward's scene grammar (imported when
+    # the preset is built, not served).
+    ("presets/shapes.py", "rollout_client.rewards"),
+}
+
+
+def test_no_server_module_imports_the_client_library():
+    """The front ends translate the engine's events themselves: no server module decodes its own wire
+    with the client library (``rollout_core`` is what both sides share)."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            found.update(
+                (path.relative_to(PACKAGE).as_posix(), name)
+                for name in names
+                if name.split(".")[0] == "rollout_client"
+            )
+    assert found - CLIENT_IMPORTS_TO_MOVE == set()
+
+
+def test_the_front_ends_are_peers():
+    """HTTP stands beside gRPC, not on it: neither front end imports the other, and the server reaches
+    the engine through the engine client."""
+    for layer, other in (("http_api.py", "grpc_api"), ("grpc_api.py", "http_api"), ("sglang.py", "grpc_api")):
+        modules = imported_modules(ast.parse((PACKAGE / layer).read_text()))
+        assert not {m for m in modules if m.startswith(f"rollout_server.{other}")}, layer
+    server = ast.parse((PACKAGE / "server.py").read_text())
+    reached = {
+        node.attr
+        for node in ast.walk(server)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "service"
+    }
+    assert not reached & {"engine", "metrics", "serving"}, reached
 
 
 def test_exceptions_that_cross_layers_are_defined_in_the_errors_module_only():
