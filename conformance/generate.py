@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient, Started, Step, conformance
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 from rollout_server.presets import PRESETS, resolve_model
 
 HERE = Path(__file__).resolve().parent

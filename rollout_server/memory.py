@@ -4,19 +4,20 @@ A rollout holds, from the round it joins to its end: its latents and the sampler
 (the state, each CFG branch's velocity, the guided velocity, the step's mean, noise and next latent),
 the messages of its stream (an event's tensors, their safetensors buffer and the messages cut from
 it, and the outbox's backlog) and its prompts' env. On top of that, one piece of work runs at a time
-on the worker: a transformer forward (at most ``max_batch_size`` rows of one shape, and no more latent
-elements than ``max_latent_elements`` allows, as the runner cuts them; under sequence parallelism each
-rank runs its share of the forward's tokens), one decode piece (one image, one chunk of a video's
-frames or a whole video, as the VAE decodes it, or a sample's sound) or one conditioning image's
-encode. The per-family sizes come from the adapter (``forward_activation``, ``text_elements``,
-``audio_values``). A forward's live tensors per widest activation were measured on the tiny presets
-(docs/architecture.md has the table); the VAE's work is measured at start-up on a probe
-(``measure_vae``): what its tensors take per pixel, which a piece of any size follows (on a CPU, in
-glibc's heap, with the convolutions' scratch). What grows with the square of a sequence (an attention
-mask materialised query by key, the scores of SDPA's math kernel) is no multiple of a pixel's bytes:
-the adapter counts it (``attention_matrix_bytes``, ``decode_attention_bytes``). The text sizes are
-bounds: a family whose pipeline truncates no text refuses one above them once it is tokenised
-(``errors.TextTooLong``), never by its characters alone.
+on the worker: a transformer forward (at most ``max_batch_size`` rows of one shape, and no more
+latent elements than ``max_latent_elements`` allows, as the runner cuts them; under sequence
+parallelism each rank runs its share of the forward's tokens), one decode piece (one image, one chunk
+of a video's frames or a whole video, as the VAE decodes it, or a sample's sound: of the final
+latents or of a preview's x0_hat) or one conditioning image's encode. The per-family sizes come from
+the adapter (``forward_activation``, ``text_elements``, ``audio_values``). A forward's live tensors
+per widest activation were measured on the tiny presets (docs/architecture.md has the table); the
+VAE's work is measured at start-up on a probe (``measure_vae``): what its tensors take per pixel,
+which a piece of any size follows (on a CPU, in glibc's heap, with the convolutions' scratch). What
+grows with the square of a sequence (an attention mask materialised query by key, the scores of
+SDPA's math kernel) is no multiple of a pixel's bytes: the adapter counts it
+(``attention_matrix_bytes``, ``decode_attention_bytes``). The text sizes are bounds: a family whose
+pipeline truncates no text refuses one above them once it is tokenised (``errors.TextTooLong``),
+never by its characters alone.
 
 The estimate is an upper bound on the memory above the loaded model. Rollouts run together only
 while the sum of what they hold plus the largest piece of work among them fits the budget; a
@@ -93,7 +94,7 @@ class RolloutMemory:
     held: int = 0  # from join to end: latents, sampler tensors, stream buffers, env (and a decode cache)
     row_bytes: int = 0  # one transformer row's share of a forward's working set
     rows: int = 0  # its transformer rows: samples x CFG branches
-    decode_bytes: int = 0  # one decode piece's working set (0 without images)
+    decode_bytes: int = 0  # one decode piece's working set (0 without images or previews)
     row_elements: int = 1  # one row's latent elements, which bound the rows of a forward
     encode_bytes: int = 0  # one conditioning image's encode (0 for a family that takes none)
 
@@ -185,7 +186,8 @@ def estimate(
     row_bytes += adapter.attention_matrix_bytes(shape)  # whole on every rank: none is split
     decode_bytes = decode_state = wav = 0
     frame_pixels = shape.height * shape.width
-    if request.images:
+    decodes = request.images or bool(request.preview_steps)  # previews decode as the images do
+    if decodes:
         piece_pixels = vae.piece_frames(shape.frames) * frame_pixels
         decode_bytes = (
             math.ceil(piece_pixels * vae.piece_bytes)
@@ -200,11 +202,15 @@ def estimate(
     debug = sum(d != rollout_pb2.DEBUG_TENSOR_SD for d in request.debug_tensors)
     step_event = latent * (dtypes.LATENT[request.latent_dtype].itemsize + 4 * debug)
     started_event = latent * dtypes.LATENT[request.latent_dtype].itemsize + env
-    png = 3 * frame_pixels if request.images else 0  # an RGB image that does not compress
+    png = 3 * frame_pixels if decodes else 0  # an RGB image that does not compress
     event = max(step_event, started_event, png, wav)
     held = (
         latent * 4 * (SAMPLER_TENSORS + branches) + EVENT_COPIES * event + backlog_bytes + env + decode_state
     )
+    if request.preview_steps:
+        # A preview step's x0_hat (float32), and its previews, which one round sends every row of at
+        # once, in the outbox beside the backlog (the rollout parks until its client reads them).
+        held += latent * 4 + samples * (shape.frames * png + wav)
     # Each prompt's conditioning image is encoded on its own, a piece of work (0 without images).
     encode_bytes = vae.encode(shape)
     return RolloutMemory(

@@ -105,6 +105,7 @@ def features(adapter: families.base.FamilyAdapter, weights_root: Path | None) ->
     # Every family's transformer takes PEFT adapters.
     names = [wire.FEATURE_LORA, wire.FEATURE_TREE, wire.FEATURE_PRUNE_POINTS, wire.FEATURE_WEIGHT_SYNC]
     names += [wire.FEATURE_SIGMAS, wire.FEATURE_INITIAL_LATENTS, wire.FEATURE_RELEASE_MEMORY]
+    names.append(wire.FEATURE_PREVIEWS)
     if weights_root is not None:
         names.append(wire.FEATURE_LOAD_WEIGHTS)
     if adapter.max_frames > 1:
@@ -121,6 +122,18 @@ def features(adapter: families.base.FamilyAdapter, weights_root: Path | None) ->
     if adapter.decodes_audio:
         names.append(wire.FEATURE_AUDIO)
     return names
+
+
+def decode_info(adapter: families.base.FamilyAdapter) -> rollout_pb2.DecodeInfo:
+    """GetServerInfo.decode: what each sample decodes to, as the adapter states it."""
+    video = adapter.max_frames > 1
+    info = rollout_pb2.DecodeInfo(
+        media=rollout_pb2.MEDIA_KIND_VIDEO if video else rollout_pb2.MEDIA_KIND_IMAGE,
+        frame_rate=adapter.frame_rate if video else 0.0,
+    )
+    if adapter.decodes_audio:
+        info.audio_sample_rate, info.audio_channels = adapter.sound_format()
+    return info
 
 
 def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None]) -> RolloutService:
@@ -156,6 +169,8 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
         scale_fields=serving.scale_fields,
         timestep_rule=adapter.timestep_rule,
         features=features(adapter, options.weights_root),
+        lora_targets=adapter.lora_targets,
+        decode=decode_info(adapter),
     )
     info.limits.max_update_bytes = engine.max_update_bytes
     info.limits.max_request_bytes = serving.max_request_bytes

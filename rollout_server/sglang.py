@@ -820,6 +820,9 @@ class RolloutAnswer:
     def on_audio(self, sample_index: int, sound) -> None:  # SGLang's answer carries no sound
         pass
 
+    def on_preview(self, step: int, sample_index: int, frame_index: int, media, last: bool) -> None:
+        pass  # no SGLang request asks for previews
+
     def on_finish(self, finished: rollout_pb2.RolloutFinished) -> None:
         self.finished = finished
         self.emit(self)

@@ -2,9 +2,9 @@
 
 ``started_event`` assembles what a trainer needs to replay the rollout (resolved request, schedule,
 layout, transformer-call rule, env); ``StreamEncoder`` turns the started event, each step, the
-images and the finished event into messages. It decides which tensors each event carries (latent
-selection, debug tensors, manifest-only mode) and cuts every payload so that no message exceeds the
-server's message limit.
+previews, the images and the finished event into messages. It decides which tensors each event
+carries (latent selection, debug tensors, manifest-only mode) and cuts every payload so that no
+message exceeds the server's message limit.
 """
 
 import hashlib
@@ -18,9 +18,10 @@ import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_core import codec, dtypes, noise, solvers, wire
+from rollout_server.families.base import Sound
 
 if TYPE_CHECKING:
-    from rollout_server.families.base import FamilyAdapter, Sound
+    from rollout_server.families.base import FamilyAdapter
     from rollout_server.parallel import SequenceParallel
     from rollout_server.runner import Rollout
     from rollout_server.sampler import StepRecord
@@ -131,6 +132,18 @@ def wav_bytes(sound: "Sound") -> bytes:
     return buffer.getvalue()
 
 
+def _image_event(sample_index: int, frame_index: int, image) -> rollout_pb2.RolloutImage:
+    return rollout_pb2.RolloutImage(
+        sample_index=sample_index, frame_index=frame_index, width=image.width, height=image.height
+    )
+
+
+def _audio_event(sample_index: int, sound: "Sound") -> rollout_pb2.RolloutAudio:
+    return rollout_pb2.RolloutAudio(
+        sample_index=sample_index, sample_rate=sound.sample_rate, channels=sound.waveform.shape[0]
+    )
+
+
 @dataclass
 class StreamEncoder:
     """Encodes a rollout's events and hands each message to ``emit`` (the rollout's outbox)."""
@@ -216,18 +229,25 @@ class StreamEncoder:
         self.emit(rollout_pb2.RolloutResponse(request_id=self.request.request_id, pruned=pruned))
 
     def on_image(self, sample_index: int, frame_index: int, image) -> None:
-        image_event = rollout_pb2.RolloutImage(
-            sample_index=sample_index, frame_index=frame_index, width=image.width, height=image.height
-        )
-        response = rollout_pb2.RolloutResponse(image=image_event)
+        response = rollout_pb2.RolloutResponse(image=_image_event(sample_index, frame_index, image))
         self._send(response, response.image, "png", png_bytes(image))
 
     def on_audio(self, sample_index: int, sound: "Sound") -> None:
-        audio = rollout_pb2.RolloutAudio(
-            sample_index=sample_index, sample_rate=sound.sample_rate, channels=sound.waveform.shape[0]
-        )
-        response = rollout_pb2.RolloutResponse(audio=audio)
+        response = rollout_pb2.RolloutResponse(audio=_audio_event(sample_index, sound))
         self._send(response, response.audio, "wav", wav_bytes(sound))
+
+    def on_preview(self, step: int, sample_index: int, frame_index: int, media, last: bool) -> None:
+        """A preview of step ``step``: frame ``frame_index`` of row ``sample_index``'s decoded x0_hat
+        (an image), or its sound (a Sound); ``last``: the step's last preview."""
+        preview = rollout_pb2.RolloutPreview(step=step, last=last)
+        if isinstance(media, Sound):
+            preview.audio.CopyFrom(_audio_event(sample_index, media))
+            response = rollout_pb2.RolloutResponse(preview=preview)
+            self._send(response, response.preview.audio, "wav", wav_bytes(media))
+        else:
+            preview.image.CopyFrom(_image_event(sample_index, frame_index, media))
+            response = rollout_pb2.RolloutResponse(preview=preview)
+            self._send(response, response.preview.image, "png", png_bytes(media))
 
     def on_finish(self, finished: rollout_pb2.RolloutFinished) -> None:
         finished.tensor_bytes = self.tensor_bytes

@@ -301,6 +301,7 @@ def resolve(request: rollout_pb2.RolloutRequest, context: ServingContext) -> rol
     bad.extend(_branch_problems(request, resolved, limits))
     resolved.branches.extend(request.branches)
     bad.extend(_prune_point_problems(request, num_steps, limits))
+    bad.extend(_preview_step_problems(request, num_steps, limits))
     # Only a trainer's schedule is probed: a family's own is its pipeline scheduler's, whose sigmas
     # are normal numbers well apart.
     if request.sigmas and not any(field.partition("[")[0] in STEP_FIELDS for field, _ in bad):
@@ -545,6 +546,24 @@ def _prune_point_problems(
             )
         elif k and point <= points[k - 1]:
             bad.append((f"prune_points[{k}]", "prune points must be strictly increasing"))
+    return bad
+
+
+def _preview_step_problems(
+    request: rollout_pb2.RolloutRequest, num_steps: int, limits: Limits
+) -> list[tuple[str, str]]:
+    """The steps whose x0_hat is decoded and streamed: distinct steps of the rollout, in any order.
+    Counted before any is read: each costs a decode of every row."""
+    count = len(request.preview_steps)
+    if count > min(num_steps, limits.max_steps):
+        return [("preview_steps", f"{count} preview steps exceed the {num_steps} steps of the rollout")]
+    bad, seen = [], set()
+    for k, step in enumerate(request.preview_steps):
+        if step >= num_steps:
+            bad.append((f"preview_steps[{k}]", f"must be < num_steps ({num_steps}), got {step}"))
+        elif step in seen:
+            bad.append((f"preview_steps[{k}]", f"step {step} is listed twice"))
+        seen.add(step)
     return bad
 
 

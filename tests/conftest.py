@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAMILIES, start_server
+from support.families import FAMILIES
+from support.servers import start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
@@ -14,9 +15,11 @@ torch.set_num_threads(1)
 
 # The files that take longest, longest first (docs/testing.md has the table): under `--dist loadfile
 # --no-loadscope-reorder` the workers take files in this order, and a long file taken last would run
-# alone at the end. The other files follow in their usual order.
+# alone at the end. The other files follow in their usual order. A file is named by its name alone, in
+# whichever folder of tests/ it is (test modules' names are unique: pytest imports them by name).
 SLOWEST_FIRST = (
     "test_shapes_model.py",
+    "test_contract.py",  # tests/families/: every family's server, replay and SP=2 rows
     "test_train.py",
     "test_ray.py",
     "test_sp.py",
@@ -25,7 +28,6 @@ SLOWEST_FIRST = (
     "test_pool.py",
     "test_tree.py",
     "test_demo.py",
-    "test_replay.py",
 )
 
 

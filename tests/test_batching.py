@@ -10,7 +10,11 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from helpers import TO_Q, assert_replays, assert_same_numbers, health_status, split_events, start_server
+from support.errors import health_status
+from support.parity import assert_replays, assert_same_numbers
+from support.requests import split_events
+from support.servers import start_server
+from support.weights import TO_Q
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient, Started, Step

@@ -10,7 +10,8 @@ import time
 
 import grpc
 import pytest
-from helpers import make_request, start_server
+from support.requests import make_request
+from support.servers import start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 

@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from helpers import assert_same_env, make_request, split_events, start_server, stream_events
+from support.parity import assert_same_env
+from support.requests import make_request, split_events, stream_events
+from support.servers import start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, SERVED_FEATURES, imported_modules
 from PIL import Image
+from support.families import SERVED_FEATURES
+from support.servers import ROOT, imported_modules
 
 from rollout_client import Trajectory
 from rollout_client.cli import LATENT_DTYPES, build_request, main, parse_args

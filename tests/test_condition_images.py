@@ -21,16 +21,11 @@ import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from helpers import (
-    FAMILIES,
-    assert_same_kwargs,
-    condition_image,
-    condition_png,
-    family_request,
-    field_violations,
-    health_status,
-)
 from PIL import Image
+from support.errors import field_violations, health_status
+from support.families import FAMILIES, family_request
+from support.parity import assert_same_kwargs
+from support.requests import condition_image, condition_png
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient, Trajectory

@@ -15,9 +15,11 @@ import sys
 
 import pytest
 import torch
-from helpers import FAMILIES, ROOT, TOLERANCE
 from safetensors import safe_open
 from safetensors.torch import load_file
+from support.families import FAMILIES
+from support.parity import TOLERANCE
+from support.servers import ROOT
 
 from rollout.v1 import rollout_pb2
 from rollout_client import conformance
@@ -29,7 +31,7 @@ sys.path.insert(0, str(KIT))  # the kit's scripts import each other as scripts d
 import generate  # noqa: E402
 import replay  # noqa: E402
 
-# The family (tests/helpers.py FAMILIES) of each tiny preset.
+# The family (tests/support/families.py FAMILIES) of each tiny preset.
 FAMILY_OF = {spec.preset: name for name, spec in FAMILIES.items() if spec.preset.startswith("tiny-")}
 # Its processor needs torchvision, which the machine that recorded the vectors lacks.
 WITHOUT_VECTORS = {"tiny-qwen-image-edit"}

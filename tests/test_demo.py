@@ -3,8 +3,8 @@
 this process, with the arguments ``make demo`` would give it: a third interpreter importing torch
 would test no more."""
 
-from helpers import example_module
 from PIL import Image
+from support.servers import example_module
 
 from rollout_client.images import LABEL_HEIGHT
 

@@ -10,7 +10,10 @@ import pytest
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from helpers import family_request, field_violations, make_request, vm_rss_bytes
+from support.errors import field_violations
+from support.families import family_request
+from support.requests import make_request
+from support.servers import vm_rss_bytes
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_core import wire

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers import command_line_exit
+from support.servers import command_line_exit
 
 from rollout_server import errors, families
 from rollout_server.families.cosmos3 import Cosmos3Adapter

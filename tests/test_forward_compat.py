@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from google.protobuf.unknown_fields import UnknownFieldSet
-from helpers import ROOT, assert_same_kwargs, family_request, make_request
+from support.families import family_request
+from support.parity import assert_same_kwargs
+from support.requests import make_request
+from support.servers import ROOT
 
 from rollout.v1 import rollout_pb2
 from rollout_client.client import varint
@@ -161,10 +164,11 @@ def test_protocol_errors_still_raise(captured):
         list(decode_stream([cut, *captured[1:]]))
 
 
-# The schema as it was before several latent streams: what a client pinned to it reads.
+# The schema as it was before several latent streams: what a client pinned to it reads (without the
+# previews too, which came later and carry RolloutAudio).
 STREAM_FIELDS = {"TransformerCall": {"streams", "timestep_copies"}, "RolloutStep": {"stream_log_probs"}}
-STREAM_EVENTS = {"audio"}
-STREAM_MESSAGES = {"LatentStream", "StreamLogProbs", "RolloutAudio"}
+STREAM_EVENTS = {"audio", "preview"}
+STREAM_MESSAGES = {"LatentStream", "StreamLogProbs", "RolloutAudio", "RolloutPreview"}
 
 
 def schema_before_streams() -> type:

@@ -8,8 +8,9 @@ import io
 import numpy as np
 import pytest
 import torch
-from helpers import TOLERANCE, make_request, stochastic_steps
 from PIL import Image
+from support.parity import TOLERANCE, stochastic_steps
+from support.requests import make_request
 
 from rollout.v1 import rollout_pb2
 from rollout_client.events import Step
@@ -231,7 +232,7 @@ def test_kl_to_reference_is_the_gaussian_kl_per_element():
 
 
 def test_kl_to_the_base_model_is_zero_before_training_and_positive_after(client, tiny_transformer):
-    from helpers import with_lora
+    from support.weights import with_lora
 
     trajectories = client.rollout(
         make_request({"prompts": ["a kite"], "num_steps": 3, "height": 64, "width": 64})

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from helpers import http_url, metrics_url, scrape, start_server
+from support.servers import http_url, metrics_url, scrape, start_server
 
 from rollout_server.http_api import PROBE_REUSE_SECONDS, SPARE_REQUESTS
 

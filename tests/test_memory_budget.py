@@ -11,17 +11,11 @@ import time
 import grpc
 import pytest
 import torch
-from helpers import (
-    FAMILIES,
-    condition_image,
-    condition_png,
-    env_at,
-    field_violations,
-    forward_of,
-    health_status,
-    make_request,
-    start_server,
-)
+from support.adapters import env_at, forward_of
+from support.errors import field_violations, health_status
+from support.families import FAMILIES
+from support.requests import condition_image, condition_png, make_request
+from support.servers import start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_server import families, memory
@@ -144,6 +138,32 @@ def test_a_request_that_fits_decodes_its_images_one_sample_at_a_time(budgeted, t
     assert peak <= estimate, (memory.format_bytes(peak), memory.format_bytes(estimate))
     assert estimate < parse_bytes(BUDGET)
     assert health_status(channel) == 1
+
+
+def test_previews_are_counted_and_their_decodes_peak_within_the_estimate(budgeted, tiny_flux_folder):
+    """Previews decode as the images do, in their step's round, each row's held in the stream until
+    read: without images the estimate still counts a decode piece, and more for the step's previews;
+    the server's peak over the previews of 4 samples at 512 x 512 stays within it."""
+    server, channel = budgeted
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+    request = make_request(FITS, samples_per_prompt=2, num_steps=1, images=False, preview_steps=[0])
+    adapter = families.load(tiny_flux_folder, torch.device("cpu"), torch.float32)
+    plain = estimate_of(
+        adapter, "tiny-flux", make_request(FITS, samples_per_prompt=2, num_steps=1, images=False)
+    )
+    previews = estimate_of(adapter, "tiny-flux", request)
+    assert plain.decode_bytes == 0 < previews.decode_bytes
+    # A step's x0_hat (float32) and its 4 RGB PNGs that do not compress, beside the rest.
+    latent = 4 * math.prod(adapter.latent_shape(MediaShape(1, 512, 512)))
+    assert previews.held - plain.held >= latent * 4 + 4 * 3 * 512 * 512
+    estimate = MemoryBudget(parse_bytes(BUDGET), Limits()).peak([previews])
+    resident = memory_of(server.process.pid, "VmRSS")
+    reset_peak(server.process.pid)
+    messages = list(stub.Rollout(request, timeout=120))
+    peak = memory_of(server.process.pid, "VmHWM") - resident
+    shown = [(m.preview.step, m.preview.image.sample_index) for m in messages if m.HasField("preview")]
+    assert shown == [(0, k) for k in range(4)]
+    assert peak <= estimate, (memory.format_bytes(peak), memory.format_bytes(estimate))
 
 
 def row_bytes(adapter, family: str, shape: MediaShape) -> int:

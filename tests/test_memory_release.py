@@ -17,9 +17,10 @@ import pytest
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from helpers import http_url, make_request, start_server, vm_rss_bytes
 from safetensors import safe_open
 from safetensors.torch import save
+from support.requests import make_request
+from support.servers import http_url, start_server, vm_rss_bytes
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Finished, RolloutClient, Step

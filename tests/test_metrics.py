@@ -4,7 +4,8 @@ import math
 
 import grpc
 import pytest
-from helpers import TO_Q, metrics_url, scrape, start_server
+from support.servers import metrics_url, scrape, start_server
+from support.weights import TO_Q
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient

@@ -9,7 +9,9 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from helpers import field_violations, health_status, make_request, start_server
+from support.errors import field_violations, health_status
+from support.requests import make_request
+from support.servers import start_server
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient

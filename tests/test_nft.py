@@ -5,7 +5,8 @@ streamed step x_i -> x_{i+1} is an Euler step along them, at the schedule's own 
 import numpy as np
 import pytest
 import torch
-from helpers import TOLERANCE, make_request
+from support.parity import TOLERANCE
+from support.requests import make_request
 
 from rollout.v1 import rollout_pb2
 from rollout_client.nft import (

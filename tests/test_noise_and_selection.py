@@ -2,7 +2,7 @@
 stochastic-step lists, latent selections and manifest-only mode (docs/design.md, invariants 3-4)."""
 
 import torch
-from helpers import stream_events
+from support.requests import stream_events
 
 from rollout.v1 import rollout_pb2
 from rollout_core import noise

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from diffusers import FluxTransformer2DModel
-from helpers import FAMILIES, command_line_exit, forward_at
+from support.adapters import forward_at
+from support.families import FAMILIES
+from support.servers import command_line_exit
 
 from rollout.v1 import rollout_pb2
 from rollout_server import cli, families

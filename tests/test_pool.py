@@ -13,8 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from helpers import TOLERANCE, field_violations, make_request, start_server, with_lora
 from peft import get_peft_model_state_dict
+from support.errors import field_violations
+from support.parity import TOLERANCE
+from support.requests import make_request
+from support.servers import start_server
+from support.weights import with_lora
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient, RolloutPool, Started

@@ -7,7 +7,9 @@ streams for it; the cache holds at most --prompt-cache-entries texts, least rece
 
 import pytest
 import torch
-from helpers import Rollout, assert_same_env, assert_same_kwargs, start_server, stream_events
+from support.parity import assert_same_env, assert_same_kwargs
+from support.requests import Rollout, stream_events
+from support.servers import start_server
 
 from rollout_client import RolloutClient
 from rollout_server import families

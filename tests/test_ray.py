@@ -12,7 +12,8 @@ import time
 
 import pytest
 import ray
-from helpers import SERVER_THREADS, make_request
+from support.requests import make_request
+from support.servers import SERVER_THREADS
 
 from rollout_client import RolloutPool
 

@@ -16,8 +16,8 @@ published values:
 - the memory estimate: a forward row against tokens x width, the rows the runner puts in one forward,
   the text's env, a decode piece (a whole video's, and a sound's), and a component's parameters
   against its published safetensors' bytes or parameter count;
-- the family's default LoRA targets (the trainer's ``LORA_TARGETS``) against the real module tree,
-  laid out by the server's own check, with and without sequence parallelism.
+- the family's default LoRA targets (its adapter's ``lora_targets``, which GetServerInfo lists) against
+  the real module tree, laid out by the server's own check, with and without sequence parallelism.
 
 ``python tests/test_real_sizes.py`` prints the table of docs/benchmarks.md ("Real checkpoint sizes");
 ``test_the_table_in_the_docs_is_the_one_computed_here`` holds the docs to it. Last, on the tiny-ltx2
@@ -71,9 +71,9 @@ from diffusers import (
 )
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
-from helpers import FAMILIES
 from peft import LoraConfig
 from PIL import Image
+from support.families import FAMILIES
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
@@ -105,7 +105,7 @@ from transformers import (
 )
 
 from rollout.v1 import rollout_pb2
-from rollout_client.train.lora import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, LORA_TARGETS
+from rollout_client.train.lora import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK
 from rollout_client.updates import lora_config_json
 from rollout_server import families, memory
 from rollout_server.errors import InvalidRequest, ParallelismUnsupported
@@ -1242,7 +1242,7 @@ class Figures:
         # The server's own checks: the spec it takes of a loaded transformer under --sp, and the
         # adapter laid out on it (without the split's modules to avoid, when it refuses the adapter).
         split_spec = TransformerSpec.of(next(iter(adapter.experts.values())), sequence_parallel=True)
-        config = lora_config(list(LORA_TARGETS[checkpoint.family]))
+        config = lora_config(list(adapter.lora_targets))
         try:
             lora, refusal = lora_layout(split_spec, config), ""
         except InvalidRequest as error:
@@ -1392,7 +1392,7 @@ def test_the_default_lora_targets_name_modules_of_the_real_tree(adapters, figure
     default adapter out on it. Under sequence parallelism no target may wrap a module whose output
     the split gathers: FLUX's proj_out is one (its latent projection out)."""
     adapter = adapters(checkpoint)
-    targets = LORA_TARGETS[checkpoint.family]
+    targets = adapter.lora_targets
     for expert in adapter.experts.values():
         modules = dict(expert.named_modules())
         for target in targets:
@@ -1423,13 +1423,12 @@ def test_ltx2s_lora_targets_adapt_every_attention_and_feed_forward_of_both_strea
     )
     per_block = [f"{a}.{p}" for a in attentions for p in ("to_q", "to_k", "to_v", "to_out.0")]
     per_block += [f"{ff}.{layer}" for ff in ("ff", "audio_ff") for layer in ("net.0.proj", "net.2")]
-    targets = LORA_TARGETS["ltx2"]
     for adapter in (adapters(LTX_2_CHECKPOINT), family_resources.adapter("ltx2")):
         transformer = adapter.transformer
         matched = [
             name
             for name, _ in transformer.named_modules()
-            if any(name == target or name.endswith("." + target) for target in targets)
+            if any(name == target or name.endswith("." + target) for target in adapter.lora_targets)
         ]
         blocks = range(transformer.config.num_layers)
         assert sorted(matched) == sorted(

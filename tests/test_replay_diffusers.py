@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler
-from helpers import TOLERANCE, at_server_threads, family_request, split_events
+from support.families import family_request
+from support.parity import TOLERANCE
+from support.requests import split_events
+from support.servers import at_server_threads
 
 from rollout.v1 import rollout_pb2
 from rollout_core import solvers

@@ -4,7 +4,7 @@ bitwise."""
 
 import numpy as np
 import torch
-from reference import log_prob, mean_and_sd
+from support.reference import log_prob, mean_and_sd
 
 from rollout_core import noise
 from rollout_server.sampler import SamplerPlan, advance, init

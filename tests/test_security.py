@@ -25,17 +25,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2
-from helpers import (
-    SERVICE,
-    TO_Q,
-    command_line_exit,
-    grpcurl,
-    grpcurl_exit,
-    health_status,
-    http_url,
-    start_server,
-)
 from safetensors.torch import save, save_file
+from support.errors import SERVICE, grpcurl, grpcurl_exit, health_status
+from support.servers import command_line_exit, http_url, start_server
+from support.weights import TO_Q
 
 from rollout_client import TLS, RolloutClient, RolloutPool
 from rollout_client import cli as client_cli

@@ -24,21 +24,14 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2
-from helpers import (
-    HOLDING_OPTIONS,
-    SERVER_THREADS,
-    health_status,
-    http_url,
-    imported_modules,
-    metrics_url,
-    scrape,
-    start_server,
-)
+from support.errors import health_status
+from support.requests import HOLDING_OPTIONS
+from support.servers import SERVER_THREADS, http_url, imported_modules, metrics_url, scrape, start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RetryPolicy, RolloutClient
 from rollout_client.client import RolloutStats
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 from rollout_server.presets import PRESETS, resolve_model
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

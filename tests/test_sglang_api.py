@@ -22,17 +22,12 @@ import msgpack
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from helpers import (
-    FAMILIES,
-    TOLERANCE,
-    command_line_exit,
-    health_status,
-    http_url,
-    metrics_url,
-    scrape,
-    sglang_source,
-)
-from reference import bare_velocity, guidance, log_prob, mean_and_sd
+from support.errors import health_status
+from support.families import FAMILIES
+from support.parity import TOLERANCE
+from support.reference import bare_velocity, guidance, log_prob, mean_and_sd
+from support.servers import command_line_exit, http_url, metrics_url, scrape
+from support.sglang import sglang_source
 
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import TransformerCall

@@ -13,7 +13,9 @@ import msgpack
 import pytest
 import test_sglang_api
 import torch
-from helpers import FAMILIES, TOLERANCE, http_url
+from support.families import FAMILIES
+from support.parity import TOLERANCE
+from support.servers import http_url
 from test_sglang_api import post, replayed_log_prob
 
 from rollout_server.sglang import IGNORED_HEADER

@@ -25,21 +25,20 @@ import httpx
 import msgpack
 import pytest
 import torch
-from helpers import (
-    FINGERPRINT_REQUEST,
-    assert_unchanged,
-    fingerprint,
-    http_url,
-    next_version,
-    perturbed,
-    sglang_source,
-    start_server,
-    stream_events,
-    with_lora,
-)
 from peft import get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save
+from support.requests import stream_events
+from support.servers import http_url, start_server
+from support.sglang import sglang_source
+from support.weights import (
+    FINGERPRINT_REQUEST,
+    assert_unchanged,
+    fingerprint,
+    next_version,
+    perturbed,
+    with_lora,
+)
 from torch.distributed.tensor import DTensor
 
 from rollout_client import RolloutClient

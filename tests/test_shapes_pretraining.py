@@ -5,8 +5,8 @@ weights that load into the pipeline it started from."""
 import json
 
 import torch
-from helpers import run_example
 from safetensors.torch import load_file
+from support.servers import run_example
 
 from rollout_server import families
 from rollout_server.presets.shapes import TEXT_TOKENS, untrained_shapes_pipeline

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
-from helpers import assert_replays, family_request, split_events
-from reference import solver_steps
+from support.families import family_request
+from support.parity import assert_replays
+from support.reference import solver_steps
+from support.requests import split_events
 
 from rollout.v1 import rollout_pb2
 from rollout_client import regenerate_deterministic_steps

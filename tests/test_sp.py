@@ -13,24 +13,14 @@ import time
 import grpc
 import pytest
 import torch
-from helpers import (
-    FAMILIES,
-    SERVER_THREADS,
-    TOLERANCE,
-    assert_replays,
-    assert_same_numbers,
-    make_request,
-    metrics_url,
-    scrape,
-    split_events,
-    start_server,
-    stream_at_sp2,
-)
+from support.parity import assert_replays, assert_same_numbers
+from support.requests import make_request, split_events
+from support.servers import SERVER_THREADS, metrics_url, scrape, start_server
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient
 from rollout_core import wire
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 from rollout_server.parallel import ParallelDims, SequenceParallel
 
 EPS, VELOCITY = rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_VELOCITY
@@ -240,85 +230,3 @@ def test_a_failure_names_a_rank_whose_process_is_still_exiting():
     finally:
         rank_1.kill()
         rank_1.wait()
-
-
-def test_qwen_image_sp2_matches_sp1_with_uneven_prompt_lengths(family_resources, cache_dir, tmp_path):
-    """Qwen-Image splits its text tokens too: prompts of odd, different lengths run through diffusers'
-    uneven Ulysses split and still match SP=1 bitwise on noise and log-probs."""
-    qwen = request(
-        prompts=["a fox", "an old lighthouse on a rocky cliff at dusk, oil painting"],
-        true_cfg_scale=4.0,
-        negative_prompt="blurry",
-    )
-    runs = {1: split_events(family_resources.client("qwen-image").stream(qwen))}
-    runs[2] = stream_at_sp2(cache_dir, tmp_path / "qwen-sp2.log", "tiny-qwen-image", qwen)
-    lengths = {env["encoder_hidden_states"].shape[1] for env in runs[2].started.env["positive"]}
-    assert len(lengths) == 2 and any(length % 2 for length in lengths)
-    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True)
-    assert_replays(family_resources.transformer("qwen-image"), runs[2].trajectories())
-
-
-@pytest.mark.parametrize(
-    ("family", "latent"),
-    [
-        ("wan", (16, 3, 8, 8)),  # 9 frames: 3 latent frames of 8 x 8, 2 x 2 patches: 3 x 4 x 4 tokens
-        # 16x VAE, 1 x 1 patches: 3 x 4 x 4 tokens, beside a context of 1985 (1000 Qwen2.5-VL tokens,
-        # 256 ByT5 bytes, 729 image tokens) that our plan splits unevenly, 993 and 992.
-        ("hunyuan-video15", (32, 3, 4, 4)),
-        # 16x VAE of 48 channels, 2 x 2 patches: 3 x 2 x 2 vision tokens, packed after a text that the
-        # seams split unevenly (71 and 68 tokens, the negative's 73: 36 / 35, 34 / 34, 37 / 36); 4 query
-        # and 2 key/value heads, 2 and 1 a rank.
-        ("cosmos3", (48, 3, 4, 4)),
-    ],
-    ids=["wan", "hunyuan-video15", "cosmos3"],
-)
-def test_video_sp2_splits_video_tokens_and_matches_sp1(family_resources, cache_dir, tmp_path, family, latent):
-    """The video tokens (latent frames x rows x columns) split across the ranks through the
-    transformer's context-parallel plan (diffusers' for Wan, ours for HunyuanVideo 1.5) or its seams
-    (Cosmos3's, with our processor): noise and log-probs bitwise as at SP=1, latents and velocities
-    within TOLERANCE, with CFG."""
-    video = request(num_frames=9, guidance_scale=5.0, negative_prompt="blurry")
-    runs = {1: split_events(family_resources.client(family).stream(video))}
-    runs[2] = stream_at_sp2(cache_dir, tmp_path / f"{family}-sp2.log", FAMILIES[family].preset, video)
-    assert tuple(runs[2].started.message.layout.shape) == latent
-    # Noise, and log-probs from eps: bitwise. Latents and velocities: Batch and split rounding
-    # (docs/testing.md): each rank's projections and attention run on fewer rows and heads, which a
-    # kernel on several threads may cut otherwise (on one thread both give SP=1's bits here), and CFG
-    # at 5 takes a difference up to 9 times.
-    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True)
-    assert set(runs[2].trajectories()[0].step_transformers) == {"transformer"}  # one expert
-    assert_replays(family_resources.transformer(family), runs[2].trajectories())
-
-
-def test_ltx2_sp2_splits_video_tokens_and_matches_sp1(family_resources, cache_dir, tmp_path):
-    """LTX-2's context-parallel plan splits the video tokens (3 x 2 x 2 at 17 frames) and the text
-    tokens; the audio stream runs whole on every rank. Noise and log-probs, joint and per stream,
-    bitwise as at SP=1, with CFG."""
-    video = request(num_frames=17, guidance_scale=3.0, negative_prompt="silence")
-    runs = {1: split_events(family_resources.client("ltx2").stream(video))}
-    runs[2] = stream_at_sp2(cache_dir, tmp_path / "ltx2-sp2.log", "tiny-ltx2", video)
-    streams = runs[2].started.message.transformer_call.streams
-    assert [tuple(stream.shape) for stream in streams] == [(12, 128), (18, 32)]
-    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True)
-    for one, two in zip(runs[1].steps, runs[2].steps, strict=True):
-        assert one.stream_log_probs.keys() == two.stream_log_probs.keys() == {"video", "audio"}
-        for name, values in one.stream_log_probs.items():
-            assert torch.equal(values, two.stream_log_probs[name])
-    assert_replays(family_resources.transformer("ltx2"), runs[2].trajectories())
-
-
-def test_shapes_sp2_matches_sp1(family_resources, cache_dir, tmp_path):
-    """The pretrained shapes preset (4 heads, 64 image and 24 text tokens, no guidance embedding) at
-    SP=2 with true CFG: bitwise the noise and log-probs of the SP=1 server, and replayable."""
-    from diffusers import FluxTransformer2DModel
-
-    scenes = request(prompts=["a red circle", "two blue squares"], true_cfg_scale=3.0, negative_prompt="")
-    runs = {1: split_events(family_resources.client("shapes").stream(scenes))}
-    runs[2] = stream_at_sp2(cache_dir, tmp_path / "shapes-sp2.log", "shapes", scenes)
-    # The split attention rounds differently from the whole one. Guided v = (1 - s) v_uncond + s v_cond
-    # takes each branch's difference up to 2 + 3 times at s = 3, and a trained network carries a
-    # difference in its input on to the next steps: up to 6.1e-5 here, against 1e-5 for the random
-    # tiny presets. Noise and log-probs stay bitwise, and replay stays within TOLERANCE.
-    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True, tolerance=10 * TOLERANCE)
-    transformer = FluxTransformer2DModel.from_pretrained(family_resources.folder("shapes") / "transformer")
-    assert_replays(transformer.eval(), runs[2].trajectories())

@@ -4,8 +4,8 @@ import math
 
 import numpy as np
 import pytest
-import reference
 import torch
+from support import reference
 
 from rollout_core import noise, steps
 

@@ -12,35 +12,26 @@ import math
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import forked
 import pytest
 import torch
 from diffusers import AutoModel
-from forked import ForkedProcess
-from helpers import (
-    ROOT,
-    TOLERANCE,
-    assert_replays,
-    example_module,
-    make_request,
-    metrics_url,
-    next_version,
-    perturbed,
-    run_example,
-    scrape,
-    start_server,
-    with_lora,
-)
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from PIL import Image
 from safetensors.torch import load_file
+from support import forked
+from support.forked import ForkedProcess
+from support.parity import TOLERANCE, assert_replays
+from support.requests import make_request
+from support.servers import ROOT, example_module, metrics_url, run_example, scrape, start_server
+from support.weights import next_version, perturbed, with_lora
 
 from rollout_client import RolloutClient
 from rollout_client.rewards import jpeg_compressibility
@@ -48,9 +39,11 @@ from rollout_client.train import Trainer
 from rollout_client.train.algorithms import ALGORITHMS
 from rollout_client.train.distributed import Ranks
 from rollout_client.train.finite import NonFinite
-from rollout_client.train.lora import LORA_TARGETS
 from rollout_client.train.metrics import COLUMNS
+from rollout_client.train.policy import load_policy
+from rollout_client.train.rollouts import ServerFailure
 from rollout_core import checksum
+from rollout_core.local_server import SERVING_LINE
 
 # Columns every iteration times (above 0).
 TIMED = ("rollout_seconds", "train_seconds", "update_seconds")
@@ -176,6 +169,7 @@ def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
     set_peft_model_state_dict(trained, load_file(out / "lora" / "adapter_model.safetensors"))
     wrapped = sorted(name for name, module in trained.named_modules() if isinstance(module, BaseTunerLayer))
     info = train_client.server_info()
+    assert sorted(config.target_modules) == sorted(info.lora_targets)  # the server's default targets
     assert info.policy_version == first + 3  # and the final policy after the last iteration
     assert list(info.lora_adapter.modules) == wrapped
     assert {target for target in config.target_modules if any(m.endswith(target) for m in wrapped)} == set(
@@ -722,12 +716,31 @@ def test_stabiliser_flags_that_cannot_train_are_refused(trainer, capsys, flags, 
     assert message in capsys.readouterr().err
 
 
-def test_the_lora_goes_on_the_servers_family_unless_the_flag_names_its_targets(trainer):
-    """Each family's defaults are checked against its published transformers in test_real_sizes.py."""
-    assert trainer.parse_args([]).optim.targets("sd3") == list(LORA_TARGETS["sd3"])
-    assert trainer.parse_args(["--lora-targets", "to_q,to_v"]).optim.targets("wan") == ["to_q", "to_v"]
-    with pytest.raises(ValueError, match="no default LoRA targets for the server's family 'mochi'"):
-        trainer.parse_args([]).optim.targets("mochi")
+def test_the_lora_goes_on_the_servers_default_targets_unless_the_flag_names_its_own(
+    trainer, tiny_flux_folder
+):
+    """The trainer holds no table of targets: a server that lists none needs --lora-targets."""
+    served = ["to_k", "to_q"]
+    _, config = load_policy(tiny_flux_folder, trainer.parse_args([]), served)
+    assert sorted(config.target_modules) == served
+    _, config = load_policy(tiny_flux_folder, trainer.parse_args(["--lora-targets", "to_v,proj_out"]), served)
+    assert config.target_modules == {"to_v", "proj_out"}
+    with pytest.raises(ServerFailure, match="the server names no default LoRA targets: pass --lora-targets"):
+        load_policy(tiny_flux_folder, trainer.parse_args([]), [])
+
+
+def test_a_run_without_a_server_starts_its_own_and_stops_it(tiny_flux_folder, tmp_path):
+    """Its server is a child process (python -m rollout_server) on a free port, logging to the run's
+    folder, stopped when the run ends."""
+    out = tmp_path / "train"
+    flags = ["--iterations", "1", "--prompts", "1", "--group-size", "2", "--steps", "2", "--size", "64"]
+    run_example("train_grpo", "--model", tiny_flux_folder, *flags, "--out", out)
+    assert len(read_metrics(out)) == 1
+    lines = (out / "server.log").read_text().splitlines()
+    host, port = next(filter(None, map(SERVING_LINE.search, lines)))["address"].rsplit(":", 1)
+    assert "shutting down" in lines[-1], lines[-5:]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=WAIT_SECONDS).close()
 
 
 def test_resume_needs_a_checkpoint(trainer, capsys, tmp_path):

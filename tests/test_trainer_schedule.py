@@ -6,8 +6,10 @@ import hashlib
 
 import pytest
 import torch
-from helpers import assert_replays, family_request, split_events
 from safetensors.torch import load
+from support.families import family_request
+from support.parity import assert_replays
+from support.requests import split_events
 
 from rollout.v1 import rollout_pb2
 from rollout_client import regenerate_deterministic_steps

@@ -12,8 +12,8 @@ from diffusers import (
     WanImageToVideoPipeline,
     WanTransformer3DModel,
 )
-from helpers import stream_events
 from PIL import Image
+from support.requests import stream_events
 
 from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import (

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from helpers import family_request
+from support.families import family_request
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RetryPolicy, RolloutClient, Step, failures

@@ -8,18 +8,11 @@ import itertools
 import grpc
 import pytest
 import torch
-from helpers import (
-    HOLDING_OPTIONS,
-    TOLERANCE,
-    assert_replays,
-    family_request,
-    field_violations,
-    grpcurl,
-    grpcurl_exit,
-    health_status,
-    split_events,
-    start_server,
-)
+from support.errors import field_violations, grpcurl, grpcurl_exit, health_status
+from support.families import family_request
+from support.parity import TOLERANCE, assert_replays
+from support.requests import HOLDING_OPTIONS, split_events
+from support.servers import start_server
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient, grpo

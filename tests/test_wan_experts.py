@@ -7,9 +7,13 @@ import shutil
 import grpc
 import pytest
 import torch
-from helpers import assert_replays, family_request, field_violations, perturbed, start_server, with_lora
 from peft import get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
+from support.errors import field_violations
+from support.families import family_request
+from support.parity import assert_replays
+from support.servers import start_server
+from support.weights import perturbed, with_lora
 
 from rollout_client import RolloutClient
 

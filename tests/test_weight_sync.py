@@ -16,16 +16,11 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from helpers import (
-    assert_replays,
-    field_violations,
-    health_status,
-    next_version,
-    perturbed,
-    start_server,
-    with_lora,
-)
 from peft import get_peft_model_state_dict
+from support.errors import field_violations, health_status
+from support.parity import assert_replays
+from support.servers import start_server
+from support.weights import next_version, perturbed, with_lora
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient, RolloutPool, WeightSyncGroup

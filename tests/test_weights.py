@@ -16,26 +16,23 @@ import time
 import grpc
 import pytest
 import torch
-from helpers import (
-    LORA_TARGETS,
-    SERVED_FEATURES,
-    TO_Q,
-    Rollout,
-    assert_replays,
-    assert_unchanged,
-    fingerprint,
-    make_request,
-    next_version,
-    perturbed,
-    push_update,
-    split_events,
-    start_server,
-    stream_events,
-    with_lora,
-)
 from peft import LoraConfig, get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load, save, save_file
+from support.families import SERVED_FEATURES
+from support.parity import assert_replays
+from support.requests import Rollout, make_request, split_events, stream_events
+from support.servers import start_server
+from support.weights import (
+    LORA_TARGETS,
+    TO_Q,
+    assert_unchanged,
+    fingerprint,
+    next_version,
+    perturbed,
+    push_update,
+    with_lora,
+)
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient
@@ -184,6 +181,22 @@ def test_full_update_matches_a_fresh_server_and_replays(
     from_disk = rollout_events(updated)
     assert from_disk.started.message.policy_version == version + 2
     assert_same_rollout(from_disk, reference)
+
+
+def test_the_default_lora_targets_the_server_lists_each_bind_modules_of_its_transformer(
+    updated, tiny_transformer
+):
+    """GetServerInfo's lora_targets (the trainer's default) name modules of the served transformer: an
+    adapter on them is taken, and binds the modules PEFT wraps for them, at least one a target."""
+    restore_base(updated, tiny_transformer)
+    targets = list(updated.server_info().lora_targets)
+    assert targets, "the server lists its default targets"
+    adapted, config = with_lora(tiny_transformer, trained=False, targets=targets)
+    updated.update_weights(get_peft_model_state_dict(adapted), next_version(updated), lora_config=config)
+    modules = list(updated.server_info().lora_adapter.modules)
+    wrapped = sorted(name for name, module in adapted.named_modules() if isinstance(module, BaseTunerLayer))
+    assert modules == wrapped
+    assert all(any(name == t or name.endswith("." + t) for name in modules) for t in targets)
 
 
 def test_lora_adapter_changes_rollouts_as_the_trainer_replays_them(

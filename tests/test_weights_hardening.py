@@ -21,21 +21,19 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import (
+from peft import get_peft_model_state_dict
+from safetensors.torch import save_file
+from support.errors import field_violations, health_status
+from support.servers import start_server, vm_rss_bytes
+from support.weights import (
     TO_Q,
     assert_unchanged,
-    field_violations,
     fingerprint,
-    health_status,
     next_version,
     perturbed,
     push_update,
-    start_server,
-    vm_rss_bytes,
     with_lora,
 )
-from peft import get_peft_model_state_dict
-from safetensors.torch import save_file
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient

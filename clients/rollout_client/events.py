@@ -68,6 +68,23 @@ class Audio:
 
 
 @dataclass
+class Preview:
+    """A decoded prediction of the clean sample at step ``step`` (``RolloutRequest.preview_steps``):
+    x0_hat = x_i - sigma_i v_i of one row, decoded as the final images are. ``media`` is one of its
+    frames (an Image) or its sound (an Audio); its ``sample_index`` is the sample, or the tree node
+    that took the step. ``last``: the step's previews have all arrived."""
+
+    request_id: str
+    step: int
+    media: Image | Audio
+    last: bool
+
+    @property
+    def sample_index(self) -> int:
+        return self.media.sample_index
+
+
+@dataclass
 class Finished:
     """Timings and memory."""
 
@@ -75,7 +92,7 @@ class Finished:
     message: rollout_pb2.RolloutFinished
 
 
-Event = Started | Step | Pruned | Image | Audio | Finished
+Event = Started | Step | Pruned | Image | Audio | Preview | Finished
 
 
 def _read_payload(first: bytes, following: int, responses: Iterator[rollout_pb2.RolloutResponse]) -> bytes:
@@ -101,6 +118,16 @@ def _env(tensors: dict[str, torch.Tensor], env_json: str) -> dict[str, list[dict
     """env[branch][prompt] from the started event's tensors and JSON values."""
     envs = wire.decode_env(tensors, env_json)
     return {branch: [per_prompt[p] for p in sorted(per_prompt)] for branch, per_prompt in envs.items()}
+
+
+def _image(rid: str, image: rollout_pb2.RolloutImage, responses) -> Image:
+    png = _read_payload(image.png, image.following_chunks, responses)
+    return Image(rid, image.sample_index, png, image.frame_index)
+
+
+def _audio(rid: str, audio: rollout_pb2.RolloutAudio, responses) -> Audio:
+    wav = _read_payload(audio.wav, audio.following_chunks, responses)
+    return Audio(rid, audio.sample_index, wav, audio.sample_rate, audio.channels)
 
 
 def decode_stream(responses: Iterable[rollout_pb2.RolloutResponse]) -> Iterator[Event]:
@@ -138,12 +165,17 @@ def decode_stream(responses: Iterable[rollout_pb2.RolloutResponse]) -> Iterator[
         elif kind == "pruned":
             yield Pruned(rid, list(response.pruned.nodes), response.pruned.step)
         elif kind == "image":
-            png = _read_payload(response.image.png, response.image.following_chunks, responses)
-            yield Image(rid, response.image.sample_index, png, response.image.frame_index)
+            yield _image(rid, response.image, responses)
         elif kind == "audio":
-            audio = response.audio
-            wav = _read_payload(audio.wav, audio.following_chunks, responses)
-            yield Audio(rid, audio.sample_index, wav, audio.sample_rate, audio.channels)
+            yield _audio(rid, response.audio, responses)
+        elif kind == "preview":
+            preview = response.preview
+            media = preview.WhichOneof("media")
+            if media is None:  # a later server's media: skipped, with its chunks
+                skipping = True
+                continue
+            read = _image if media == "image" else _audio
+            yield Preview(rid, preview.step, read(rid, getattr(preview, media), responses), preview.last)
         elif kind == "finished":
             yield Finished(rid, response.finished)
         else:

@@ -17,7 +17,7 @@ from PIL import Image as PILImage
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rollout_client.events import Audio, Event, Finished, Image, Pruned, Started, Step
+from rollout_client.events import Audio, Event, Finished, Image, Preview, Pruned, Started, Step
 from rollout_core import latent_streams, wire
 from rollout_core.solvers import FALLBACK_SOLVER, SOLVERS, SOLVERS_BY_ENUM
 from rollout_core.steps import SAMPLERS_BY_ENUM
@@ -98,6 +98,11 @@ class Trajectory:
     # stochastic); ``log_probs`` is their joint. And the sample's sound, a WAV file, where it has one.
     stream_log_probs: dict[str, torch.Tensor] = field(default_factory=dict)
     audio_wav: bytes | None = None
+    # The request's preview_steps: step i -> the decoded x0_hat = x_i - sigma_i v_i of the sample (a
+    # tree leaf: of the node on its path that took step i), its frames' PNGs in order, and its sound's
+    # WAV where it has one. Not saved.
+    previews: dict[int, list[bytes]] = field(default_factory=dict)
+    preview_audio: dict[int, bytes] = field(default_factory=dict)
 
     @property
     def streams(self) -> tuple[latent_streams.LatentStream, ...]:
@@ -125,6 +130,10 @@ class Trajectory:
     def frames(self) -> list[PILImage.Image]:
         """The sample's decoded frames in order (one for an image)."""
         return [PILImage.open(io.BytesIO(png)) for png in self.frames_png]
+
+    def preview(self, step: int) -> PILImage.Image:
+        """The first frame of the preview at ``step`` (an image model's image)."""
+        return PILImage.open(io.BytesIO(self.previews[step][0]))
 
     def conditioning(self) -> PILImage.Image | None:
         """The conditioning image, as sent."""
@@ -222,7 +231,9 @@ class Collector:
     ``ready(i)`` says whether step i can be scored now (x_i, x_{i+1} and its log-probs have arrived).
     A tree rollout gives one trajectory per leaf that was not pruned; ``tree`` is its tree.
     ``condition_images``: the request's conditioning image files, one per prompt, which the
-    trajectories carry (the stream does not send them back).
+    trajectories carry (the stream does not send them back). ``previews[i][node]`` holds the frames'
+    PNGs of the preview of step i of each sample or tree node (by frame index), ``preview_audio[i][node]``
+    its WAV, as they arrive.
     """
 
     def __init__(self, condition_images: Sequence[bytes] = ()):
@@ -239,6 +250,8 @@ class Collector:
         self.images: dict[int, dict[int, bytes]] = {}  # sample -> frame -> PNG
         self.audio: dict[int, bytes] = {}  # sample -> WAV
         self.stream_log_probs: dict[str, torch.Tensor] = {}  # stream -> [B, T]
+        self.previews: dict[int, dict[int, dict[int, bytes]]] = {}  # step -> node -> frame -> PNG
+        self.preview_audio: dict[int, dict[int, bytes]] = {}  # step -> node -> WAV
 
     def add(self, event: Event) -> None:
         if isinstance(event, Started):
@@ -274,6 +287,13 @@ class Collector:
             self.images.setdefault(event.sample_index, {})[event.frame_index] = event.png
         elif isinstance(event, Audio):
             self.audio[event.sample_index] = event.wav
+        elif isinstance(event, Preview):
+            media = event.media
+            if isinstance(media, Audio):
+                self.preview_audio.setdefault(event.step, {})[media.sample_index] = media.wav
+            else:
+                by_node = self.previews.setdefault(event.step, {})
+                by_node.setdefault(media.sample_index, {})[media.frame_index] = media.png
         elif isinstance(event, Finished):
             self.finished = event
 
@@ -376,10 +396,18 @@ def _trajectories(collector: Collector, latents, rows, leaves) -> list[Trajector
             (k, seed, p, [])
             for k, (seed, p) in enumerate(zip(message.seeds, message.prompt_indices, strict=True))
         ]
+
+        def took(k: int, i: int) -> int:
+            return k
     else:
         samples = [
             (leaf.id, leaf.seed, leaf.prompt_index, [n.id for n in tree.path(leaf.id)]) for leaf in leaves
         ]
+
+        def took(k: int, i: int) -> int:
+            """The node on leaf k's path that took step i."""
+            return next(n.id for n in tree.path(k) if n.start_step <= i < n.end_step)
+
     trajectories = []
     for position, (row, (k, seed, p, node_path)) in enumerate(zip(rows, samples, strict=True)):
         trajectories.append(
@@ -412,6 +440,16 @@ def _trajectories(collector: Collector, latents, rows, leaves) -> list[Trajector
                 step_orders=list(message.step_orders),
                 stream_log_probs={name: table[row] for name, table in collector.stream_log_probs.items()},
                 audio_wav=collector.audio.get(k),
+                previews={
+                    i: [png for _, png in sorted(by_node[took(k, i)].items())]
+                    for i, by_node in collector.previews.items()
+                    if took(k, i) in by_node
+                },
+                preview_audio={
+                    i: by_node[took(k, i)]
+                    for i, by_node in collector.preview_audio.items()
+                    if took(k, i) in by_node
+                },
             )
         )
     return trajectories

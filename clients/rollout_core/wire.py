@@ -83,6 +83,8 @@ FEATURE_GUIDANCE_SCALE_2 = "guidance_scale_2"
 FEATURE_BOUNDARY_RATIO = "boundary_ratio"
 # ReleaseMemory and ResumeMemory are served: the weights' memory is released and resumed (sleep and wake).
 FEATURE_RELEASE_MEMORY = "release_memory"
+# Requests take preview_steps: the stream sends each row's decoded x0_hat at those steps (preview events).
+FEATURE_PREVIEWS = "previews"
 
 _ENV_PREFIX = "env/"
 # An env JSON entry that stands for a tensor of the buffer: {"tensor": "<name>"}.

@@ -135,6 +135,9 @@ class FamilyAdapter(ABC):
     cfg_off_scale: ClassVar[float] = 1.0
     # Frames per sample: image families take 1 (the default of every request).
     max_frames: ClassVar[int] = 1
+    # Video families: the frame rate (frames per second) the pipeline generates for, where it states one
+    # (a pipeline that conditions on it); 0 for an image family, or a pipeline that states none.
+    frame_rate: ClassVar[float] = 0.0
     # The env entries concatenated along dim 0 to batch samples (the others are shared).
     batched_env_keys: ClassVar[tuple[str, ...]]
     # How conditioning latents enter the transformer's hidden states, and the env entry holding them:
@@ -154,6 +157,10 @@ class FamilyAdapter(ABC):
     decode_keeps_state: ClassVar[bool] = False
     # Whether a sample also decodes to sound (``decode_audio``), streamed as a WAV after its frames.
     decodes_audio: ClassVar[bool] = False
+    # The trainer's default LoRA targets (GetServerInfo's lora_targets): module names as PEFT matches them
+    # (a name, or the end of a dotted one), linear layers of the family's published transformers
+    # (tests/test_real_sizes.py checks them on the real module trees).
+    lora_targets: ClassVar[tuple[str, ...]]
     # The transformer inputs that carry the generated (image or video) tokens, whose count
     # ``generated_tokens`` gives: the sequence-parallel split checks them when a request arrives.
     generated_inputs: ClassVar[tuple[str, ...]] = ("hidden_states",)
@@ -433,6 +440,11 @@ class FamilyAdapter(ABC):
 
     def decode_audio(self, latents: torch.Tensor, shape: MediaShape) -> Sound:
         """The sound of one sample's final latents [1, ...], as the pipeline decodes it (families with
+        ``decodes_audio``)."""
+        raise NotImplementedError(f"{type(self).__name__} generates no sound")
+
+    def sound_format(self) -> tuple[int, int]:
+        """(samples per second, channels) of the sound ``decode_audio`` gives (families with
         ``decodes_audio``)."""
         raise NotImplementedError(f"{type(self).__name__} generates no sound")
 

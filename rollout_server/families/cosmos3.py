@@ -89,7 +89,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from diffusers import Cosmos3OmniPipeline
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor, _rotate_half
@@ -100,6 +99,7 @@ from rollout_core.transformer_call import CallForm
 from rollout_server.errors import TextTooLong, UnsupportedModel
 from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape, set_up_schedule
 from rollout_server.families.wan import wan_vae_frames
+from rollout_server.parallel import ulysses
 
 # Cosmos3OmniPipeline.__call__'s defaults: 189 frames of 1280 x 720 at 24 fps, 35 steps, CFG 6.
 _CALL_DEFAULTS = inspect.signature(Cosmos3OmniPipeline.__call__).parameters
@@ -122,53 +122,6 @@ BATCHED_ENV_KEYS = (
 )
 
 
-def _sizes(tokens: int, ranks: int) -> list[int]:
-    """Each rank's part of ``tokens`` as ``tensor_split`` cuts them (diffusers' ``ulysses_anything``):
-    the first ``tokens % ranks`` parts one longer."""
-    return [tokens // ranks + (rank < tokens % ranks) for rank in range(ranks)]
-
-
-def _to_heads(parts: list[torch.Tensor], sizes: list[int], group) -> list[torch.Tensor]:
-    """Ulysses' first all-to-all, one for several projections: each of ``parts`` [s, h_i, d] (this
-    rank's s tokens, every head of q, k or v; query and key/value head counts differ under GQA) to
-    [sum(sizes), h_i / N, d] (every rank's tokens in rank order, this rank's share of the heads);
-    ``sizes``: each rank's token count."""
-    ranks, count, dim = len(sizes), parts[0].shape[0], parts[0].shape[-1]
-    shares = [part.shape[1] // ranks for part in parts]
-    send = torch.cat([part.unflatten(1, (ranks, -1)) for part in parts], dim=2)  # [s, N, share, d]
-    send = send.transpose(0, 1).contiguous()  # rank r's heads of every token, for rank r, in rank order
-    received = send.new_empty(sum(sizes), sum(shares), dim)
-    dist.all_to_all_single(
-        received, send.flatten(0, 1), output_split_sizes=sizes, input_split_sizes=[count] * ranks, group=group
-    )
-    return list(received.split(shares, dim=1))
-
-
-def _to_tokens(heads: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
-    """The all-to-all back: ``heads`` [sum(sizes), h / N, d] (every rank's tokens, this rank's heads)
-    to [sizes[rank], h x d] (this rank's tokens, every head, flattened as the output projection reads
-    them)."""
-    ranks, count = len(sizes), sizes[rank]
-    _, share, dim = heads.shape
-    received = heads.new_empty(ranks * count, share, dim)
-    dist.all_to_all_single(
-        received, heads.contiguous(), output_split_sizes=[count] * ranks, input_split_sizes=sizes, group=group
-    )
-    return received.view(ranks, count, share, dim).transpose(0, 1).reshape(count, ranks * share * dim)
-
-
-def _gather(part: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
-    """Every rank's ``part`` [sizes[rank], ...] in rank order (an all-gather of uneven parts, as an
-    all-to-all that sends each rank the same part)."""
-    ranks = len(sizes)
-    gathered = part.new_empty(sum(sizes), *part.shape[1:])
-    send = part.expand(ranks, *part.shape).contiguous().flatten(0, 1)
-    dist.all_to_all_single(
-        gathered, send, output_split_sizes=sizes, input_split_sizes=[sizes[rank]] * ranks, group=group
-    )
-    return gathered
-
-
 class UlyssesSplit:
     """The transformer's context-parallel seams (``_cp_shard_fn``, ``_cp_gather_fn``), no-ops until
     ``enable_parallelism`` gives it a config: each pathway's tokens and their rotary embeddings cut
@@ -183,28 +136,24 @@ class UlyssesSplit:
 
     def ulysses(self) -> tuple[int, int, object] | None:
         """The Ulysses degree, this rank's place in it and its group; None when not split."""
-        parallel = self.transformer._parallel_config
-        if parallel is None:
-            return None
-        config = parallel.context_parallel_config
-        return config.ulysses_degree, config._ulysses_local_rank, config._ulysses_mesh.get_group()
+        return ulysses.place(self.transformer._parallel_config)
 
     def shard(self, und_seq, gen_seq, rotary_emb):
-        if (ulysses := self.ulysses()) is None:
+        if (place := self.ulysses()) is None:
             return und_seq, gen_seq, rotary_emb
-        ranks, rank, _ = ulysses
+        ranks, rank, _ = place
         cos_und, sin_und, cos_gen, sin_gen = rotary_emb  # [tokens, head_dim] each
-        self.text_sizes = _sizes(und_seq.shape[0], ranks)
-        self.vision_sizes = _sizes(gen_seq.shape[0], ranks)
+        self.text_sizes = ulysses.split_sizes(und_seq.shape[0], ranks)
+        self.vision_sizes = ulysses.split_sizes(gen_seq.shape[0], ranks)
         und_seq, cos_und, sin_und = (t.tensor_split(ranks)[rank] for t in (und_seq, cos_und, sin_und))
         gen_seq, cos_gen, sin_gen = (t.tensor_split(ranks)[rank] for t in (gen_seq, cos_gen, sin_gen))
         return und_seq, gen_seq, (cos_und, sin_und, cos_gen, sin_gen)
 
     def gather(self, und_out, gen_out):
-        if (ulysses := self.ulysses()) is None:
+        if (place := self.ulysses()) is None:
             return und_out, gen_out
-        _, rank, group = ulysses
-        return _gather(und_out, self.text_sizes, rank, group), _gather(
+        _, rank, group = place
+        return ulysses.gather(und_out, self.text_sizes, rank, group), ulysses.gather(
             gen_out, self.vision_sizes, rank, group
         )
 
@@ -242,9 +191,9 @@ class UlyssesAttnProcessor(Cosmos3AttnProcessor):
         # Every rank's text tokens, and apart every rank's vision tokens, for this rank's heads.
         _, rank, group = self.split.ulysses()
         text_sizes, vision_sizes = self.split.text_sizes, self.split.vision_sizes
-        q_und, k_und, v_und, *for_gen = _to_heads(text, text_sizes, group)
+        q_und, k_und, v_und, *for_gen = ulysses.to_heads(text, text_sizes, group)
         k_und_for_gen = for_gen[0] if for_gen else k_und
-        q_gen, k_gen, v_gen = _to_heads([q_gen, k_gen, v_gen], vision_sizes, group)
+        q_gen, k_gen, v_gen = ulysses.to_heads([q_gen, k_gen, v_gen], vision_sizes, group)
 
         causal_out = dispatch_attention_fn(
             q_und.unsqueeze(0),
@@ -262,8 +211,8 @@ class UlyssesAttnProcessor(Cosmos3AttnProcessor):
             enable_gqa=True,
             backend=self._attention_backend,
         )
-        causal_out = _to_tokens(causal_out.squeeze(0), text_sizes, rank, group)
-        full_out = _to_tokens(full_out.squeeze(0), vision_sizes, rank, group)
+        causal_out = ulysses.to_tokens(causal_out.squeeze(0), text_sizes, rank, group).flatten(1)
+        full_out = ulysses.to_tokens(full_out.squeeze(0), vision_sizes, rank, group).flatten(1)
         return attn.to_out(causal_out), attn.to_add_out(full_out)
 
 
@@ -286,6 +235,19 @@ class Cosmos3Adapter(FamilyAdapter):
     decode_keeps_state = True  # the causal convolutions' cache, between latent frames
     generated_inputs = ("vision_tokens",)
     max_frames = 2 * DEFAULT_FRAMES - 1  # about twice the default (4k + 1) bounds one request's work
+    frame_rate = FPS
+    # The generation pathway of every mixture-of-transformers layer (the attention projections its vision
+    # tokens use, and its feed-forward); the understanding (text) pathway is the vision-language model's, left
+    # as it is. Cosmos3-Edge's relu2 feed-forward has no gate_proj, which then matches nothing.
+    lora_targets = (
+        "self_attn.add_q_proj",
+        "self_attn.add_k_proj",
+        "self_attn.add_v_proj",
+        "self_attn.to_add_out",
+        "mlp_moe_gen.gate_proj",
+        "mlp_moe_gen.up_proj",
+        "mlp_moe_gen.down_proj",
+    )
 
     def __init__(self, pipe, device, dtype, folder=None):
         super().__init__(pipe, device, dtype, folder)

@@ -30,6 +30,8 @@ class FluxAdapter(PackedLatentAdapter):
     timestep_rule = "timestep / 1000"
     batched_env_keys = ("encoder_hidden_states", "pooled_projections", "guidance")
     generated_inputs = ("hidden_states", "img_ids")
+    # FLUX's attention and feed-forward layers, with the latent projections in and out.
+    lora_targets = ("x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out")
 
     def defaults(self) -> FamilyDefaults:
         # FLUX.1-dev's usual settings; the pipeline's default side is default_sample_size * 8.

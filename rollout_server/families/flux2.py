@@ -47,6 +47,19 @@ class Flux2FamilyAdapter(PackedLatentAdapter):
     pipeline_text_layers: ClassVar[tuple[int, ...]]
     # Whether the pipeline feeds the guidance scale to the transformer (the env's ``guidance``).
     feeds_guidance: ClassVar[bool]
+    # The double-stream blocks' attention and image feed-forward, the single-stream blocks' fused attention
+    # and feed-forward input projection, and the latent projections in and out.
+    lora_targets = (
+        "x_embedder",
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "ff.linear_in",
+        "ff.linear_out",
+        "to_qkv_mlp_proj",
+        "proj_out",
+    )
 
     def schedule(self, num_steps: int, shape: MediaShape) -> tuple[torch.Tensor, torch.Tensor]:
         # As the pipelines' __call__: linspace sigmas unless the scheduler makes its own flow sigmas,

@@ -63,7 +63,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers import HunyuanVideo15Pipeline
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
@@ -76,6 +75,7 @@ from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import LatentConditioning
 from rollout_server.errors import UnsupportedModel
 from rollout_server.families.base import FamilyAdapter, FamilyDefaults, MediaShape, set_up_schedule
+from rollout_server.parallel import ulysses
 
 # HunyuanVideo15Pipeline.__call__'s defaults (121 frames, 50 steps).
 _CALL_DEFAULTS = inspect.signature(HunyuanVideo15Pipeline.__call__).parameters
@@ -94,34 +94,6 @@ def context_parallel_plan() -> dict:
         "transformer_blocks.0": {"hidden_states": tokens, "encoder_hidden_states": tokens},
         "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
     }
-
-
-def _to_heads(tokens: torch.Tensor, out: torch.Tensor, sizes: list[int], group) -> None:
-    """Ulysses' first all-to-all: ``tokens`` [3, B, s, H, d] (q, k and v of this rank's s tokens, every
-    head) into ``out`` [sum(sizes), 3, B, H / N, d] (every rank's tokens in rank order, this rank's
-    share of the heads); ``sizes``: each rank's token count."""
-    ranks = len(sizes)
-    three, batch, count, heads, dim = tokens.shape
-    send = tokens.reshape(three, batch, count, ranks, heads // ranks, dim).permute(3, 2, 0, 1, 4, 5)
-    send = send.contiguous().flatten(0, 1)  # rank r's heads of every token, for rank r, in rank order
-    dist.all_to_all_single(
-        out, send, output_split_sizes=sizes, input_split_sizes=[count] * ranks, group=group
-    )
-
-
-def _to_tokens(heads: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
-    """The all-to-all back: ``heads`` [B, sum(sizes), H / N, d] (every rank's tokens, this rank's heads)
-    to [B, sizes[rank], H, d] (this rank's tokens, every head)."""
-    ranks, count = len(sizes), sizes[rank]
-    batch, _, share, dim = heads.shape
-    received = heads.new_empty(ranks * count, batch, share, dim)
-    send = heads.transpose(0, 1).contiguous()
-    dist.all_to_all_single(
-        received, send, output_split_sizes=[count] * ranks, input_split_sizes=sizes, group=group
-    )
-    return (
-        received.view(ranks, count, batch, share, dim).permute(2, 1, 0, 3, 4).reshape(batch, count, -1, dim)
-    )
 
 
 class UlyssesAttnProcessor(HunyuanVideo15AttnProcessor2_0):
@@ -159,12 +131,9 @@ class UlyssesAttnProcessor(HunyuanVideo15AttnProcessor2_0):
             # heads: the unsplit sequence in its own order. The context was cut as diffusers' sharder
             # cuts it (tensor_split: ulysses_anything); attention_mask, not split, is the whole
             # context's.
-            config = self._parallel_config.context_parallel_config
-            group, rank = config._ulysses_mesh.get_group(), config._ulysses_local_rank
-            video_sizes = [hidden_states.shape[1]] * config.ulysses_degree  # validation: an even split
-            context_sizes = [
-                part.shape[1] for part in attention_mask.tensor_split(config.ulysses_degree, dim=1)
-            ]
+            ranks, rank, group = ulysses.place(self._parallel_config)
+            video_sizes = [hidden_states.shape[1]] * ranks  # validation: an even split
+            context_sizes = ulysses.split_sizes(attention_mask.shape[1], ranks)
             if context_sizes[rank] != encoder_hidden_states.shape[1]:
                 raise RuntimeError(
                     f"rank {rank} holds {encoder_hidden_states.shape[1]} context tokens, not "
@@ -172,15 +141,13 @@ class UlyssesAttnProcessor(HunyuanVideo15AttnProcessor2_0):
                 )
             video = sum(video_sizes)
             batch, _, heads, dim = query.shape
-            gathered = query.new_empty(
-                video + attention_mask.shape[1], 3, batch, heads // config.ulysses_degree, dim
-            )
-            _to_heads(torch.stack([query, key, value]), gathered[:video], video_sizes, group)
-            _to_heads(
-                torch.stack([context_query, context_key, context_value]),
-                gathered[video:],
+            gathered = query.new_empty(video + attention_mask.shape[1], 3, batch, heads // ranks, dim)
+            ulysses.to_heads([torch.stack([query, key, value])], video_sizes, group, gathered[:video])
+            ulysses.to_heads(
+                [torch.stack([context_query, context_key, context_value])],
                 context_sizes,
                 group,
+                gathered[video:],
             )
             query, key, value = gathered.permute(1, 2, 0, 3, 4).unbind(0)
         else:
@@ -196,8 +163,8 @@ class UlyssesAttnProcessor(HunyuanVideo15AttnProcessor2_0):
         )
         hidden_states = hidden_states.masked_fill(~mask[:, :, None, None], 0.0).to(query.dtype)
         if split:
-            encoder_hidden_states = _to_tokens(hidden_states[:, video:], context_sizes, rank, group)
-            hidden_states = _to_tokens(hidden_states[:, :video], video_sizes, rank, group)
+            encoder_hidden_states = ulysses.to_tokens(hidden_states[:, video:], context_sizes, rank, group)
+            hidden_states = ulysses.to_tokens(hidden_states[:, :video], video_sizes, rank, group)
         else:
             encoder_hidden_states, hidden_states = hidden_states[:, video:], hidden_states[:, :video]
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.flatten(2, 3)))
@@ -220,6 +187,22 @@ class HunyuanVideo15Adapter(FamilyAdapter):
         "condition",
     )
     max_frames = 2 * DEFAULT_FRAMES - 1  # about twice the default (4k + 1) bounds one request's work
+    # The joint attention of every dual-stream block (and of the text token refiner), and both streams' feed-
+    # forwards.
+    lora_targets = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    )
 
     def __init__(self, pipe, device, dtype, folder=None):
         super().__init__(pipe, device, dtype, folder)

@@ -122,6 +122,21 @@ class LTX2Adapter(FamilyAdapter):
     )
     decodes_audio = True
     max_frames = 2 * DEFAULT_FRAMES - 1  # about twice the default (8k + 1) bounds one request's work
+    frame_rate = FRAME_RATE
+    # Every attention of both streams (the video's and the audio's self-attention, attn1 and audio_attn1, and
+    # prompt cross-attention, attn2 and audio_attn2, and the audio-to-video and video-to-audio attentions
+    # between them), and both streams' feed-forwards (".ff" does not match "audio_ff", so each is named). The
+    # input and output projections, the caption projections and the timestep modulation are left as they are.
+    lora_targets = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "audio_ff.net.0.proj",
+        "audio_ff.net.2",
+    )
 
     def __init__(self, pipe, device, dtype, folder=None):
         super().__init__(pipe, device, dtype, folder)
@@ -305,3 +320,6 @@ class LTX2Adapter(FamilyAdapter):
         # On the host for the WAV; a pipeline on the meta device (sized, not run) keeps it there.
         waveform = waveform if waveform.is_meta else waveform.cpu()
         return Sound(waveform, int(pipe.vocoder.config.output_sampling_rate))
+
+    def sound_format(self) -> tuple[int, int]:
+        return int(self.pipe.vocoder.config.output_sampling_rate), self.pipe.vocoder.config.out_channels

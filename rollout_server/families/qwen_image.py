@@ -36,6 +36,21 @@ class QwenImageAdapter(PackedLatentAdapter):
     cfg_scale_field = "true_cfg_scale"
     cfg_rule = "true_cfg_norm_rescale"
     batched_env_keys = ("encoder_hidden_states", "encoder_hidden_states_mask", "img_shapes", "guidance")
+    # The joint attention and both streams' feed-forwards.
+    lora_targets = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "img_mlp.net.0.proj",
+        "img_mlp.net.2",
+        "txt_mlp.net.0.proj",
+        "txt_mlp.net.2",
+    )
 
     def defaults(self) -> FamilyDefaults:
         # Qwen-Image's usual settings; the pipeline's default side is default_sample_size * 8 = 1024.

@@ -36,6 +36,18 @@ class SD3Adapter(FamilyAdapter):
     cfg_scale_field = "guidance_scale"
     cfg_rule = "true_cfg"
     batched_env_keys = ("encoder_hidden_states", "pooled_projections")
+    # The attention of every MMDiT block, image and text streams (FlowGRPO's; SD3.5's second, image-only
+    # attention, attn2, is left as it is).
+    lora_targets = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+    )
 
     @property
     def side_multiple(self) -> int:

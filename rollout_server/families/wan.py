@@ -48,6 +48,8 @@ class WanAdapter(FamilyAdapter):
     batched_env_keys = ("encoder_hidden_states",)
     decode_keeps_state = True  # the causal convolutions' cache, between latent frames
     max_frames = 161  # Wan 2.1 generates 81; twice that bounds the work of one request
+    # The self- and cross-attention projections and the feed-forward.
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
 
     def __init__(self, pipe, device, dtype, folder=None):
         super().__init__(pipe, device, dtype, folder)

@@ -98,6 +98,16 @@ class ZImageAdapter(FamilyAdapter):
     cfg_off_scale = 0.0
     batched_env_keys = ("cap_feats",)
     generated_inputs = ("x",)
+    # The attention and the gated feed-forward of every block (refiners included).
+    lora_targets = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+    )
 
     def __init__(self, pipe, device, dtype, folder=None):
         super().__init__(pipe, device, dtype, folder)

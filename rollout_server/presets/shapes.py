@@ -1,5 +1,5 @@
 """The `shapes` preset: a FLUX-family pipeline pretrained on the shapes scenes
-(`rollout_client.rewards.shapes`).
+(`rollout_core.scenes`).
 
 The architecture is FLUX.1-dev's (2x2 latent packing, CLIP pooled + T5 sequence conditioning, the
 dynamic-shift flow-matching scheduler) at a size this CPU trains, with three changes the task calls for:
@@ -48,7 +48,7 @@ TRAINED_COMPONENTS = ("vae", "transformer")
 
 def shapes_corpus() -> str:
     """The tokenizers' training text: the embedded corpus and every caption of the grammar."""
-    from rollout_client.rewards import scenes
+    from rollout_core import scenes
 
     return CORPUS + "\n".join(scenes.caption(spec) for spec in scenes.all_specs()) + "\n"
 

@@ -45,7 +45,7 @@ the first and last iteration's images in samples/iter-NNNN/, the final LoRA in l
 adapter folder) and checkpoint.pt.
 
 ``--prompt-set shapes`` draws each iteration's P prompts from the shapes task's train prompts
-(``rollout_client.rewards.scenes.train_prompts()``); with ``--eval-every N`` the served policy is
+(``rollout_core.scenes.train_prompts()``); with ``--eval-every N`` the served policy is
 evaluated GenEval-style on the disjoint eval prompts (``rollout_client.shapes_eval``) before
 iterations 0, N, 2N ... and once more after the last: metrics.csv gains ``eval_accuracy``, and the
 run writes accuracy.png, eval.json (the tables before and after) and samples/eval-before.png and
@@ -58,10 +58,11 @@ the leaves are scored, and every edge (a node's transition) is trained once with
 advantage (``--tree-advantages``: BranchGRPO's depth-normalised fused rewards, mean or
 log-prob-weighted, or TreeGRPO's backed-up leaf advantages; ``rollout_client.grpo``). With
 ``--prune-at S --prune-keep K`` the trainer terminates nodes early: when step S arrives, each node
-that took it is scored by the reward of its predicted final image, and per prompt all but the K/2
-best and K/2 worst are pruned with their subtrees (``PruneRollout``). The request names S as its
-prune point, so the server runs step S + 1 only once the trainer has answered: the prune stops its
-nodes there, and metrics.csv counts the nodes asked for and those the server stopped.
+that took it is scored by the reward of its predicted final image (the server's preview of the step),
+and per prompt all but the K/2 best and K/2 worst are pruned with their subtrees (``PruneRollout``).
+The request names S as its prune point, so the server runs step S + 1 only once the trainer has
+answered: the prune stops its nodes there, and metrics.csv counts the nodes asked for and those the
+server stopped.
 
 ``--train full`` trains every parameter of the transformer instead of a LoRA, and pushes it over a
 weight-sync group by default (``--weight-sync``; ``rollout_client.WeightSyncGroup``): every push checks

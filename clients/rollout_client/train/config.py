@@ -16,7 +16,7 @@ import torch
 from rollout.v1 import rollout_pb2
 from rollout_client.train.algorithms import ALGORITHMS, algorithm_name
 from rollout_client.train.finite import non_finite_tensor
-from rollout_client.train.lora import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, LORA_TARGETS
+from rollout_client.train.lora import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK
 from rollout_client.train.prompts import PROMPT_SETS, PROMPTS, prompt_pool
 from rollout_client.train.rewards import reward_terms
 from rollout_client.train.rollouts import branch_points
@@ -375,7 +375,8 @@ def parse_flags(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--lora-targets",
         default="",
-        help="comma-separated modules (default: the server's family's attention and feed-forward layers)",
+        help="comma-separated modules (default: the server's default targets, its model's attention and "
+        "feed-forward layers)",
     )
     parser.add_argument("--micro-batch", type=int, default=32, help="rows per forward and backward")
     parser.add_argument(
@@ -611,17 +612,7 @@ class OptimConfig(Checked):
     train: str  # "lora" or "full"
     lora_rank: int
     lora_alpha: float
-    lora_targets: str  # "": the family's LORA_TARGETS
-
-    def targets(self, family: str) -> list[str]:
-        """The LoRA's target modules on a server of ``family``; ValueError when it has no default."""
-        if self.lora_targets:
-            return self.lora_targets.split(",")
-        if family not in LORA_TARGETS:
-            raise ValueError(
-                f"no default LoRA targets for the server's family {family!r}: pass --lora-targets"
-            )
-        return list(LORA_TARGETS[family])
+    lora_targets: str  # comma-separated; "": the server's default targets (GetServerInfo.lora_targets)
 
 
 @dataclass

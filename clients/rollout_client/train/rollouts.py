@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from rollout.v1 import rollout_pb2
-from rollout_client import Collector, RolloutClient, Step, Trajectory
+from rollout_client import Collector, Preview, RolloutClient, Step, Trajectory
 from rollout_client.events import decode_stream
 from rollout_client.failures import SERVER_FAILURES
 from rollout_client.grpo import sde_window
@@ -90,9 +90,9 @@ def rollout_request(
         min_policy_version=min_version,
         true_cfg_scale=config.rollout.cfg,
         branches=branches,
-        # The early-termination rule predicts each node's image from its velocity; the server waits
-        # for its prune after that step.
-        debug_tensors=[] if config.tree.prune_at is None else [rollout_pb2.DEBUG_TENSOR_VELOCITY],
+        # The early-termination rule scores each node's preview (its decoded x0_hat) at that step; the
+        # server waits for its prune after it.
+        preview_steps=[] if config.tree.prune_at is None else [config.tree.prune_at],
         prune_points=[] if config.tree.prune_at is None else [config.tree.prune_at],
     )
 
@@ -159,17 +159,27 @@ class Watchdog:
 
 
 def stream(client: RolloutClient, request, stall_seconds: float, on_step=None) -> Rollout:
-    """Run one rollout, storing each event as it arrives; ``on_step(rollout, step)`` after every step.
-    The call has no deadline, since its length depends on the server's load; a server that sends
-    nothing for ``stall_seconds`` ends it with ServerStalled."""
+    """Run one rollout, storing each event as it arrives; ``on_step(rollout, step)`` after every step,
+    once its previews have arrived too at the request's ``preview_steps``. The call has no deadline,
+    since its length depends on the server's load; a server that sends nothing for ``stall_seconds``
+    ends it with ServerStalled."""
     rollout, start = Rollout(), time.perf_counter()
     call = client.call("Rollout", request, timeout=None)
+    previewed = set(request.preview_steps)
+    waiting: Step | None = None  # a step whose previews are on their way
     with Watchdog(f"rollout {request.request_id}", stall_seconds, call.cancel) as watchdog:
         try:
             for event in watchdog.watched(decode_stream(call)):
                 rollout.collector.add(event)
-                if on_step is not None and isinstance(event, Step):
+                if on_step is None:
+                    continue
+                if isinstance(event, Step) and event.index in previewed:
+                    waiting = event
+                elif isinstance(event, Step):
                     on_step(rollout, event)
+                elif isinstance(event, Preview) and event.last and waiting is not None:
+                    on_step(rollout, waiting)
+                    waiting = None
         except grpc.RpcError as error:
             if watchdog.stalled:
                 raise ServerStalled(f"no event from the server for {stall_seconds:g} s") from error

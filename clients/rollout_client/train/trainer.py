@@ -60,7 +60,7 @@ class Trainer:
         self.config, self.client, self.model_path, self.ranks = config, client, model_path, ranks
         self.reward = Rewards(config.reward)
         info = client.server_info()
-        self.transformer, self.lora_config = load_policy(model_path, config, info.family)
+        self.transformer, self.lora_config = load_policy(model_path, config, info.lora_targets)
         self.pusher = Pusher(client, self.transformer, self.lora_config, config)
         self.named_parameters = [(n, p) for n, p in self.transformer.named_parameters() if p.requires_grad]
         self.parameters = [p for _, p in self.named_parameters]

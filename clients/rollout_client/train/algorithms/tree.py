@@ -1,11 +1,12 @@
 """Tree rollouts (BranchGRPO, TreeGRPO): every edge of each prompt's trees trained once with its node's
 advantage, and ``--prune-at``'s early termination of the middle nodes while the tree streams."""
 
-from pathlib import Path
+import io
 from typing import TYPE_CHECKING
 
 import grpc
 import torch
+from PIL import Image as PILImage
 
 from rollout_client.grpo import backed_up_advantages, branch_advantages
 from rollout_client.train.algorithms.base import register
@@ -36,37 +37,27 @@ def tree_advantages(leaves: list["Trajectory"], rewards: torch.Tensor, rule: str
 
 
 class EarlyTermination:
-    """--prune-at S --prune-keep K on a tree rollout: when step S arrives, each node that took it is
-    scored by the reward of its predicted final image, x0 = x_S - sigma_S v (flow matching's estimate
-    from the streamed velocity), decoded by the model's own VAE through its family adapter. Per
-    prompt, the K / 2 best and K / 2 worst nodes go on (a group's extremes carry its advantages) and
-    the others are pruned with their subtrees. The server holds the rollout after step S (its prune
-    point) until this answer, which it always gets (an empty prune says "none"), so the nodes stop at
-    step S + 1."""
+    """--prune-at S --prune-keep K on a tree rollout: when step S and its previews have arrived, each
+    node that took it is scored by the reward of its preview, the server's decode of its predicted
+    final image x0 = x_S - sigma_S v (flow matching's estimate from the step's velocity; the first
+    frame of a video). Per prompt, the K / 2 best and K / 2 worst nodes go on (a group's extremes
+    carry its advantages) and the others are pruned with their subtrees. The server holds the rollout
+    after step S (its prune point, whose previews it sends first) until this answer, which it always
+    gets (an empty prune says "none"), so the nodes stop at step S + 1."""
 
-    def __init__(self, client: "RolloutClient", reward: "Reward", model_path: Path, config: "TrainConfig"):
-        from rollout_server import families  # the trainer's side: it decodes as the server does
-
+    def __init__(self, client: "RolloutClient", reward: "Reward", config: "TrainConfig"):
         self.client, self.reward, self.step, self.keep = (
             client,
             reward,
             config.tree.prune_at,
             config.tree.prune_keep,
         )
-        self.decoder = families.load(model_path, torch.device(config.device), torch.float32)
 
-    @torch.no_grad()
     def prune(self, rollout: Rollout, step: "Step") -> None:
-        from rollout_server.families.base import MediaShape
-
         collector = rollout.collector
         message = collector.started.message
-        shape = MediaShape.of(message.resolved)
-        sigma = message.sigmas[self.step]
-        images = []
-        for row, node in enumerate(step.nodes):
-            x0 = collector.latent(node, self.step) - sigma * step.debug["velocity"][row]
-            images.extend(next(self.decoder.decode_frames(x0[None].to(self.decoder.device), shape)))
+        previews = collector.previews[self.step]
+        images = [PILImage.open(io.BytesIO(previews[node][0])) for node in step.nodes]
         prompts = [message.resolved.prompts[collector.tree[node].prompt_index] for node in step.nodes]
         scores = self.reward(images, prompts).tolist()
         pruned = []
@@ -113,7 +104,7 @@ class TreeGRPO(FlowGRPO):
         config = self.config
         self.early = None
         if config.tree.prune_at is not None:
-            self.early = EarlyTermination(trainer.client, trainer.reward, trainer.model_path, config)
+            self.early = EarlyTermination(trainer.client, trainer.reward, config)
 
     def on_step(self, rollout: Rollout, step: "Step") -> None:
         if self.early is not None and step.index == self.early.step:

@@ -1,28 +1,18 @@
-"""FLUX.1 Kontext on the tiny-flux-kontext preset: a conditioning image's env is FluxKontextPipeline's
-own (its VAE latents packed into tokens, their position ids), the text's env holds nothing of the
-image, and a rollout steps as the pipeline's own loop does, through the adapter and over gRPC; at
-SP=2 the split cuts the generated and the image's tokens together. Replay parity is in test_replay.py
-with the other families."""
+"""FLUX.1 Kontext on the tiny-flux-kontext preset: a conditioning image's env is FluxKontextPipeline's own
+(its VAE latents packed into tokens, their position ids), the text's env holds nothing of the image, and a
+rollout steps as the pipeline's own loop does, through the adapter and over gRPC. Server info, replay
+parity and SP=2 (the split cuts the generated and the image's tokens together) are in test_contract.py with
+the other families."""
 
 import numpy as np
 import pytest
 import torch
-from helpers import (
-    FAMILIES,
-    TOLERANCE,
-    adapter_ode,
-    assert_replays,
-    assert_same_numbers,
-    at_server_threads,
-    condition_image,
-    family_request,
-    joint_attention_tokens,
-    split_events,
-    stream_at_sp2,
-)
+from support.adapters import adapter_ode, joint_attention_tokens
+from support.families import FAMILIES, family_request
+from support.requests import condition_image
+from support.servers import at_server_threads
 
 from rollout.v1 import rollout_pb2
-from rollout_core import wire
 from rollout_core.transformer_call import LatentConditioning
 from rollout_server.families.base import MediaShape
 
@@ -129,21 +119,6 @@ def test_ode_loop_matches_the_pipeline(adapter, family_pipeline, cfg):
     torch.testing.assert_close(x, final, atol=1e-5, rtol=0)
 
 
-def test_server_info(family_client):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class) == ("flux-kontext", "FluxKontextPipeline")
-    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
-        "true_cfg_scale",
-        "true_cfg",
-        "timestep / 1000",
-    )
-    assert wire.FEATURE_CONDITION_IMAGES in info.features
-    defaults = info.defaults
-    assert (defaults.height, defaults.width, defaults.num_steps) == (128, 128, 10)  # the preset's
-    assert (defaults.guidance_scale, defaults.true_cfg_scale) == (2.5, 1.0)  # FLUX.1 Kontext dev's
-    assert info.limits.side_multiple == 16
-
-
 @torch.no_grad()
 def test_ode_rollout_matches_the_pipeline(adapter, family_client, family_pipeline):
     """Over gRPC with true CFG: the stream states the sequence concatenation of image_latents, its env
@@ -169,15 +144,3 @@ def test_ode_rollout_matches_the_pipeline(adapter, family_client, family_pipelin
         assert trajectory.image().size == (SHAPE.width, SHAPE.height)
         diff = np.asarray(trajectory.image(), dtype=int) - np.asarray(image, dtype=int)
         assert np.abs(diff).max() <= 1  # uint8 rounding of nearly equal latents
-
-
-def test_sp2_matches_sp1(family_client, family_transformer, cache_dir, tmp_path):
-    """At SP=2 the ranks split the 16 generated and 16 image tokens together and gather them back:
-    noise and log-probs bitwise as at SP=1, latents and velocities within 1e-5, with true CFG, and
-    the stream replays through a plain transformer."""
-    debug = [rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_VELOCITY]
-    request = family_request("flux-kontext", "FLOW_SDE", cfg=True, samples_per_prompt=1, debug_tensors=debug)
-    runs = {1: split_events(family_client.stream(request))}
-    runs[2] = stream_at_sp2(cache_dir, tmp_path / "sp2.log", "tiny-flux-kontext", request)
-    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True, tolerance=TOLERANCE)
-    assert_replays(family_transformer, runs[2].trajectories())

@@ -3,8 +3,8 @@ streams of one joint latent; each stream's noise comes from the sample's seed by
 every stochastic step's joint log-prob is the mean over both streams' elements, each stream's own
 streamed beside it; the ODE is LTX2Pipeline's own from the same noise, video and audio; the frames
 and the sound are decoded as the pipeline decodes them, the sound into a WAV a person can play.
-Replay parity (client and bare reference) is in test_replay.py with the other families, SP=2 in
-test_sp.py."""
+Server info, replay parity (client and bare reference), frame bounds (8k + 1) and SP=2 are in
+test_contract.py with the other families."""
 
 import csv
 import io
@@ -15,8 +15,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import TOLERANCE, family_request, http_url, refused_rollout, run_example, start_server
 from safetensors.torch import load_file
+from support.adapters import video_and_audio
+from support.errors import refused_rollout
+from support.families import family_request
+from support.parity import TOLERANCE
+from support.servers import http_url, run_example, start_server
 from test_latent_streams import documented_draw
 
 from rollout.v1 import rollout_pb2
@@ -40,36 +44,6 @@ ONE_BYTE = 1
 @pytest.fixture
 def family() -> str:
     return "ltx2"
-
-
-def video_and_audio(pipe, joint: torch.Tensor, streams) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pipeline's output_type="latent" forms of joint latents [B, N]: the video unpacked and
-    denormalised [B, C, F', H', W'], the audio denormalised and unpacked [B, C, L, M']."""
-    video, audio = latent_streams.split(joint, streams)
-    video = pipe._unpack_latents(video, 2, 2, 2)
-    video = pipe._denormalize_latents(
-        video, pipe.vae.latents_mean, pipe.vae.latents_std, pipe.vae.config.scaling_factor
-    )
-    audio = pipe._denormalize_audio_latents(audio, pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std)
-    mel_bins = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
-    return video, pipe._unpack_audio_latents(audio, streams[1].shape[0], num_mel_bins=mel_bins)
-
-
-def test_server_info(family_client):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class) == ("ltx2", "LTX2Pipeline")
-    assert (info.cfg_scale_field, info.cfg_rule) == ("guidance_scale", "true_cfg")
-    assert {wire.FEATURE_LATENT_STREAMS, wire.FEATURE_AUDIO, wire.FEATURE_VIDEO} <= set(info.features)
-    defaults = info.defaults
-    assert (defaults.height, defaults.width, defaults.num_frames) == (64, 64, FRAMES)
-    limits = info.limits
-    assert (limits.side_multiple, limits.min_side, limits.frame_step, limits.max_frames) == (32, 64, 8, 241)
-
-
-@pytest.mark.parametrize("frames", [2, 5, 16, 249])
-def test_frames_must_be_8k_plus_1_and_bounded(family_client, frames):
-    violations = refused_rollout(family_client, family_request("ltx2", "ODE", cfg=False, num_frames=frames))
-    assert [violation.field for violation in violations] == ["num_frames"]
 
 
 @pytest.mark.parametrize(("side", "message"), [(48, "a multiple of 32"), (32, "at least 64 pixels")])

@@ -1,9 +1,9 @@
 """Wan image-to-video on the tiny-wan-i2v (2.1) preset: a conditioning image's env is
-WanImageToVideoPipeline's own (the first-frame mask and latents it concatenates to the channels, the
-CLIP image embeddings), and a rollout steps as the pipeline's own loop does, through the adapter and
-over gRPC, with CFG on and off; Wan 2.2's two experts without image embeddings too; at SP=2 the
-split cuts the video tokens after the channels are concatenated. Replay parity is in test_replay.py
-with the other families.
+WanImageToVideoPipeline's own (the first-frame mask and latents it concatenates to the channels, the CLIP
+image embeddings), and a rollout steps as the pipeline's own loop does, through the adapter and over gRPC,
+with CFG on and off; Wan 2.2's two experts without image embeddings too. Server info, replay parity and
+SP=2 (the split cuts the video tokens after the channels are concatenated) are in test_contract.py with the
+other families.
 
 WanImageToVideoPipeline's own text encoding needs ftfy; the pipeline is given WanPipeline's encoding
 of the same texts (the same code, which uses ftfy when it is installed)."""
@@ -14,20 +14,11 @@ import shutil
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
-from helpers import (
-    FAMILIES,
-    TOLERANCE,
-    adapter_ode,
-    assert_replays,
-    assert_same_numbers,
-    condition_image,
-    family_request,
-    split_events,
-    stream_at_sp2,
-)
+from support.adapters import adapter_ode
+from support.families import FAMILIES, family_request
+from support.requests import condition_image
 
 from rollout.v1 import rollout_pb2
-from rollout_core import wire
 from rollout_core.transformer_call import LatentConditioning
 from rollout_server import families
 from rollout_server.errors import UnsupportedModel
@@ -233,17 +224,6 @@ def test_unsupported_layouts_are_refused(family_folder, tmp_path, change, why):
         families.load(folder, torch.device("cpu"), torch.float32)
 
 
-def test_server_info(family_client):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class) == ("wan-i2v", "WanImageToVideoPipeline")
-    rule = ("guidance_scale", "true_cfg", "timestep")
-    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == rule
-    assert wire.FEATURE_CONDITION_IMAGES in info.features and wire.FEATURE_VIDEO in info.features
-    defaults = info.defaults
-    assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)
-    assert (info.limits.side_multiple, info.limits.frame_step) == (16, 4)
-
-
 @torch.no_grad()
 def test_ode_rollout_matches_the_pipeline(adapter, family_client, family_pipeline):
     """Over gRPC with CFG: the stream states the channel concatenation of condition, its env holds
@@ -270,15 +250,3 @@ def test_ode_rollout_matches_the_pipeline(adapter, family_client, family_pipelin
             request.guidance_scale,
         )
         torch.testing.assert_close(trajectory.latents[-1:], final, atol=1e-5, rtol=0)
-
-
-def test_sp2_matches_sp1(family_client, family_transformer, cache_dir, tmp_path):
-    """At SP=2 the ranks split the 2 x 4 x 4 video tokens the patch embedding makes of the 36
-    channels: noise and log-probs bitwise as at SP=1, latents and velocities within 1e-5, with CFG,
-    and the stream replays through a plain transformer."""
-    debug = [rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_VELOCITY]
-    request = family_request("wan-i2v", "FLOW_SDE", cfg=True, debug_tensors=debug)
-    runs = {1: split_events(family_client.stream(request))}
-    runs[2] = stream_at_sp2(cache_dir, tmp_path / "sp2.log", SPEC.preset, request)
-    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True, tolerance=TOLERANCE)
-    assert_replays(family_transformer, runs[2].trajectories())

@@ -2,18 +2,21 @@
 Karras sigmas on flow sigmas), env (the prompt's token ids with the pipeline's templates, the negative
 prompt's with the inverse ones, and the packed sequence's indexes and mRoPE ids), transformer call (one
 packed sample per call, a float32 timestep per noisy vision token), CFG, UniPC steps and decoding are
-Cosmos3OmniPipeline's own; frames are validated as 4k + 1 and bounded; a text's tokens are bounded
+Cosmos3OmniPipeline's own; a text's tokens are bounded
 once tokenised; --sp splits over Ulysses (the transformer's seams and our processor), never ring
-attention. Replay parity is in test_replay.py,
-SP=2 against SP=1 in test_sp.py, with the other families."""
+attention. Server info, replay parity, frame bounds (4k + 1) and SP=2 against SP=1 are the
+contract's (test_contract.py), with the other families."""
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import FAMILIES, TOLERANCE, family_request, forward_at, http_url, refused_rollout
+from support.adapters import forward_at
+from support.errors import refused_rollout
+from support.families import FAMILIES, family_request
+from support.parity import TOLERANCE
+from support.servers import http_url
 
-from rollout.v1 import rollout_pb2
 from rollout_core.transformer_call import TransformerCall
 from rollout_server.errors import ParallelismUnsupported
 from rollout_server.families.base import MediaShape
@@ -28,27 +31,6 @@ SHAPE = MediaShape(5, 64, 64)
 @pytest.fixture
 def family() -> str:
     return "cosmos3"
-
-
-def test_server_info(family_client):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class) == ("cosmos3", "Cosmos3OmniPipeline")
-    assert (info.cfg_scale_field, info.cfg_rule, info.cfg_off_scale) == ("guidance_scale", "true_cfg", 1.0)
-    defaults = info.defaults
-    assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)
-    assert defaults.guidance_scale == 6.0  # Cosmos3OmniPipeline.__call__'s
-    assert defaults.solver == rollout_pb2.SOLVER_UNIPC  # the pipeline's scheduler
-    limits = info.limits
-    # The VAE's 16 (the transformer pads an odd patch grid), 4x in time, about twice the 189 frames.
-    assert (limits.side_multiple, limits.frame_step, limits.max_frames) == (16, 4, 377)
-
-
-@pytest.mark.parametrize("frames", [2, 4, 6, 381])
-def test_frames_must_be_4k_plus_1_and_bounded(family_client, frames):
-    violations = refused_rollout(
-        family_client, family_request("cosmos3", "ODE", cfg=False, num_frames=frames)
-    )
-    assert [violation.field for violation in violations] == ["num_frames"]
 
 
 @pytest.mark.parametrize("cfg", [True, False])

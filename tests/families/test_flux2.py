@@ -3,8 +3,8 @@ encoder's chat template, three hidden states side by side, 4-D position ids, [de
 guidance), the schedule shifts with the image tokens and the step count, an ODE rollout reaches the
 pipeline's own final latents and images ([klein] with its CFG on and off), SP=2 matches SP=1, a LoRA
 on FLUX.2's modules changes the rollouts as the trainer replays them, and a model without CFG (a
-step-distilled [klein]) refuses a CFG scale. Replay parity (each sampler, [klein]'s CFG on and off,
-bf16 latents) is test_replay.py's, with the other families."""
+step-distilled [klein]) refuses a CFG scale. Server info and replay parity (each sampler, [klein]'s CFG on
+and off, bf16 latents) are test_contract.py's, with the other families."""
 
 import json
 import os
@@ -16,25 +16,18 @@ import pytest
 import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-from helpers import (
-    FAMILIES,
-    TOLERANCE,
-    assert_replays,
-    assert_same_numbers,
-    family_request,
-    field_violations,
-    joint_attention_tokens,
-    next_version,
-    split_events,
-    start_server,
-    with_lora,
-)
 from peft import get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
+from support.adapters import joint_attention_tokens
+from support.errors import field_violations
+from support.families import FAMILIES, family_request
+from support.parity import TOLERANCE, assert_replays, assert_same_numbers
+from support.requests import split_events
+from support.servers import start_server
+from support.weights import next_version, with_lora
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
-from rollout_client.train.lora import FLUX2_TARGETS
 from rollout_server import families
 from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import MediaShape
@@ -56,23 +49,6 @@ U = 2.0**-24  # float32 unit roundoff
 def family() -> str:
     """The family of the tests that are [klein]'s alone (the others are parametrized over both)."""
     return KLEIN
-
-
-@pytest.mark.parametrize(
-    ("family", "expected"),
-    [
-        (KLEIN, ("Flux2KleinPipeline", "guidance_scale", "true_cfg", 4.0)),  # FLUX.2 [klein] base's CFG 4
-        (DEV, ("Flux2Pipeline", "", "none", 4.0)),  # FLUX.2 [dev]'s embedded guidance 4, no CFG field
-    ],
-)
-def test_server_info(family_client, family, expected):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class, info.timestep_rule) == (family, expected[0], "timestep / 1000")
-    assert (info.cfg_scale_field, info.cfg_rule, info.defaults.guidance_scale) == expected[1:]
-    assert list(info.scale_fields) == ["guidance_scale"]  # [klein]'s CFG scale, [dev]'s guidance
-    defaults = info.defaults
-    assert (defaults.height, defaults.width, defaults.num_steps) == (128, 128, 10)  # the preset's
-    assert defaults.true_cfg_scale == 1.0 and info.limits.side_multiple == 16
 
 
 @pytest.mark.parametrize("family", BOTH)
@@ -294,23 +270,24 @@ def test_a_shape_the_ranks_cannot_split_is_refused(sp2_client):
 def test_a_lora_on_flux2_modules_changes_the_rollouts_as_the_trainer_replays_them(
     family_client, family_transformer, sp2_client, family
 ):
-    """The trainer's FLUX2_TARGETS on every rank of the SP=2 server. The split gathers proj_out's
-    output, so an adapter on it is INVALID_ARGUMENT there; without it, the adapter binds to the
-    modules PEFT wraps in the trainer's copy (the single-stream blocks' fused projections among them)
-    and changes the rollouts, which replay through the adapted transformer and not the base; a full
-    update with the base's weights then drops it."""
+    """The server's default LoRA targets (GetServerInfo) on every rank of the SP=2 server. The split
+    gathers proj_out's output, so an adapter on it is INVALID_ARGUMENT there; without it, the adapter
+    binds to the modules PEFT wraps in the trainer's copy (the single-stream blocks' fused projections
+    among them) and changes the rollouts, which replay through the adapted transformer and not the
+    base; a full update with the base's weights then drops it."""
     client = sp2_client(family)
     request = family_request(family, "FLOW_SDE", cfg=family_cfg(family))
     base = family_client.rollout(request)
     version = next_version(client)
-    adapted, config = with_lora(family_transformer, trained=True, targets=list(FLUX2_TARGETS))
+    targets = list(client.server_info().lora_targets)
+    adapted, config = with_lora(family_transformer, trained=True, targets=targets)
     with pytest.raises(grpc.RpcError) as refused:
         client.update_weights(get_peft_model_state_dict(adapted), version, lora_config=config)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [violation.field for violation in field_violations(refused.value)] == ["header.lora_config_json"]
     assert "['proj_out']" in refused.value.details()
 
-    split_targets = [target for target in FLUX2_TARGETS if target != "proj_out"]
+    split_targets = [target for target in targets if target != "proj_out"]
     adapted, config = with_lora(family_transformer, trained=True, targets=split_targets)
     client.update_weights(get_peft_model_state_dict(adapted), version, lora_config=config)
     wrapped = sorted(name for name, module in adapted.named_modules() if isinstance(module, BaseTunerLayer))

@@ -1,15 +1,9 @@
-"""Sequence parallelism: every torch.distributed concern of the server, in one place.
+"""The ranks' layout, their process group and device mesh, and this process's place among them.
 
-N ranks run the same engine rounds. Their layout is a ``ParallelDims``, checked when it is made, and
-a device mesh built once from it with named dims ("ring", "ulysses"), which diffusers splits the
-attention over. Rank 0 owns the gRPC front end and the scheduler; before each
-batched step it broadcasts the round (which rollouts drop, join with their resolved requests, and
-step), so every rank runs the same forwards. The transformer is split with diffusers' own context
-parallelism (Ulysses attention on CPU; ring or Ulysses + ring on GPUs); latents stay full and
-replicated, the fp32 step runs on the gathered velocity, and noise and log-probs are computed on
-every rank from the full noise tensor: no collective touches them. While idle, rank 0 broadcasts a
-heartbeat, so a rank that dies or hangs is noticed within the collective timeout instead of hanging
-the others.
+A replica's ranks are laid out by a ``ParallelDims``, checked when it is made, and a device mesh built
+once from it with named dims ("ring", "ulysses"), which diffusers splits the attention over. Rank 0
+coordinates the others over a gloo group on the CPU (``SequenceParallel``'s collectives: what it sends
+is ``protocol``'s); a collective that fails is a ``RankFailure`` naming the forked ranks that are gone.
 
 Launch: ``rollout-server serve --sp N`` forks N - 1 helper ranks itself; under ``torchrun``
 (single or multi node) the launcher's RANK / WORLD_SIZE / LOCAL_RANK are used and rank 0 of the job
@@ -25,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +28,7 @@ import torch.distributed as dist
 from diffusers import ContextParallelConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from rollout_server.errors import ParallelismUnsupported, RankFailure, WeightSyncFailed
+from rollout_server.errors import ParallelismUnsupported, RankFailure
 
 log = logging.getLogger("rollout_server.parallel")
 
@@ -43,10 +36,6 @@ log = logging.getLogger("rollout_server.parallel")
 ATTENTION_SPLITS = ("ulysses", "ring", "ulysses+ring")
 # The mesh dims diffusers' ContextParallelConfig(mesh=...) looks up by name.
 MESH_DIMS = ("ring", "ulysses")
-# Commands rank 0 broadcasts to the others.
-HEARTBEAT, ROUND, UPDATE, STOP = "heartbeat", "round", "update", "stop"
-SYNC_JOIN, SYNC_INSTALL, SYNC_UPDATE, SYNC_LEAVE = "sync-join", "sync-install", "sync-update", "sync-leave"
-RELEASE, RESUME = "release", "resume"  # the weights' memory (residency.py)
 # How long a failed collective waits for a forked rank's process to exit, so the error can name it.
 _EXIT_WAIT_SECONDS = 2.0
 
@@ -153,7 +142,6 @@ class SequenceParallel:
     # Coordination (commands, flags) runs on a gloo group: on the CPU even when the model uses NCCL.
     cpu_group: Any = None
     mesh: DeviceMesh | None = None  # dims MESH_DIMS; diffusers splits attention over it
-    weight_sync: "WeightSync | None" = None  # the weight-sync group with a trainer, once joined
 
     @property
     def degree(self) -> int:
@@ -263,8 +251,6 @@ class SequenceParallel:
             time.sleep(0.01)
 
     def shutdown(self) -> None:
-        if self.weight_sync is not None:
-            self.weight_sync.close()
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
         for helper in self.helpers:
@@ -387,158 +373,3 @@ def start(
     group.mesh = dims.build_mesh("cuda" if backend == "nccl" else "cpu")
     log.info("rank %d of %d ready (pid %d, %s)", group.rank, dims.world_size, os.getpid(), backend)
     return group
-
-
-@dataclass(frozen=True)
-class WeightSyncOptions:
-    """Where and how a server's ranks join a trainer's weight-sync group (rollout.v1
-    InitWeightSyncRequest, checked)."""
-
-    master_address: str
-    master_port: int
-    world_size: int
-    rank_offset: int
-    group_name: str
-    backend: str
-    timeout_seconds: float
-    group_id: str  # given by the server: every group update names it
-
-
-class WeightSync:
-    """This rank's place in a weight-sync group: a process group of its own (the sequence-parallel
-    world is untouched), rendezvoused through the trainer's store under the group's prefix. Rank 0 of
-    the group, the trainer, is the source of every broadcast."""
-
-    def __init__(self, options: WeightSyncOptions, rank: int, device: torch.device):
-        self.options, self.rank = options, rank
-        self.device = device if options.backend == "nccl" else torch.device("cpu")
-        timeout = datetime.timedelta(seconds=options.timeout_seconds)
-        try:
-            # A client of the trainer's store: the server connects out, and listens for no trainer.
-            self._store = dist.TCPStore(
-                options.master_address,
-                options.master_port,
-                is_master=False,
-                timeout=timeout,
-                wait_for_workers=False,
-            )
-            store = dist.PrefixStore(f"{options.group_name}/", self._store)
-            if options.backend == "nccl":
-                nccl = dist.ProcessGroupNCCL.Options()
-                nccl._timeout = timeout
-                self._group = dist.ProcessGroupNCCL(store, rank, options.world_size, nccl)
-            else:
-                gloo = dist.ProcessGroupGloo._Options()
-                gloo._timeout = timeout
-                # Pair connections on the interface that reaches the trainer.
-                gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=address_towards(options))]
-                self._group = dist.ProcessGroupGloo(store, rank, options.world_size, gloo)
-        except Exception as error:  # the store or the rendezvous: refused, timed out
-            raise WeightSyncFailed(
-                f"joining weight-sync group {options.group_name!r} failed: {error}"
-            ) from error
-        log.info("rank %d of weight-sync group %r joined (%s)", rank, options.group_name, options.backend)
-
-    def post_broadcast(self, buffer: torch.Tensor):
-        """Post the receive of the trainer's next broadcast into ``buffer`` (uint8, on
-        ``self.device``); ``wait`` for the returned work."""
-        return self._group.broadcast([buffer], dist.BroadcastOptions())
-
-    def wait(self, work) -> None:
-        """Until a posted broadcast is in; WeightSyncFailed if it failed or timed out."""
-        try:
-            work.wait()
-        except Exception as error:
-            raise WeightSyncFailed(
-                f"a broadcast of weight-sync group {self.options.group_name!r} failed: {error}"
-            ) from error
-
-    def close(self) -> None:
-        """Leave the group (its sockets close; the trainer's next collective fails)."""
-        self._group = self._store = None
-
-
-# Joins still blocked past their deadline (a store that accepts and never answers holds its thread
-# until the peer closes the socket); more than this many, and InitWeightSync is refused.
-MAX_STUCK_JOINS = 4
-_joins: list[threading.Thread] = []
-
-
-def stuck_joins() -> int:
-    """How many joins of this process still run (past their deadline, if none is pending)."""
-    _joins[:] = [thread for thread in _joins if thread.is_alive()]
-    return len(_joins)
-
-
-class PendingJoin:
-    """A ``WeightSync`` being formed on a thread of its own, so that a store or a peer that never
-    answers holds that thread alone, never the engine's worker. torch's store client and gloo's
-    rendezvous do not all honour their timeout (a store that accepts the connection and never answers
-    blocks the handshake until the peer closes it): the deadline, ``timeout_seconds`` from now, is
-    kept here. A join abandoned at its deadline closes its group if it ever forms."""
-
-    def __init__(self, options: WeightSyncOptions, rank: int, device: torch.device):
-        self.options = options
-        self.deadline = time.monotonic() + options.timeout_seconds
-        self._lock = threading.Lock()
-        self._finished = threading.Event()
-        self._sync: WeightSync | None = None
-        self._error: WeightSyncFailed | None = None
-        self._abandoned = False
-        thread = threading.Thread(
-            target=self._join, args=(rank, device), name=f"weight-sync-join-{options.group_id}", daemon=True
-        )
-        _joins.append(thread)
-        thread.start()
-
-    def _join(self, rank: int, device: torch.device) -> None:
-        try:
-            sync = WeightSync(self.options, rank, device)
-        except WeightSyncFailed as error:
-            self._error = error
-        else:
-            with self._lock:
-                if self._abandoned:
-                    sync.close()
-                else:
-                    self._sync = sync
-        self._finished.set()
-
-    def wait_finished(self) -> None:
-        """Until the join ends or its deadline passes."""
-        self._finished.wait(max(0.0, self.deadline - time.monotonic()))
-
-    def result(self) -> WeightSync:
-        """The joined group, once joined or the deadline passed; WeightSyncFailed if it failed or is
-        not done by then (it is abandoned)."""
-        self.wait_finished()
-        with self._lock:
-            if self._sync is not None:
-                return self._sync
-            if self._error is not None:
-                raise self._error
-            self._abandoned = True
-        options = self.options
-        raise WeightSyncFailed(
-            f"joining weight-sync group {options.group_name!r} did not finish within "
-            f"{options.timeout_seconds:g} s (timeout_seconds): no answer from the trainer's store at "
-            f"{options.master_address}:{options.master_port}, or not every rank of the group arrived"
-        )
-
-    def abandon(self) -> None:
-        """Give the join up: its group, joined or not yet, is closed."""
-        with self._lock:
-            self._abandoned = True
-            sync, self._sync = self._sync, None
-        if sync is not None:
-            sync.close()
-
-
-def address_towards(options: WeightSyncOptions) -> str:
-    """This host's address on the route to the trainer's store (no packet is sent)."""
-    family, kind, _, _, address = socket.getaddrinfo(
-        options.master_address, options.master_port, type=socket.SOCK_DGRAM
-    )[0]
-    with socket.socket(family, kind) as probe:
-        probe.connect(address)
-        return probe.getsockname()[0]

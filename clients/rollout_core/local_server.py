@@ -1,4 +1,8 @@
-"""Run ``rollout-server serve`` as a child process on a free loopback port (demos, tests, benchmarks)."""
+"""Run ``rollout-server serve`` as a child process on a free loopback port (a trainer's own server,
+demos, tests, benchmarks, Ray's replicas). It imports nothing of the server: the child is a process of
+its own, and this module knows it only by its command line and the line it logs once it serves.
+
+Imports the standard library only."""
 
 import re
 import signal

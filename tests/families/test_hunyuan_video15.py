@@ -1,10 +1,10 @@
 """HunyuanVideo 1.5 text-to-video on the tiny-hunyuan-video15 preset: the server's schedule, env
 (both text encoders, the zero image embeddings and conditioning channels), transformer call, CFG and
-decoding are HunyuanVideo15Pipeline's own; frames are validated as 4k + 1 and bounded; a guider the
+decoding are HunyuanVideo15Pipeline's own; a guider the
 server cannot serve is refused; --sp splits over Ulysses (our plan), never ring attention; the blocks
 attend as diffusers' processor does without its S x S masks, and what grows with the square of a
-sequence is what the memory estimate counts. Replay parity is in test_replay.py, SP=2 against SP=1
-in test_sp.py, with the other families."""
+sequence is what the memory estimate counts. Server info, replay parity, frame bounds (4k + 1) and
+SP=2 against SP=1 are in test_contract.py, with the other families."""
 
 import numpy as np
 import pytest
@@ -16,7 +16,9 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import (
     extract_glyph_texts,
     retrieve_timesteps,
 )
-from helpers import TOLERANCE, family_request, forward_at, refused_rollout
+from support.adapters import forward_at
+from support.families import family_request
+from support.parity import TOLERANCE
 from torch.overrides import TorchFunctionMode
 
 from rollout_core.transformer_call import apply_guidance
@@ -32,25 +34,6 @@ def family() -> str:
     return "hunyuan-video15"
 
 
-def test_server_info(family_client):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class) == ("hunyuan-video15", "HunyuanVideo15Pipeline")
-    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
-        "guidance_scale",
-        "true_cfg",
-        "timestep",
-    )
-    defaults = info.defaults
-    assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)
-    assert defaults.guidance_scale == 6.0  # the preset's guider's
-    limits = info.limits
-    assert (limits.side_multiple, limits.frame_step, limits.max_frames) == (
-        16,
-        4,
-        241,
-    )  # 16x VAE, 1x1 patches
-
-
 def test_the_system_turn_is_the_108_tokens_the_pipeline_crops(family_pipeline):
     """The tiny tokenizer renders the chat template with the pipeline's system message, and that turn
     is exactly the prompt_template_encode_start_idx tokens the pipeline drops, as with Qwen2.5-VL's."""
@@ -59,14 +42,6 @@ def test_the_system_turn_is_the_108_tokens_the_pipeline_crops(family_pipeline):
     turn = pipe.tokenizer.apply_chat_template(system, tokenize=False)
     assert turn == f"<|im_start|>system\n{pipe.system_message}<|im_end|>\n"
     assert len(pipe.tokenizer(turn).input_ids) == pipe.prompt_template_encode_start_idx == 108
-
-
-@pytest.mark.parametrize("frames", [2, 4, 6, 245])
-def test_frames_must_be_4k_plus_1_and_bounded(family_client, frames):
-    violations = refused_rollout(
-        family_client, family_request("hunyuan-video15", "ODE", cfg=False, num_frames=frames)
-    )
-    assert [violation.field for violation in violations] == ["num_frames"]
 
 
 @pytest.mark.parametrize("cfg", [True, False])

@@ -2,8 +2,8 @@
 encoding of the text with its image (the Qwen2.5-VL encoder reads the image), the image's env its own
 packed VAE latents and both grids of img_shapes, and a rollout steps as the pipeline's own loop does,
 through the adapter and over gRPC; a prompt's tokens are bounded once tokenised (the pipeline's
-encoding truncates none). Detection is in test_families.py, replay parity in test_replay.py
-with the other families.
+encoding truncates none). Detection is in test_families.py, server info and replay parity in
+test_contract.py with the other families.
 
 The pipeline resizes its image to about 1024 x 1024 pixels (``calculate_dimensions``) where the server
 keeps the request's size: the comparisons with its ``__call__`` patch that function to give the
@@ -13,17 +13,12 @@ import numpy as np
 import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
-from helpers import (
-    FAMILIES,
-    adapter_ode,
-    condition_image,
-    family_request,
-    joint_attention_tokens,
-    refused_rollout,
-)
+from support.adapters import adapter_ode, joint_attention_tokens
+from support.errors import refused_rollout
+from support.families import FAMILIES, family_request
+from support.requests import condition_image
 
 from rollout.v1 import rollout_pb2
-from rollout_core import wire
 from rollout_core.transformer_call import LatentConditioning
 from rollout_server.families.base import MediaShape, denormalized
 
@@ -158,21 +153,6 @@ def test_ode_loop_matches_the_pipeline(adapter, family_pipeline, at_request_size
     final = pipeline_latents(pipe, SPEC.prompts, images, x0, settings)
     assert torch.equal(pipe.scheduler.sigmas, sigmas)
     torch.testing.assert_close(torch.cat(finals), final, atol=1e-5, rtol=0)
-
-
-def test_server_info(family_client):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class) == ("qwen-image-edit", "QwenImageEditPipeline")
-    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
-        "true_cfg_scale",
-        "true_cfg_norm_rescale",
-        "timestep / 1000",
-    )
-    assert wire.FEATURE_CONDITION_IMAGES in info.features
-    defaults = info.defaults
-    assert (defaults.height, defaults.width, defaults.num_steps) == (128, 128, 10)  # the preset's
-    assert (defaults.guidance_scale, defaults.true_cfg_scale) == (1.0, 4.0)  # Qwen-Image-Edit's
-    assert info.limits.side_multiple == 16
 
 
 @torch.no_grad()

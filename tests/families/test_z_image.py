@@ -1,9 +1,9 @@
 """Z-Image on the tiny-z-image preset: the transformer call (per-sample latents with a frame axis,
 (1000 - t) / 1000 in float32, the negated prediction) is the pipeline's own, bitwise; the env holds
 each prompt's own caption length; CFG runs above a scale of 0; a rollout steps as ZImagePipeline's
-own loop does; a LoRA changes the rollouts and replays; and at SP=2 our context-parallel plan splits
-the image, the caption and the unified sequence. Replay parity (FLOW_SDE, DANCE, CPS; CFG on and off;
-bf16 latents) is in test_replay.py with the other families."""
+own loop does; our context-parallel plan splits each stack on two gloo ranks. Server info, replay parity
+(FLOW_SDE, DANCE, CPS; CFG on and off; bf16 latents), SP=2 (the split of the image, the caption and
+the unified sequence) and a LoRA update are in test_contract.py with the other families."""
 
 import copy
 import datetime
@@ -17,26 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import (
-    FAMILIES,
-    LONG_PROMPT,
-    LORA_TARGETS,
-    SHORT_PROMPT,
-    TOLERANCE,
-    assert_replays,
-    assert_same_numbers,
-    family_request,
-    field_violations,
-    metrics_url,
-    next_version,
-    scrape,
-    split_events,
-    stream_at_sp2,
-    with_lora,
-)
-from peft import get_peft_model_state_dict
+from support.errors import field_violations
+from support.families import FAMILIES, LONG_PROMPT, SHORT_PROMPT, family_request
+from support.parity import TOLERANCE
+from support.requests import split_events
+from support.servers import metrics_url, scrape
 
-from rollout.v1 import rollout_pb2
 from rollout_client import replay_log_probs
 from rollout_core.transformer_call import call_transformer, stack_envs
 from rollout_server import families
@@ -61,22 +47,6 @@ def caption_tokens(pipe, text: str) -> int:
         messages, tokenize=False, add_generation_prompt=True, enable_thinking=True
     )
     return len(pipe.tokenizer(templated).input_ids)
-
-
-def test_server_info(family_client):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class) == ("z-image", "ZImagePipeline")
-    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
-        "guidance_scale",
-        "cfg_from_positive",
-        "(1000 - timestep) / 1000, float32",
-    )
-    assert info.HasField("cfg_off_scale") and info.cfg_off_scale == 0.0  # CFG on above 0
-    defaults = info.defaults
-    assert (defaults.height, defaults.width, defaults.num_steps) == (128, 128, 10)  # the preset's
-    assert (defaults.guidance_scale, defaults.true_cfg_scale) == (5.0, 1.0)  # ZImagePipeline's
-    assert info.limits.side_multiple == 16  # 8x VAE, 2x2 patches
-    assert (info.limits.max_frames, defaults.num_frames) == (1, 1)
 
 
 def test_the_tokenizer_renders_qwen3s_chat_template(family_pipeline):
@@ -263,32 +233,6 @@ def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline):
         assert np.abs(diff).max() <= 1  # uint8 rounding of nearly equal latents
 
 
-def test_a_lora_update_changes_the_rollouts_and_replays(family_client, family_transformer):
-    """A trained PEFT LoRA on Z-Image's attention, pushed as the next version: the rollout changes,
-    the adapted transformer replays it and the base does not; a full update of the base weights
-    puts the server back (bitwise the first rollout), for the other tests of this server."""
-    request = family_request("z-image", "FLOW_SDE", cfg=False, samples_per_prompt=1, num_steps=2)
-    base = family_client.rollout(request)
-    adapted, config = with_lora(family_transformer, trained=True)
-    adapter = get_peft_model_state_dict(adapted)
-    assert any(".attention.to_q." in name for name in adapter)  # Z-Image's own module names
-    family_client.update_weights(adapter, next_version(family_client), lora_config=config)
-    info = family_client.server_info().lora_adapter
-    assert list(info.target_modules) == sorted(LORA_TARGETS) and info.tensors == len(adapter)
-    try:
-        pushed = family_client.rollout(request)
-        changed = max((p.latents[-1] - b.latents[-1]).abs().max() for p, b in zip(pushed, base, strict=True))
-        assert changed > 1e-3, "the adapter must change the policy"
-        assert_replays(adapted, pushed)
-        with pytest.raises(AssertionError):
-            assert_replays(family_transformer, pushed)
-    finally:
-        family_client.update_weights(family_transformer.state_dict(), next_version(family_client))
-    restored = family_client.rollout(request)
-    for one, two in zip(restored, base, strict=True):
-        assert torch.equal(one.latents, two.latents)
-
-
 def split_on_rank(rank: int, port: int, folder: str, results) -> None:
     """One of two gloo ranks: a forward of the unsplit transformer, then of the split one, recording
     each block's output length."""
@@ -359,17 +303,3 @@ def test_two_ranks_split_each_stack_and_gather_it_back(family_folder):
             last = index == blocks[stack] - 1
             assert length == (whole[stack] if last else whole[stack] // 2), (stack, index)
         assert difference <= TOLERANCE
-
-
-def test_sp2_matches_sp1(family_client, family_transformer, cache_dir, tmp_path):
-    """At SP=2 our plan splits the image's, the caption's and the unified tokens over the two ranks
-    and gathers them back: noise and log-probs bitwise as at SP=1, latents and velocities within
-    1e-5, with CFG over prompts of different lengths, and the stream replays through a plain
-    transformer."""
-    debug = [rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_VELOCITY]
-    request = family_request("z-image", "FLOW_SDE", cfg=True, samples_per_prompt=1, debug_tensors=debug)
-    runs = {1: split_events(family_client.stream(request))}
-    runs[2] = stream_at_sp2(cache_dir, tmp_path / "sp2.log", SPEC.preset, request)
-    assert runs[2].started.message.attention_split == "ulysses"
-    assert_same_numbers(runs[1], runs[2], bitwise_log_probs=True, tolerance=TOLERANCE)
-    assert_replays(family_transformer, runs[2].trajectories())

@@ -1,6 +1,6 @@
-"""The SD3 family over gRPC on the tiny-sd3 preset: server info and the pipeline's own schedule and
-sampling. Detection is in test_families.py; replay parity (docs/design.md, invariant 1) with SD3's
-classic CFG on and off is test_replay.py's, parametrized over the families.
+"""The SD3 family over gRPC on the tiny-sd3 preset: the pipeline's own schedule and sampling. Detection is in
+test_families.py; replay parity (docs/design.md, invariant 1) with SD3's classic CFG on and off and server
+info are test_contract.py's, parametrized over the families.
 
 SD3 differs from Flux in every convention a trainer replays with: unpacked [C, H/8, W/8] latents, the raw
 timestep (no / 1000), a static-shift schedule, and CFG driven by ``guidance_scale`` with the negative
@@ -10,28 +10,12 @@ prompt as its own env branch.
 import numpy as np
 import pytest
 import torch
-from helpers import family_request
+from support.families import family_request
 
 
 @pytest.fixture
 def family() -> str:
     return "sd3"
-
-
-def test_server_info(family_client):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class) == ("sd3", "StableDiffusion3Pipeline")
-    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
-        "guidance_scale",
-        "true_cfg",
-        "timestep",
-    )
-    defaults = info.defaults
-    assert (defaults.height, defaults.width, defaults.num_steps) == (128, 128, 10)  # the preset's
-    assert (defaults.guidance_scale, defaults.true_cfg_scale) == (4.5, 1.0)  # SD3.5-Medium's
-    assert defaults.noise_level == pytest.approx(0.7)
-    assert info.limits.side_multiple == 16  # 8x VAE, 2x2 patches
-    assert (info.limits.max_frames, defaults.num_frames) == (1, 1)  # an image family
 
 
 def test_ode_rollout_matches_the_pipeline(family_client, family_pipeline):

@@ -1,8 +1,8 @@
 """Wan text-to-video on the tiny-wan (2.1) and tiny-wan2.2 (two experts) presets: the server's
 schedule, transformer call, expert choice, CFG (Wan 2.2's second scale and boundary included) and
-decoding are WanPipeline's own; frames are validated as 4k + 1 and streamed as one PNG each; a
-weight update names the expert it changes. Replay parity is in test_replay.py with the other
-families, and here for Wan 2.2's two scales."""
+decoding are WanPipeline's own; frames are streamed as one PNG each; a
+weight update names the expert it changes. Server info, frame bounds (4k + 1) and replay parity are
+in test_contract.py with the other families, replay also here for Wan 2.2's two scales."""
 
 import dataclasses
 import json
@@ -12,15 +12,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from helpers import (
-    FAMILIES,
-    SERVED_FEATURES,
-    TOLERANCE,
-    assert_replays,
-    family_request,
-    refused_rollout,
-    split_events,
-)
+from support.errors import refused_rollout
+from support.families import FAMILIES, family_request
+from support.parity import TOLERANCE, assert_replays
+from support.requests import split_events
 
 from rollout_client.images import LABEL_HEIGHT
 from rollout_core import solvers
@@ -30,41 +25,16 @@ BOTH = pytest.mark.parametrize("family", ["wan", "wan2.2"])
 
 
 @BOTH
-def test_server_info(family_client, family):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class) == ("wan", "WanPipeline")
-    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
-        "guidance_scale",
-        "true_cfg",
-        "timestep",
-    )
-    assert list(info.transformers) == list(FAMILIES[family].experts)
-    served = [*SERVED_FEATURES, "video"]
-    two_experts = [*served, "experts", "guidance_scale_2", "boundary_ratio"]
-    assert list(info.features) == (two_experts if family == "wan2.2" else served)
-    defaults = info.defaults
-    # The pipeline's boundary; guidance_scale_2 left unset: it follows guidance_scale.
+def test_the_second_experts_defaults_are_set_where_there_is_one(family_client, family):
+    """The pipeline's boundary where there are two experts; guidance_scale_2 left unset: it follows
+    guidance_scale. The rest of GetServerInfo is the contract's (test_contract.py)."""
+    defaults = family_client.server_info().defaults
     assert (defaults.HasField("boundary_ratio"), defaults.HasField("guidance_scale_2")) == (
         family == "wan2.2",
         False,
     )
     if family == "wan2.2":
         assert defaults.boundary_ratio == WAN22_BOUNDARY_RATIO  # 0.875, exact in float32
-    assert (defaults.height, defaults.width, defaults.num_frames, defaults.num_steps) == (64, 64, 5, 10)
-    assert defaults.guidance_scale == 5.0  # Wan 2.1's
-    limits = info.limits
-    assert (limits.side_multiple, limits.frame_step, limits.max_frames) == (
-        16,
-        4,
-        161,
-    )  # 8x VAE, 1x2x2 patches
-
-
-@pytest.mark.parametrize("frames", [2, 4, 6, 200])
-@pytest.mark.parametrize("family", ["wan"])
-def test_frames_must_be_4k_plus_1_and_bounded(family_client, family, frames):
-    violations = refused_rollout(family_client, family_request(family, "ODE", cfg=False, num_frames=frames))
-    assert [violation.field for violation in violations] == ["num_frames"]
 
 
 # Wan 2.2's second scale (2.5, below the first's 5), alone and with a boundary of the request's own:

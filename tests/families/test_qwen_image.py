@@ -1,7 +1,7 @@
-"""The Qwen-Image family over gRPC on the tiny-qwen-image preset: server info, the template's prefix and
-the pipeline's own schedule and sampling. Detection is in test_families.py; per-prompt conditioning
-lengths and replay parity with true CFG (norm rescale) on and off are test_replay.py's, parametrized over
-the families.
+"""The Qwen-Image family over gRPC on the tiny-qwen-image preset: the template's prefix and the
+pipeline's own schedule and sampling. Detection is in test_families.py; per-prompt conditioning
+lengths, replay parity with true CFG (norm rescale) on and off, server info and SP=2 with texts of uneven
+lengths are test_contract.py's, parametrized over the families.
 
 Qwen-Image's env differs from Flux's where SGLang-Diffusion's users got hurt: every prompt has its own text
 length, so a request mixing prompt lengths must give each sample the env of its own prompt, unpadded.
@@ -10,28 +10,12 @@ length, so a request mixing prompt lengths must give each sample the env of its 
 import numpy as np
 import pytest
 import torch
-from helpers import LONG_PROMPT, SHORT_PROMPT, family_request, qwen_text_length
+from support.families import LONG_PROMPT, SHORT_PROMPT, family_request, qwen_text_length
 
 
 @pytest.fixture
 def family() -> str:
     return "qwen-image"
-
-
-def test_server_info(family_client):
-    info = family_client.server_info()
-    assert (info.family, info.pipeline_class) == ("qwen-image", "QwenImagePipeline")
-    assert (info.cfg_scale_field, info.cfg_rule, info.timestep_rule) == (
-        "true_cfg_scale",
-        "true_cfg_norm_rescale",
-        "timestep / 1000",
-    )
-    defaults = info.defaults
-    assert (defaults.height, defaults.width, defaults.num_steps) == (128, 128, 10)  # the preset's
-    assert (defaults.guidance_scale, defaults.true_cfg_scale) == (1.0, 4.0)  # Qwen-Image's
-    assert defaults.noise_level == pytest.approx(0.7)
-    assert info.limits.side_multiple == 16  # 8x VAE, 2x2 patches
-    assert (info.limits.max_frames, defaults.num_frames) == (1, 1)  # an image family
 
 
 def test_template_prefix_is_dropped_exactly(family_pipeline):

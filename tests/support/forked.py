@@ -17,11 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-TRAINER = Path(__file__).resolve().parents[1] / "examples" / "train_grpo.py"
+TRAINER = Path(__file__).resolve().parents[2] / "examples" / "train_grpo.py"
 # What a server and the trainer import before they read their arguments; the rest is imported in the
 # forked process.
 PRELOAD = [
-    "forked",
+    "support.forked",
     "rollout_server.cli",
     "rollout_server.server",
     "rollout_server.families",
