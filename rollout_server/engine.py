@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -81,6 +81,32 @@ if TYPE_CHECKING:
     from rollout_server.weights.update import WeightUpdate
 
 log = logging.getLogger("rollout_server.engine")
+
+
+class RolloutEvents(Protocol):
+    """What one rollout's events become, called on the worker thread in order: ``on_start`` once,
+    ``on_step`` per step (``record`` a ``sampler.StepRecord`` of the rows, which are the tree's
+    ``nodes``), ``on_pruned``, ``on_preview`` per decoded piece of a step's preview, ``on_image`` and
+    ``on_audio`` per decoded piece (PIL images and ``Sound``), ``on_finish`` last. A tensor handed over
+    is the engine's and may change after the call: an implementation copies what it keeps. Each front
+    end has its own (the gRPC stream's messages: ``stream.StreamEncoder``; the HTTP answer:
+    ``sglang.RolloutAnswer``)."""
+
+    def on_start(self, x0: torch.Tensor) -> None: ...
+    def on_step(self, record: Any, nodes: list[int]) -> None: ...
+    def on_pruned(self, nodes: list[int], step: int) -> None: ...
+    def on_image(self, sample_index: int, frame_index: int, image: Any) -> None: ...
+    def on_audio(self, sample_index: int, sound: Sound) -> None: ...
+    def on_preview(self, step: int, sample_index: int, frame_index: int, media: Any, last: bool) -> None: ...
+    def on_finish(self, finished: rollout_pb2.RolloutFinished) -> None: ...
+
+
+# Makes a rollout's RolloutEvents from its resolved request, its started event (without tensors), the
+# env tensors that event names, and ``emit``, which puts an item in the rollout's stream.
+EventsFactory = Callable[
+    [rollout_pb2.RolloutRequest, rollout_pb2.RolloutStarted, dict[str, torch.Tensor], Callable[[Any], None]],
+    RolloutEvents,
+]
 
 
 @dataclass(frozen=True)
@@ -200,16 +226,21 @@ class Engine:
         return memory.sample_sizes(self.adapter, resolved)
 
     def open_stream(
-        self, resolved: rollout_pb2.RolloutRequest, condition_images: list["ConditionImage"] = ()
+        self,
+        resolved: rollout_pb2.RolloutRequest,
+        condition_images: list["ConditionImage"] = (),
+        events: EventsFactory | None = None,
     ) -> Outbox:
         """Queue a resolved rollout (on the running event loop's thread), with its conditioning images
-        as admission decoded them (the request keeps no files). Iterating the returned stream gives its
-        encoded RolloutResponse messages and raises its failure at the end; ``close()`` it once done,
-        however it ended, which drops the rollout if it still runs. InvalidRequest if it cannot fit the
-        memory budget, Overloaded if the queue is full or holds too many images' pixels."""
+        as admission decoded them (the request keeps no files). Iterating the returned stream gives
+        what ``events`` emits (by default the encoded RolloutResponse messages) and raises its failure
+        at the end; ``close()`` it once done, however it ended, which drops the rollout if it still
+        runs. InvalidRequest if it cannot fit the memory budget, Overloaded if the queue is full or
+        holds too many images' pixels."""
         estimate = self.check_fits(resolved)
         stream = Outbox(asyncio.get_running_loop(), self.scheduler.wake)
         job = RolloutJob(resolved, stream, time.perf_counter(), estimate, list(condition_images))
+        job.events = events
         if resolved.branches:
             job.tree = tree_of(resolved)
         self.scheduler.submit(job)
@@ -576,14 +607,17 @@ class Engine:
             rollout, self.adapter, self.model_name, self.policy.version, self.parallel
         )
         started.control_token = job.control_token
-        rollout.stream = StreamEncoder(
-            request=request,
-            started=started,
-            env_tensors=env_tensors,
-            sent=latents_sent(request.latents, rollout.plan.stochastic),
-            emit=self.metrics.counting(job.outbox.put),
-            max_message_bytes=self.max_message_bytes,
-        )
+        if job.events is None:
+            rollout.stream = StreamEncoder(
+                request=request,
+                started=started,
+                env_tensors=env_tensors,
+                sent=latents_sent(request.latents, rollout.plan.stochastic),
+                emit=self.metrics.counting(job.outbox.put),
+                max_message_bytes=self.max_message_bytes,
+            )
+        else:
+            rollout.stream = job.events(request, started, env_tensors, job.outbox.put)
         try:
             rollout.stream.on_start(rollout.state.x)
         except Exception as error:  # noqa: BLE001 - it fails this rollout only

@@ -1,6 +1,6 @@
 """The exceptions that cross the server's layers, in one place.
 
-Each names an outcome a caller can act on; the gRPC layer (``service.py``) maps them to status codes
+Each names an outcome a caller can act on; admission (``admission.py``) maps them to status codes
 and the CLI (``cli.py``) to exit codes. Errors that one module raises and handles itself stay in it.
 """
 

@@ -18,13 +18,13 @@ the gRPC service, on the same event loop (``rollout-server serve --http-port``).
   each answers at once, with no output and SGLang's abort finish reason.
 * ``GET /health`` and ``GET /health_generate`` (the latter runs a one-step rollout).
 
-Every request passes the gRPC service's own admission: the same tokens (``Authorization: Bearer``),
-validation and limits, the same queue, metrics and log line. The body is bounded before it is read,
-the answer's size before any work (``--max-http-response-bytes``, held until the answer has left),
-and a client that disconnects cancels its rollout. Requests, not connections, are counted against
-what the server takes at once; the health probes are not counted, and /health_generate's probes
-share one rollout. A connection's own bounds (reading a request, an answer not taken, a half-close)
-are in ``http_connection.py``.
+Every request passes the admission the gRPC front end's pass (``admission.py``): the same tokens
+(``Authorization: Bearer``), validation and limits, the same queue, metrics and log line. The body is
+bounded before it is read, the answer's size before any work (``--max-http-response-bytes``, held
+until the answer has left), and a client that disconnects cancels its rollout. Requests, not
+connections, are counted against what the server takes at once; the health probes are not counted,
+and /health_generate's probes share one rollout. A connection's own bounds (reading a request, an
+answer not taken, a half-close) are in ``http_connection.py``.
 Errors are JSON, ``{"detail": ..., "violations": [{"field", "description"}]}``, with 400 for a bad
 request (the field as the client named it), 401/403 for tokens, 429 and 503 with Retry-After for a
 full server and a shutdown.
@@ -53,15 +53,16 @@ from starlette.types import Receive, Scope, Send
 
 from rollout.v1 import rollout_pb2
 from rollout_server import sglang
+from rollout_server.admission import Admission, Refused, failure
 from rollout_server.auth import ServerTLS, TokenPolicy, method_path
 from rollout_server.errors import InvalidRequest, Overloaded, StartupError
 from rollout_server.http_connection import BoundedH11Protocol
-from rollout_server.service import Refused, RolloutService, failure_status
 from rollout_server.validation import quoted
 from rollout_server.weights import payload
 from rollout_server.weights.spec import HEADER_ALLOWANCE_BYTES, check_target
 
 if TYPE_CHECKING:
+    from rollout_server.engine_client import EngineClient
     from rollout_server.weights.update import WeightUpdate
 
 log = logging.getLogger("rollout_server.http")
@@ -116,23 +117,31 @@ class HttpError(Exception):
         return JSONResponse(self.body, self.status, headers)
 
 
-def _status_error(status: grpc.Status, error: Exception | None = None) -> HttpError:
-    """The HttpError of a rollout's gRPC status (a 400 naming the client's fields for the
+def _status_error(code: grpc.StatusCode, details: str, error: Exception | None = None) -> HttpError:
+    """The HttpError of a rollout's status code (a 400 naming the client's fields for the
     InvalidRequest behind it)."""
     if isinstance(error, InvalidRequest):
         return _invalid(sglang.sglang_violations(error))
-    return HttpError(HTTP_STATUS.get(status.code, 500), status.details)
+    return HttpError(HTTP_STATUS.get(code, 500), details)
+
+
+def _refusal_error(refusal: Refused) -> HttpError:
+    return _status_error(refusal.code, refusal.details, refusal.error)
 
 
 def _weights_error(
-    status: grpc.Status, error: Exception | None, weights_field: str, body_fields: Iterable[str] = ()
+    code: grpc.StatusCode,
+    details: str,
+    error: Exception | None,
+    weights_field: str,
+    body_fields: Iterable[str] = (),
 ) -> HttpError:
-    """The HttpError of a failed weight update: its gRPC status, or a 400 naming the fields of
+    """The HttpError of a failed weight update: its status code, or a 400 naming the fields of
     SGLang's body for the InvalidRequest behind it (``sglang.weight_violations``); SGLang's failure
     answer beside ours."""
     if isinstance(error, InvalidRequest):
         return _invalid(sglang.weight_violations(error, weights_field, body_fields), weights=True)
-    return HttpError(HTTP_STATUS.get(status.code, 500), status.details, extra=_failed(status.details))
+    return HttpError(HTTP_STATUS.get(code, 500), details, extra=_failed(details))
 
 
 def _tensor_body_bytes(max_update_bytes: int) -> int:
@@ -206,11 +215,6 @@ async def _disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
         pass
 
 
-async def _collect(stream, messages: list) -> None:
-    async for message in stream:
-        messages.append(message)
-
-
 class _Answer(Response):
     """An answer handed to its connection a chunk at a time, and ``release`` called once it has left
     or its connection is gone. uvicorn's send waits while the connection's write buffer is above its
@@ -236,14 +240,19 @@ class _Answer(Response):
 
 
 class HttpFrontEnd:
-    """The endpoints, over a RolloutService."""
+    """The endpoints, over the admission and the engine client the gRPC front end uses too."""
 
-    def __init__(self, service: RolloutService, tokens: TokenPolicy, max_response_bytes: int):
-        self.service = service
+    def __init__(
+        self, admission: Admission, client: "EngineClient", tokens: TokenPolicy, max_response_bytes: int
+    ):
+        self.admission = admission
+        self.client = client
+        self.serving = admission.serving
+        self.metrics = admission.metrics
         self.tokens = tokens
         self.max_response_bytes = max_response_bytes
-        self.max_body_bytes = service.serving.max_request_bytes
-        limits = service.serving.limits
+        self.max_body_bytes = self.serving.max_request_bytes
+        limits = self.serving.limits
         self.max_requests = limits.max_queued_requests + limits.max_waiting_requests + SPARE_REQUESTS
         self._requests = 0  # requests in progress, the health probes aside
         self._answer_bytes = 0  # the bounds of the answers being built or sent
@@ -291,7 +300,7 @@ class HttpFrontEnd:
             if scope["type"] != "http" or scope["path"] in _PROBES:
                 return await endpoints(scope, receive, send)
             if self._requests >= self.max_requests:
-                self.service.metrics.reject("overloaded")
+                self.metrics.reject("overloaded")
                 full = HttpError(
                     429,
                     f"{self._requests} HTTP requests are in progress, the server's limit "
@@ -326,7 +335,7 @@ class HttpFrontEnd:
         if refusal is not None:
             code, message = refusal
             log.info("refused %s over HTTP: %s", method, code.name)
-            self.service.metrics.reject(code.name.lower())
+            self.metrics.reject(code.name.lower())
             raise HttpError(HTTP_STATUS[code], message)
 
     def _rejected(self, error: InvalidRequest, weights: bool = False) -> HttpError:
@@ -334,7 +343,7 @@ class HttpFrontEnd:
         logged in one line as the service's rejections are."""
         rejection = _invalid(sglang.sglang_violations(error), weights)
         log.info("rejected over HTTP: %s", rejection.body["detail"])
-        self.service.metrics.reject("invalid_argument")
+        self.metrics.reject("invalid_argument")
         return rejection
 
     async def _body(self, request: Request, limit: int) -> object:
@@ -344,7 +353,7 @@ class HttpFrontEnd:
     async def generate(self, request: Request) -> Response:
         body = await self._body(request, self.max_body_bytes)
         try:
-            typed = sglang.read_request(body, self.service.serving.limits.max_samples)
+            typed = sglang.read_request(body, self.serving.limits.max_samples)
         except InvalidRequest as error:
             raise self._rejected(error) from None
 
@@ -352,7 +361,7 @@ class HttpFrontEnd:
 
         def check(resolved: rollout_pb2.RolloutRequest) -> None:
             nonlocal bound
-            bound = sglang.response_bound(typed, resolved, self.service.engine.sample_sizes(resolved))
+            bound = sglang.response_bound(typed, resolved, self.client.sample_sizes(resolved))
             if bound > self.max_response_bytes:
                 reason = (
                     f"the answer would take up to {bound} bytes, above the server's "
@@ -367,13 +376,13 @@ class HttpFrontEnd:
                 )
 
         try:
-            rid = sglang.rollout_id(typed.rid, self.service.serving.limits.max_request_id_chars)
-            ours, ignored = sglang.to_rollout_request(typed, rid, self.service.serving)
-            resolved, stream = await self.service.admit(ours, check)
+            rid = sglang.rollout_id(typed.rid, self.serving.limits.max_request_id_chars)
+            ours, ignored = sglang.to_rollout_request(typed, rid, self.serving)
+            resolved, stream = await self.admission.admit(ours, check, sglang.RolloutAnswer)
         except InvalidRequest as error:
             raise self._rejected(error) from None
         except Refused as refusal:
-            raise _status_error(refusal.status, refusal.error) from None
+            raise _refusal_error(refusal) from None
         headers = {}
         if ignored:  # accepted as SGLang accepts them, and said so
             summary = headers[sglang.IGNORED_HEADER] = sglang.ignored_summary(ignored)
@@ -404,8 +413,8 @@ class HttpFrontEnd:
         """Run the admitted rollout to its end, then encode its answer; None if its client left first,
         the aborted answer if ``aborted`` is set first."""
         submitted_at = time.perf_counter()
-        outcome, messages = "OK", []
-        collecting = asyncio.ensure_future(_collect(stream, messages))
+        outcome = "OK"
+        collecting = asyncio.ensure_future(anext(stream))
         watching = asyncio.ensure_future(_disconnected(request.receive))
         aborting = asyncio.ensure_future(aborted.wait())
         try:
@@ -417,45 +426,46 @@ class HttpFrontEnd:
             if not collecting.done():
                 outcome = "CANCELLED"  # the client left: its rollout stops with the stream
                 return None
-            collecting.result()
+            answer = collecting.result()  # the one item: the rollout's events, once it has finished
         except asyncio.CancelledError:
             outcome = "CANCELLED"
             raise
         except Exception as error:  # noqa: BLE001 - each failure becomes the answer's status
-            outcome, status = failure_status(f"request {resolved.request_id}", error)
-            raise _status_error(status, error) from None
+            code, details = failure(f"request {resolved.request_id}", error)
+            outcome = code.name
+            raise _status_error(code, details, error) from None
         finally:
             for task in (collecting, watching, aborting):
                 task.cancel()
             stream.close()  # the engine drops the rollout if it still runs
-            self.service.rollout_ended(resolved, submitted_at, outcome)
+            self.admission.rollout_ended(resolved, submitted_at, outcome)
         seconds = time.perf_counter() - submitted_at
-        answers = await asyncio.to_thread(sglang.responses, messages, typed, seconds)
+        answers = await asyncio.to_thread(sglang.responses, answer, typed, seconds)
         return await asyncio.to_thread(msgpack.packb, answers, use_bin_type=True)
 
     async def update_from_disk(self, request: Request) -> Response:
         body = await self._body(request, _WEIGHT_BODY_BYTES)
         try:
-            load = sglang.load_weights_request(body, self.service.engine.status().policy_version)
+            load = sglang.load_weights_request(body, self.client.status().policy_version)
         except InvalidRequest as error:
             raise self._rejected(error, weights=True) from None
-        return await self._updated(self.service.load_weights(load), "loaded", "model_path")
+        return await self._updated(self.client.load_weights(load), "loaded", "model_path")
 
     async def update_from_tensor(self, request: Request) -> Response:
         """The tensors of the body (``sglang.tensor_update``), read once the update slot is held and
         decoded off the event loop, then checked and applied as an UpdateWeights stream's are. The
         fields read and not used are named in the answer's header and a log line."""
-        engine = self.service.engine
-        max_bytes = self.service.server_info.limits.max_update_bytes
+        client = self.client
+        max_bytes = client.max_update_bytes
         ignored: list[str] = []
 
         def update_of(data: bytearray) -> "WeightUpdate":
             update, unused = sglang.tensor_update(
                 _decoded(data, request),
-                engine.status().policy_version,
+                client.status().policy_version,
                 max_bytes,
-                engine.transformers,
-                engine.module_names,
+                client.transformers,
+                client.module_names,
             )
             ignored.extend(unused)
             return update
@@ -464,7 +474,7 @@ class HttpFrontEnd:
             return await asyncio.to_thread(update_of, await _read(request, _tensor_body_bytes(max_bytes)))
 
         fields = (payload.FIELD, sglang.TENSOR_UPDATE_FIELDS)
-        answer = await self._updated(self.service.update_weights(received), "updated", *fields)
+        answer = await self._updated(self.client.update_weights(received), "updated", *fields)
         if ignored:  # accepted as SGLang accepts them, and said so
             summary = answer.headers[sglang.IGNORED_HEADER] = sglang.ignored_summary(ignored)
             log.info("weight update over HTTP ignored %s", summary)
@@ -480,10 +490,12 @@ class HttpFrontEnd:
         except (HttpError, ClientDisconnect):  # the body's own: answered by _endpoint
             raise
         except Refused as refusal:
-            raise _weights_error(refusal.status, refusal.error, weights_field, body_fields) from None
+            raise _weights_error(
+                refusal.code, refusal.details, refusal.error, weights_field, body_fields
+            ) from None
         except Exception as error:  # noqa: BLE001 - each failure becomes the answer's status
-            status = self.service.update_failure(error)
-            raise _weights_error(status, error, weights_field, body_fields) from None
+            code, details = self.client.update_failed(error)
+            raise _weights_error(code, details, error, weights_field, body_fields) from None
         message = (
             f"{verb} {applied['tensors']} tensors ({applied['bytes']} bytes) as policy version "
             f"{applied['policy_version']}"
@@ -497,13 +509,13 @@ class HttpFrontEnd:
         body = await self._body(request, HEADER_ALLOWANCE_BYTES)
         try:
             target, expected = sglang.checker_request(body)
-            check_target(target, self.service.engine.transformers, "target_module")
+            check_target(target, self.client.transformers, "target_module")
         except InvalidRequest as error:
             raise self._rejected(error) from None
         try:
-            version, actual = await self.service.tensor_sha256(target, expected)
+            version, actual = await self.client.tensor_sha256(target, expected)
         except Refused as refusal:
-            raise _status_error(refusal.status) from None
+            raise _status_error(refusal.code, refusal.details) from None
         verdicts = {name: _verdict(actual.get(name), digest) for name, digest in expected.items()}
         wrong = {
             verdict: [name for name, given in verdicts.items() if given == verdict]
@@ -527,7 +539,7 @@ class HttpFrontEnd:
             names = sglang.checksum_modules(body)
         except InvalidRequest as error:
             raise self._rejected(error) from None
-        served = self.service.engine.status().transformer_checksums
+        served = self.client.status().transformer_checksums
         return JSONResponse({name: served.get(name, "not_found") for name in (names or served)})
 
     async def change_memory(self, request: Request, release: bool) -> Response:
@@ -538,13 +550,13 @@ class HttpFrontEnd:
             sglang.memory_tags(body)  # checked: every tag moves the whole of the weights' memory
         except InvalidRequest as error:
             raise self._rejected(error, weights=True) from None
-        change = self.service.engine.release_memory if release else self.service.engine.resume_memory
         try:
-            residency = await self.service.change_memory(change)
+            residency = await self.client.change_memory(release)
         except Refused as refusal:
-            raise _weights_error(refusal.status, refusal.error) from None
+            raise _weights_error(refusal.code, refusal.details, refusal.error) from None
         except Exception as error:  # noqa: BLE001 - each failure becomes the answer's status
-            raise _weights_error(self.service.update_failure(error), error) from None
+            code, details = self.client.update_failed(error)
+            raise _weights_error(code, details, error) from None
         fields = {field.name: getattr(residency, field.name) for field in residency.DESCRIPTOR.fields}
         state = "released" if residency.released else "resident"
         message = f"the weights' memory is {state}" + ("" if residency.changed else " already")
@@ -555,7 +567,7 @@ class HttpFrontEnd:
         with ``abort_all``) stops and answers at once; 200 whatever matched, as SGLang answers."""
         body = await self._body(request, _WEIGHT_BODY_BYTES)
         try:
-            rid, abort_all = sglang.abort_request(body, self.service.serving.limits.max_request_id_chars)
+            rid, abort_all = sglang.abort_request(body, self.serving.limits.max_request_id_chars)
         except InvalidRequest as error:
             raise self._rejected(error) from None
         matched = [
@@ -571,7 +583,7 @@ class HttpFrontEnd:
         return JSONResponse({"aborted": len(matched)})
 
     async def health(self, request: Request) -> Response:
-        if self.service.shutting_down:
+        if self.client.shutting_down:
             raise HttpError(503, "server is shutting down")
         return Response(status_code=200)
 
@@ -590,7 +602,7 @@ class HttpFrontEnd:
 
     async def _probe_rollout(self) -> HttpError | None:
         """Run /health_generate's rollout: None if it went through, else the answer's error."""
-        serving = self.service.serving
+        serving = self.serving
         side = serving.min_side  # the smallest size the model takes (LTX-2's decoder needs 2 x 2 latents)
         probe = rollout_pb2.RolloutRequest(
             prompts=["health"],
@@ -605,19 +617,20 @@ class HttpFrontEnd:
             probe.num_frames = 1
         try:
             try:
-                resolved, stream = await self.service.admit(probe)
+                resolved, stream = await self.admission.admit(probe)
             except Refused as refusal:
-                return _status_error(refusal.status, refusal.error)
+                return _refusal_error(refusal)
             submitted_at, outcome = time.perf_counter(), "OK"
             try:
                 async for _ in stream:
                     pass
             except Exception as error:  # noqa: BLE001 - an unhealthy model is the answer
-                outcome, status = failure_status("health_generate", error)
-                return _status_error(status)
+                code, details = failure("health_generate", error)
+                outcome = code.name
+                return _status_error(code, details)
             finally:
                 stream.close()
-                self.service.rollout_ended(resolved, submitted_at, outcome)
+                self.admission.rollout_ended(resolved, submitted_at, outcome)
             return None
         finally:
             self._probe_ended_at = time.monotonic()
@@ -649,7 +662,7 @@ class HttpServer:
         protocol = functools.partial(
             BoundedH11Protocol,
             read_seconds=read_seconds,
-            write_seconds=front_end.service.serving.limits.stall_seconds,
+            write_seconds=front_end.serving.limits.stall_seconds,
         )
         config = uvicorn.Config(
             front_end.app(),

@@ -76,7 +76,7 @@ class Rollout:
     prompt_cache_hits: int  # distinct texts whose conditioning came from the prompt cache
     prompts_encoded: int  # distinct texts encoded for this rollout
     condition_images: list[rollout_pb2.ConditionImageInfo]  # per prompt, for image-conditioned families
-    stream: Any = None  # rank 0: the StreamEncoder of its gRPC stream
+    stream: Any = None  # rank 0: what its events become (engine.RolloutEvents)
     pieces: Iterator | None = None  # rank 0, once its steps are done: its decode, a piece at a time
     shared_steps: int = 0  # steps whose forwards carried other rollouts' rows too
     transformer_rows: int = 0  # rows of the forwards it took

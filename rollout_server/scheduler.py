@@ -174,6 +174,8 @@ class RolloutJob:
     held_until: float | None = None  # (monotonic) held at a prune point until a prune, or then
     # What a control call must present: only the caller, who reads it in the started event, can.
     control_token: str = field(default_factory=new_control_token)
+    # What its events become (see ``engine.RolloutEvents``); None: the stream's RolloutResponse messages.
+    events: Any = None
 
     @property
     def samples(self) -> int:

@@ -1,5 +1,6 @@
-"""The gRPC front end: RolloutService, standard health checking and reflection, graceful shutdown;
-and the HTTP front end beside it when asked for."""
+"""The server: the engine, one admission and one engine client, and the two front ends over them (the
+gRPC RolloutService with standard health checking and reflection, and the HTTP front end when asked
+for); graceful shutdown."""
 
 import asyncio
 import logging
@@ -18,15 +19,17 @@ import rollout_server
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes, solvers, steps, wire
 from rollout_server import families, memory, presets
+from rollout_server.admission import Admission
 from rollout_server.auth import HANDLER_KINDS, ServerTLS, TokenInterceptor, TokenPolicy, exposure_warning
 from rollout_server.engine import Engine
+from rollout_server.engine_client import EngineClient
 from rollout_server.errors import StartupError
+from rollout_server.grpc_api import RolloutService
 from rollout_server.http_api import HttpFrontEnd, HttpServer
 from rollout_server.limits import DEFAULT_HTTP_READ_SECONDS, DEFAULT_MAX_HTTP_RESPONSE_BYTES, Limits
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import SequenceParallel
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
-from rollout_server.service import RolloutService
 from rollout_server.validation import ServingContext, defaults_proto
 from rollout_server.weights import upload
 
@@ -134,8 +137,9 @@ def decode_info(adapter: families.base.FamilyAdapter) -> rollout_pb2.DecodeInfo:
 
 
 def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None]) -> RolloutService:
-    """Load the model and assemble the servicer (no network yet); ``on_fatal`` is called from the
-    engine's worker thread when the server must go down."""
+    """Load the model and assemble the admission, the engine client and the gRPC servicer over them
+    (no network yet); ``on_fatal`` is called from the engine's worker thread when the server must go
+    down."""
     metrics = ServerMetrics()
     engine = build_engine(options, metrics, on_fatal)
     adapter, limits = engine.adapter, options.limits
@@ -171,7 +175,20 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
     info.limits.max_update_bytes = engine.max_update_bytes
     info.limits.max_request_bytes = serving.max_request_bytes
     info.limits.memory_budget_bytes = engine.memory_budget.limit
-    return RolloutService(engine, metrics, serving, info, options.weights_root, options.upload_idle_seconds)
+    return rollout_service(engine, metrics, serving, info, options.weights_root, options.upload_idle_seconds)
+
+
+def rollout_service(
+    engine: Engine,
+    metrics: ServerMetrics,
+    serving: ServingContext,
+    info: rollout_pb2.GetServerInfoResponse,
+    weights_root: Path | None = None,
+    upload_idle_seconds: float = 30.0,
+) -> RolloutService:
+    """The gRPC servicer over one engine client and one admission (which the HTTP front end shares)."""
+    client = EngineClient(engine, metrics, weights_root, engine.max_update_bytes)
+    return RolloutService(Admission(client, serving, metrics), client, info, upload_idle_seconds)
 
 
 def _parse_or_none(message_type):
@@ -217,17 +234,19 @@ class RolloutServer:
         http: HttpServer | None = None,
     ):
         self.service = service
+        self.client = service.client
         self.grace_seconds = grace_seconds
         self.http = http  # the HTTP front end, started and stopped with this server
-        metrics = service.metrics
+        metrics = service.admission.metrics
+        serving = service.admission.serving
         interceptors = []
         if tokens is not None and tokens.enabled:
             interceptors.append(TokenInterceptor(tokens, lambda code: metrics.reject(code.name.lower())))
         self.server = grpc.aio.server(
             options=[
-                ("grpc.max_send_message_length", service.serving.limits.max_message_bytes),
+                ("grpc.max_send_message_length", serving.limits.max_message_bytes),
                 # The largest request the limits admit, its conditioning images included.
-                ("grpc.max_receive_message_length", service.serving.max_request_bytes),
+                ("grpc.max_receive_message_length", serving.max_request_bytes),
                 ("grpc.so_reuseport", 0),
             ],
             interceptors=interceptors,
@@ -270,12 +289,12 @@ class RolloutServer:
         ``_STATUS_SECONDS``)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.grace_seconds
-        self.service.begin_shutdown()
+        self.client.begin_shutdown()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        while self.service.engine.status().in_flight and loop.time() < deadline:
+        while self.client.status().in_flight and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_POLL_SECONDS)
-        await asyncio.to_thread(self.service.engine.close)  # the loop must keep running meanwhile
+        await self.client.close()
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(_STATUS_SECONDS)
@@ -309,7 +328,9 @@ async def serve(options: ServerOptions) -> int:
     try:
         http = None
         if options.http_port is not None:
-            front_end = HttpFrontEnd(service, options.tokens, options.max_http_response_bytes)
+            front_end = HttpFrontEnd(
+                service.admission, service.client, options.tokens, options.max_http_response_bytes
+            )
             http = HttpServer(
                 front_end, options.host, options.http_port, options.tls, options.http_read_seconds
             )
@@ -317,19 +338,19 @@ async def serve(options: ServerOptions) -> int:
             service, options.host, options.port, options.grace_seconds, options.tls, options.tokens, http
         )
     except BaseException:
-        await asyncio.to_thread(service.engine.close)  # a startup error leaves no worker behind
+        await service.client.close()  # a startup error leaves no worker behind
         raise
     await server.start()
     if options.metrics_port is not None:
         host = options.metrics_host
         try:
-            port = service.metrics.serve(host, options.metrics_port)
+            port = service.admission.metrics.serve(host, options.metrics_port)
         except (OSError, OverflowError) as error:
             await server.stop()
             raise StartupError(f"cannot serve metrics on {host}:{options.metrics_port}: {error}") from None
         log.info("metrics at http://%s:%d/metrics", host, port)
     log.info("security: %s", describe_security(options))
-    budget = memory.format_bytes(service.engine.memory_budget.limit)
+    budget = memory.format_bytes(service.server_info.limits.memory_budget_bytes)
     log.info("memory budget: %s for the running rollouts above the model", budget)
     warning = exposure_warning(options.host, options.tokens.enabled)
     if warning:

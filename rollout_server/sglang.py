@@ -39,7 +39,6 @@ combine the branches) and ``step_transformers`` (each step's expert); ``generate
 sample, float32 in [0, 1], [3, H, W] for an image and [3, F, H, W] for a video.
 """
 
-import io
 import json
 import math
 import string
@@ -49,13 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy
 import torch
-from PIL import Image
 from safetensors.torch import save
 
 from rollout.v1 import rollout_pb2
-from rollout_client.events import Finished, Step, decode_stream
-from rollout_client.trajectory import Collector, Trajectory
-from rollout_core import wire
+from rollout_core import dtypes, latent_streams, wire
+from rollout_core.transformer_call import TransformerCall
 from rollout_server.errors import InvalidRequest
 from rollout_server.limits import MAX_POLICY_VERSION
 from rollout_server.validation import SCALE_FIELDS, quoted
@@ -763,15 +760,94 @@ def _encodable(value: Any) -> Any:
     return value
 
 
-def _generated_output(trajectory: Trajectory) -> dict[str, Any] | None:
+class RolloutAnswer:
+    """The events of one ``/rollout/generate`` rollout (``engine.RolloutEvents``), kept as the engine
+    produces them for ``responses``: every sample's latents x_0 .. x_T (when the request returns them,
+    at the stream's latent dtype, held as float32), each step's log-probs and debug tensors, each
+    sample's frames (RGB) and the finished event. Made on the worker thread by ``events_of``;
+    ``emit`` gets the answer itself once the rollout has finished."""
+
+    def __init__(
+        self,
+        request: rollout_pb2.RolloutRequest,
+        started: rollout_pb2.RolloutStarted,
+        env_tensors: dict[str, torch.Tensor],
+        emit: Callable[["RolloutAnswer"], None],
+    ):
+        self.request, self.started, self.env_tensors, self.emit = request, started, env_tensors, emit
+        samples, num_steps = len(started.seeds), len(started.stochastic)
+        shape = tuple(started.layout.shape)
+        self.latent_dtype = dtypes.LATENT[request.latent_dtype]
+        self.latents = None
+        if request.latents == rollout_pb2.LATENT_SELECTION_ALL:  # what the front end asks for, or none
+            self.latents = torch.full((samples, num_steps + 1, *shape), float("nan"))
+        self.log_probs = torch.full((samples, num_steps), float("nan"))
+        # SGLang's debug tensors, [samples, T, ...]: 0 where a step has none (eps and sd when deterministic).
+        self.debug = {}
+        if request.debug_tensors:
+            self.debug = {
+                EPS: torch.zeros(samples, num_steps, *shape),
+                MEAN: torch.zeros(samples, num_steps, *shape),
+                SD: torch.zeros(samples, num_steps),
+                VELOCITY: torch.zeros(samples, num_steps, *shape),
+            }
+        self.frames: dict[int, dict[int, numpy.ndarray]] = {}  # sample -> frame -> RGB
+        self.finished: rollout_pb2.RolloutFinished | None = None
+
+    def on_start(self, x0: torch.Tensor) -> None:
+        if self.latents is not None:
+            self.latents[:, 0] = x0.to(self.latent_dtype)  # a copy, in float32
+
+    def on_step(self, record, nodes: list[int]) -> None:
+        i = record.index
+        if self.latents is not None:
+            self.latents[:, i + 1] = record.x_next.to(self.latent_dtype)
+        if record.log_probs is not None:
+            self.log_probs[:, i] = record.log_probs
+        if self.debug:
+            if record.eps is not None:
+                self.debug[EPS][:, i] = record.eps
+            self.debug[SD][:, i] = record.sd.expand(len(self.log_probs)).float()
+            self.debug[MEAN][:, i] = record.mean
+            self.debug[VELOCITY][:, i] = record.velocity
+
+    def on_pruned(self, nodes: list[int], step: int) -> None:  # a tree's: no SGLang request makes one
+        pass
+
+    def on_image(self, sample_index: int, frame_index: int, image) -> None:
+        self.frames.setdefault(sample_index, {})[frame_index] = numpy.asarray(image.convert("RGB"))
+
+    def on_audio(self, sample_index: int, sound) -> None:  # SGLang's answer carries no sound
+        pass
+
+    def on_preview(self, step: int, sample_index: int, frame_index: int, media, last: bool) -> None:
+        pass  # no SGLang request asks for previews
+
+    def on_finish(self, finished: rollout_pb2.RolloutFinished) -> None:
+        self.finished = finished
+        self.emit(self)
+
+    def env(self) -> dict[str, list[dict[str, Any]]]:
+        """env[branch][prompt] as the started event names it: its tensors, then its other values."""
+        envs = wire.decode_env(self.env_tensors, self.started.env_json)
+        return {branch: [per_prompt[p] for p in sorted(per_prompt)] for branch, per_prompt in envs.items()}
+
+
+# The debug tensors of a RolloutAnswer, by SGLang's names.
+EPS, MEAN, SD, VELOCITY = (
+    "rollout_variance_noises",
+    "rollout_prev_sample_means",
+    "rollout_noise_std_devs",
+    "rollout_model_outputs",
+)
+
+
+def _generated_output(frames: dict[int, numpy.ndarray] | None) -> dict[str, Any] | None:
     """The decoded sample as float32 in [0, 1]: [3, H, W], or [3, F, H, W] for several frames."""
-    frames = [
-        torch.from_numpy(numpy.asarray(Image.open(io.BytesIO(png)).convert("RGB")))
-        for png in trajectory.frames_png
-    ]
     if not frames:
         return None
-    pixels = torch.stack(frames).permute(3, 0, 1, 2).float() / 255  # [3, F, H, W]
+    pixels = torch.stack([torch.from_numpy(frames[f]) for f in sorted(frames)]).permute(3, 0, 1, 2)
+    pixels = pixels.float() / 255  # [3, F, H, W]
     return tensor(pixels[:, 0] if len(frames) == 1 else pixels)
 
 
@@ -797,9 +873,10 @@ def _caption_valid_lens(env: dict[str, Any]) -> dict[str, Any]:
 SGLANG_ENV = {"qwen-image": _txt_seq_lens, "qwen-image-edit": _txt_seq_lens, "z-image": _caption_valid_lens}
 
 
-def _denoising_env(trajectory: Trajectory, family: str) -> dict[str, Any]:
-    call = trajectory.transformer_call
-    branches = {branch: dict(env) for branch, env in trajectory.env.items()}
+def _denoising_env(
+    env: dict[str, dict[str, Any]], call: TransformerCall, step_transformers: list[str], family: str
+) -> dict[str, Any]:
+    branches = {branch: dict(kwargs) for branch, kwargs in env.items()}
     image_kwargs = {}
     key = call.conditioning.env_key
     if key:
@@ -818,75 +895,57 @@ def _denoising_env(trajectory: Trajectory, family: str) -> dict[str, Any]:
         "neg_cond_kwargs": _encodable(branches["negative"]) if "negative" in branches else None,
         "guidance": _encodable(branches["positive"].get("guidance")),
         "transformer_call": json.loads(call.to_json()),
-        "step_transformers": trajectory.step_transformers,
+        "step_transformers": step_transformers,
         "sglang_keys": sorted(sglang_keys),
     }
 
 
-def _stream_trajectories(trajectory: Trajectory, indices: list[int]) -> dict[str, Any] | None:
+def _stream_trajectories(
+    latents: torch.Tensor,
+    streams: tuple[latent_streams.LatentStream, ...],
+    indices: list[int],
+    timesteps: torch.Tensor,
+    sigmas: torch.Tensor,
+) -> dict[str, Any] | None:
     """Each latent stream of a sample that carries several (LTX-2: "video", "audio") as the multi-stream
     contract of SGLang's post-training API names them: its latents [K, *its shape] at
     ``latent_step_indices``, and the whole schedule (``timesteps`` and ``sigmas``, T + 1 each)."""
-    if not trajectory.streams:
+    if not streams:
         return None
     steps = torch.tensor(indices, dtype=torch.int64)
+    split = latent_streams.split(latents, streams)
     return {
         stream.name: {
-            "latents": tensor(trajectory.stream_latents(stream.name)[indices]),
+            "latents": tensor(stream_latents[indices]),
             "latent_step_indices": tensor(steps),
-            "timesteps": tensor(trajectory.timesteps),
-            "sigmas": tensor(trajectory.sigmas),
+            "timesteps": tensor(timesteps),
+            "sigmas": tensor(sigmas),
         }
-        for stream in trajectory.streams
-    }
-
-
-def _debug(steps: list[Step], row: int, num_steps: int, shape: torch.Size) -> dict[str, Any]:
-    """SGLang's debug tensors of one sample: [T, ...] per step (eps and sd 0 at deterministic steps)."""
-    eps = torch.zeros(num_steps, *shape)
-    mean = torch.zeros(num_steps, *shape)
-    velocity = torch.zeros(num_steps, *shape)
-    sd = torch.zeros(num_steps)
-    for step in steps:
-        debug = step.debug
-        if wire.EPS in debug:
-            eps[step.index] = debug[wire.EPS][row]
-        if wire.SD in debug:
-            sd[step.index] = debug[wire.SD][row]
-        mean[step.index] = debug[wire.MEAN][row]
-        velocity[step.index] = debug[wire.VELOCITY][row]
-    return {
-        "rollout_variance_noises": tensor(eps),
-        "rollout_prev_sample_means": tensor(mean),
-        "rollout_noise_std_devs": tensor(sd),
-        "rollout_model_outputs": tensor(velocity),
+        for stream, stream_latents in zip(streams, split, strict=True)
     }
 
 
 def responses(
-    messages: list[rollout_pb2.RolloutResponse], request: GenerateRequest, inference_seconds: float
+    answer: RolloutAnswer, request: GenerateRequest, inference_seconds: float
 ) -> list[dict[str, Any]]:
-    """SGLang's ``RolloutResponse`` of every sample (as dicts) from a finished rollout's messages."""
-    collector = Collector()
-    steps = []
-    peak_bytes = 0
-    for event in decode_stream(messages):
-        collector.add(event)
-        if isinstance(event, Step) and event.debug:
-            steps.append(event)
-        elif isinstance(event, Finished):
-            peak_bytes = event.message.peak_memory_bytes
-    message = collector.started.message
-    num_steps, shape = len(message.stochastic), torch.Size(message.layout.shape)
-    family = message.family
+    """SGLang's ``RolloutResponse`` of every sample (as dicts) from a finished rollout's events."""
+    started = answer.started
+    resolved = started.resolved
+    num_steps = len(started.stochastic)
+    call = TransformerCall.from_proto(started.transformer_call)
+    sigmas = torch.tensor(list(started.sigmas), dtype=torch.float32)
+    timesteps = torch.tensor(list(started.timesteps), dtype=torch.float32)
+    stochastic = torch.tensor(list(started.stochastic), dtype=torch.bool)
+    peak_bytes = answer.finished.peak_memory_bytes
+    env = answer.env() if request.rollout and request.rollout_return_denoising_env else {}
     indices = returned_steps(request, num_steps)
     answers = []
-    for row, trajectory in enumerate(collector.trajectories()):
-        answer = {
-            "request_id": trajectory.request_id,
-            "prompt": trajectory.prompt,
-            "seed": trajectory.seed,
-            "generated_output": _generated_output(trajectory),
+    for row, (seed, p) in enumerate(zip(started.seeds, started.prompt_indices, strict=True)):
+        response = {
+            "request_id": resolved.request_id,
+            "prompt": resolved.prompts[p],
+            "seed": seed,
+            "generated_output": _generated_output(answer.frames.get(row)),
             "rollout_log_probs": None,
             "rollout_debug_tensors": None,
             "denoising_env": None,
@@ -896,20 +955,29 @@ def responses(
             "peak_memory_mb": peak_bytes / 2**20 if peak_bytes else None,
         }
         if request.rollout:
-            zeroed = torch.where(trajectory.stochastic, trajectory.log_probs, torch.zeros(()))
-            answer["rollout_log_probs"] = tensor(zeroed)
+            response["rollout_log_probs"] = tensor(
+                torch.where(stochastic, answer.log_probs[row], torch.zeros(()))
+            )
             if request.rollout_debug_mode:
-                answer["rollout_debug_tensors"] = _debug(steps, row, num_steps, shape)
+                response["rollout_debug_tensors"] = {
+                    name: tensor(values[row]) for name, values in answer.debug.items()
+                }
             if request.rollout_return_denoising_env:
-                answer["denoising_env"] = _denoising_env(trajectory, family)
+                sample_env = {branch: per_prompt[p] for branch, per_prompt in env.items()}
+                response["denoising_env"] = _denoising_env(
+                    sample_env, call, list(started.step_transformers), started.family
+                )
             if indices:
-                answer["dit_trajectory"] = {
-                    "latents": tensor(trajectory.latents[indices]),
-                    "timesteps": tensor(trajectory.timesteps[indices]),
-                    "sigmas": tensor(trajectory.sigmas),
+                latents = answer.latents[row]
+                response["dit_trajectory"] = {
+                    "latents": tensor(latents[indices]),
+                    "timesteps": tensor(timesteps[indices]),
+                    "sigmas": tensor(sigmas),
                     "latent_step_indices": tensor(torch.tensor(indices, dtype=torch.int64)),
                     "step_indices": indices,
                 }
-                answer["stream_trajectories"] = _stream_trajectories(trajectory, indices)
-        answers.append(answer)
+                response["stream_trajectories"] = _stream_trajectories(
+                    latents, call.form.streams, indices, timesteps, sigmas
+                )
+        answers.append(response)
     return answers

@@ -37,8 +37,7 @@ from rollout_server.families.base import MediaShape
 from rollout_server.limits import Limits
 from rollout_server.presets import defaults_for
 from rollout_server.prompt_cache import PromptCache
-from rollout_server.server import RolloutServer
-from rollout_server.service import RolloutService
+from rollout_server.server import RolloutServer, rollout_service
 from rollout_server.validation import ServingContext
 
 IMAGE_FAMILIES = ["flux-kontext", "qwen-image-edit", "wan-i2v"]
@@ -330,7 +329,7 @@ def in_process_server(adapter, preset: str, limits: Limits) -> Iterator[str]:
     ``adapter``, so that what its threads do can be seen."""
     engine = Engine(lambda: adapter, preset, limits)
     serving = ServingContext.of(adapter, defaults_for(preset, adapter.defaults()), limits)
-    service = RolloutService(engine, engine.metrics, serving, rollout_pb2.GetServerInfoResponse())
+    service = rollout_service(engine, engine.metrics, serving, rollout_pb2.GetServerInfoResponse())
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="event-loop")
     thread.start()
@@ -380,7 +379,7 @@ def logged(text: str) -> Iterator[None]:
                 seen.set()
 
     handler = Handler()
-    service_log = logging.getLogger("rollout_server.service")
+    service_log = logging.getLogger("rollout_server.admission")
     service_log.addHandler(handler)
     try:
         yield
@@ -398,7 +397,7 @@ def test_requests_waiting_for_a_policy_version_hold_at_most_the_image_bound(fami
     request = family_request(
         family, "ODE", cfg=False, samples_per_prompt=1, num_steps=1, min_policy_version=1
     )
-    caplog.set_level(logging.INFO, logger="rollout_server.service")
+    caplog.set_level(logging.INFO, logger="rollout_server.admission")
     server = in_process_server(family_resources.adapter(family), FAMILIES[family].preset, limits)
     with server as address, RolloutClient(address, timeout=60, retry=None) as client:
         stub = rollout_pb2_grpc.RolloutServiceStub(client.channel)

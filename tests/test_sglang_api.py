@@ -168,9 +168,10 @@ def test_sglang_requests_replay_from_the_bare_transformer(sglang, family_resourc
 
 
 def test_http_and_grpc_give_the_same_rollout_bitwise(sglang, family_resources):
-    """The same prompt and seeds over both front ends of one server: equal latents, log-probs and
-    schedule, bit for bit (the noise is the seed's; batching never changes a row's numbers here:
-    each rollout runs alone, in the same batch shape)."""
+    """The same prompt and seeds over both front ends of one server: equal latents, log-probs,
+    schedule and env, bit for bit (the noise is the seed's; batching never changes a row's numbers
+    here: each rollout runs alone, in the same batch shape; each front end translates the engine's
+    own tensors, the HTTP one without the gRPC stream's encoding)."""
     server = family_resources.server("flux")
     request = conformance_request(sglang, "flux", "sde", cfg=True, rollout_return_step_indices=None)
     answers = generate(sglang, http_url(server), request)
@@ -191,8 +192,16 @@ def test_http_and_grpc_give_the_same_rollout_bitwise(sglang, family_resources):
         assert answer["dit_trajectory"]["step_indices"] == list(range(STEPS + 1))
         assert torch.equal(answer["dit_trajectory"]["latents"], trajectory.latents)
         assert torch.equal(answer["dit_trajectory"]["sigmas"], trajectory.sigmas)
+        assert torch.equal(answer["dit_trajectory"]["timesteps"], trajectory.timesteps)
         stochastic = trajectory.stochastic
         assert torch.equal(answer["rollout_log_probs"][stochastic], trajectory.log_probs[stochastic])
+        # The env each branch's forward took: the same tensors, whichever wire carried them.
+        env = answer["denoising_env"]
+        for branch, kwargs in (("positive", env["pos_cond_kwargs"]), ("negative", env["neg_cond_kwargs"])):
+            streamed = trajectory.env[branch]
+            for key, value in kwargs.items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(value, streamed[key]), (branch, key)
 
 
 def test_a_msgpack_body_gets_the_answer_of_its_json_twin(sglang, family_resources):
