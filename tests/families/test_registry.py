@@ -2,14 +2,15 @@
 
 The registry (``rollout_server/families/registry.py``) is the one list of families; these checks are
 what a new folder must satisfy to be picked up by the rest of the suite: a spec, an adapter per
-pipeline class, published configs, a preset builder per preset, a row in docs/adding-a-model.md,
-and no mention of the family outside its folder, the registry and the docs.
+pipeline class, published configs, a preset builder per preset, its rows in the contract suite, a row
+in docs/adding-a-model.md, and no mention of the family outside its folder, the registry and the docs.
 """
 
 import importlib
 import re
 
 import pytest
+from support.families import FAMILIES as CONTRACT_ROWS
 from support.servers import ROOT
 
 from rollout_server.families import registry
@@ -104,3 +105,14 @@ def test_no_family_is_named_outside_its_folder_the_registry_and_the_docs():
                 if word.search(line) and not (relative in ALLOWED and ALLOWED[relative] in line):
                     found.append(f"{relative}:{number}: {line.strip()}")
     assert found == []
+
+
+def test_every_preset_and_pipeline_class_has_its_row_in_the_contract_suite():
+    """The contract suite (tests/families/test_contract.py) runs over support.families' table: a row for
+    every pipeline class the registry serves and for every preset but the larger copies of a tiny one
+    (size "small"), and no row for a preset the registry does not declare."""
+    rows = {family.preset: family for family in CONTRACT_ROWS.values()}
+    assert rows.keys() <= set(preset_names())
+    served = {name for name, (_, preset) in registry.presets().items() if preset.size != "small"}
+    assert served <= rows.keys(), sorted(served - rows.keys())
+    assert {family.pipeline for family in CONTRACT_ROWS.values()} == set(registry.pipeline_classes())
