@@ -2,8 +2,8 @@
 to be a useful base model, and not so often that RL has nothing to lift (GenEval's regime); a
 training run on its train prompts evaluates the policy on the eval prompts before and after;
 examples/eval_shapes.py prints the GenEval-style table of the policy a LoRA folder holds; and a few
-iterations of DiffusionNFT on one prompt raise that prompt's dense reward. Replay parity is in
-test_replay.py and SP=2 parity in test_sp.py, with the other presets."""
+iterations of DiffusionNFT on one prompt raise that prompt's dense reward. Replay parity and SP=2
+parity are the contract suite's (tests/families/test_contract.py), with the other presets."""
 
 import csv
 import json

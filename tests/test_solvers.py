@@ -3,7 +3,7 @@ bitwise and the published formula's in float64; the sampler keeps their history 
 it after a stochastic step and regroups it with the rows; on the tiny-flux server the stochastic
 steps of a window replay with every solver around them, the deterministic ones regenerate from the
 streamed velocities, and a tree's children step on from their fork with their own history. Wan's own
-UniPC is in test_family_wan.py; a pipeline with each solver's scheduler against an ODE rollout in
+UniPC is in families/test_wan.py; a pipeline with each solver's scheduler against an ODE rollout in
 test_replay_diffusers.py."""
 
 import numpy as np

@@ -37,7 +37,7 @@ class Family:
     env_keys: frozenset[str]  # the transformer's kwargs besides hidden_states and timestep
     latent_shape: tuple[int, ...]  # one sample's latents at 64 x 64 pixels
     cfg_off_rule: tuple[str, float] = ("none", 1.0)  # the guidance rule and scale with ``cfg_off``
-    # What test_replay.py's replay-parity test covers: each sampler with CFG off and on, at each latent
+    # What the contract suite's replay-parity test covers: each sampler with CFG off and on, at each latent
     # dtype (None: the request leaves it unset).
     replay_samplers: tuple[str, ...] = ("FLOW_SDE", "CPS")
     replay_latent_dtypes: tuple[str | None, ...] = (None,)
