@@ -159,7 +159,13 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
         solvers=list(solvers.SOLVERS_BY_ENUM),
         defaults=defaults_proto(serving),
         limits=limits.to_proto(
-            adapter.side_multiple, adapter.min_side, adapter.max_frames, adapter.frame_step
+            side_multiple=adapter.side_multiple,
+            min_side=adapter.min_side,
+            max_frames=adapter.max_frames,
+            frame_step=adapter.frame_step,
+            max_update_bytes=engine.max_update_bytes,
+            max_request_bytes=serving.max_request_bytes,
+            memory_budget_bytes=engine.memory_budget.limit,
         ),
         versions=versions(),
         # A model without CFG states no field to turn it on with.
@@ -172,9 +178,6 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
         lora_targets=adapter.lora_targets,
         decode=decode_info(adapter),
     )
-    info.limits.max_update_bytes = engine.max_update_bytes
-    info.limits.max_request_bytes = serving.max_request_bytes
-    info.limits.memory_budget_bytes = engine.memory_budget.limit
     return rollout_service(engine, metrics, serving, info, options.weights_root, options.upload_idle_seconds)
 
 

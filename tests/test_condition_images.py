@@ -393,7 +393,8 @@ def test_requests_waiting_for_a_policy_version_hold_at_most_the_image_bound(fami
     request is refused with RESOURCE_EXHAUSTED saying why; once the first has left, the second
     waits in its place."""
     image_bytes = 64 * 64 * 3
-    limits = Limits(max_queued_image_bytes=2 * image_bytes)
+    # Room for that request alone: two images at most, 64 pixels a side.
+    limits = Limits(max_queued_image_bytes=2 * image_bytes, max_condition_images=2, max_side=64)
     request = family_request(
         family, "ODE", cfg=False, samples_per_prompt=1, num_steps=1, min_policy_version=1
     )
