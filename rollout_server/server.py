@@ -144,7 +144,7 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
     engine = build_engine(options, metrics, on_fatal)
     adapter, limits = engine.adapter, options.limits
     defaults = presets.defaults_for(options.model, adapter.defaults())
-    serving = ServingContext.of(adapter, defaults, limits, options.parallel.dims.seq_len_divisor)
+    serving = ServingContext(adapter, defaults, limits, options.parallel.dims.seq_len_divisor)
     info = rollout_pb2.GetServerInfoResponse(
         model=options.model,
         model_path=str(adapter.folder),
@@ -169,10 +169,10 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
         ),
         versions=versions(),
         # A model without CFG states no field to turn it on with.
-        cfg_scale_field=serving.cfg_scale_field if serving.has_cfg else "",
+        cfg_scale_field=adapter.cfg_scale_field if serving.has_cfg else "",
         cfg_rule=adapter.cfg_rule if serving.has_cfg else "none",
         cfg_off_scale=adapter.cfg_off_scale,
-        scale_fields=serving.scale_fields,
+        scale_fields=adapter.scale_fields,
         timestep_rule=adapter.timestep_rule,
         features=features(adapter, options.weights_root),
         lora_targets=adapter.lora_targets,

@@ -328,7 +328,7 @@ def in_process_server(adapter, preset: str, limits: Limits) -> Iterator[str]:
     """The address of a server running in this process (its event loop on a thread of its own) on
     ``adapter``, so that what its threads do can be seen."""
     engine = Engine(lambda: adapter, preset, limits)
-    serving = ServingContext.of(adapter, defaults_for(preset, adapter.defaults()), limits)
+    serving = ServingContext(adapter, defaults_for(preset, adapter.defaults()), limits)
     service = rollout_service(engine, engine.metrics, serving, rollout_pb2.GetServerInfoResponse())
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="event-loop")

@@ -203,7 +203,7 @@ def test_a_latent_above_the_servers_bound_is_refused(family, family_folder):
 
     adapter = families.load(family_folder, torch.device("cpu"), torch.float32)
     bounded = Limits(max_latent_elements=3000)
-    serving = ServingContext.of(adapter, defaults_for(FAMILIES[family].preset, adapter.defaults()), bounded)
+    serving = ServingContext(adapter, defaults_for(FAMILIES[family].preset, adapter.defaults()), bounded)
     model = {name: getattr(adapter, name) for name in MODEL_LIMITS}
     reported = bounded.to_proto(
         **model, max_update_bytes=0, max_request_bytes=serving.max_request_bytes, memory_budget_bytes=0
