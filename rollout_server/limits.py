@@ -358,7 +358,7 @@ class Limits:
 
 
 def _flag_type(field: dataclasses.Field) -> type:
-    return float if field.type in (float, "float") else int
+    return float if field.type is float else int
 
 
 def _shown(value: Any) -> str:
