@@ -152,7 +152,9 @@ class Limits:
         "of the largest request these limits admit must fit",
         flag="--max-message-bytes",
         rule=_message_bytes,
-        bound=f"`min_message_bytes` to {MAX_RECEIVE_BYTES} (what clients receive)",
+        bound=f"a started event of the largest request ((max_samples + 1) x max_prompt_chars x "
+        f"{_UTF8_MAX_BYTES} bytes, {_TREE_NODE_BYTES} a tree node, and 64 KiB) to {MAX_RECEIVE_BYTES} (what "
+        "clients receive)",
     )
     max_batch_size: int = limit(
         8,
