@@ -127,7 +127,7 @@ def measure(family: str, sizes, images: bool, cache_dir: Path, threads: int, scr
     preset = PRESETS[family]
     adapter = families.load(resolve_model(preset, cache_dir), torch.device("cpu"), torch.float32)
     limits = Limits()
-    serving = ServingContext.of(adapter, defaults_for(preset, adapter.defaults()), limits)
+    serving = ServingContext(adapter, defaults_for(preset, adapter.defaults()), limits)
     profile = adapter.measure_vae()
     budget = memory.MemoryBudget(0, limits)
     side, frames = 2 * adapter.min_side, 1 + adapter.frame_step  # a video's fewest frames past one

@@ -53,7 +53,7 @@ def in_process_runner(preset: str, cache_dir: Path) -> tuple[Runner, ServingCont
         ServerMetrics(),
     )
     defaults = defaults_for(preset, adapter.defaults())
-    return runner, ServingContext.of(adapter, defaults, Limits())
+    return runner, ServingContext(adapter, defaults, Limits())
 
 
 def in_process_seconds(

@@ -33,7 +33,8 @@ from rollout_server.errors import (
     UploadIdle,
     WeightSyncFailed,
 )
-from rollout_server.validation import ServingContext, quoted, read_images, resolve
+from rollout_server.quoting import quoted
+from rollout_server.validation import ServingContext, read_images, resolve
 
 if TYPE_CHECKING:
     from rollout_server.engine import EventsFactory, Outbox

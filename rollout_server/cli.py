@@ -47,66 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
     s.add_argument("--cache-dir", type=Path, default=None, help="where presets are built (default: ~/.cache)")
     s.add_argument("--grace-seconds", type=float, default=10.0, help="time running rollouts get at shutdown")
-    s.add_argument("--max-message-bytes", type=int, default=Limits.max_message_bytes)
-    s.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=Limits.max_batch_size,
-        help="transformer rows per forward (a sample in one CFG branch), across concurrent rollouts; "
-        "1 turns batching off",
-    )
-    s.add_argument("--max-samples", type=int, default=Limits.max_samples, help="samples per request")
-    s.add_argument(
-        "--max-queued", type=int, default=Limits.max_queued_requests, help="rollouts queued or running"
-    )
-    s.add_argument(
-        "--max-running-samples",
-        type=int,
-        default=Limits.max_running_samples,
-        help="samples of the rollouts stepping together (a larger rollout runs alone)",
-    )
-    s.add_argument(
-        "--max-tree-nodes",
-        type=int,
-        default=Limits.max_tree_nodes,
-        help="nodes of a tree rollout (its leaves are bounded by --max-running-samples)",
-    )
-    s.add_argument(
-        "--max-latent-elements",
-        type=int,
-        default=Limits.max_latent_elements,
-        help="elements of one sample's latent, whatever its frames and size",
-    )
-    s.add_argument(
-        "--max-waiting",
-        type=int,
-        default=Limits.max_waiting_requests,
-        help="requests waiting for their min_policy_version (they hold no rollout slot)",
-    )
-    s.add_argument(
-        "--stall-seconds",
-        type=float,
-        default=Limits.stall_seconds,
-        help="end a stream (ABORTED) whose client has read nothing for this long, freeing its work; "
-        "an HTTP client that takes too little of its answer for this long is dropped",
-    )
-    s.add_argument(
-        "--prune-hold-seconds",
-        type=float,
-        default=Limits.prune_hold_seconds,
-        help="the longest a tree rollout waits at one of its prune points for its caller's prune",
-    )
-    s.add_argument(
-        "--memory-budget",
-        type=byte_size,
-        default=None,
-        help="bytes the running rollouts may take above the loaded model, e.g. 12GiB (default: half the "
-        "RAM available once the model is loaded on a CPU, 80%% of the free GPU memory on CUDA). Each "
-        "request's estimate counts what it holds (latents, sampler tensors, stream, env, a video "
-        "decode's cache) and the largest piece of work: a forward, a decode piece or a conditioning "
-        "image's encode, the VAE's measured at start-up on a probe (on a CPU with what glibc's heap "
-        "keeps); a request that cannot fit alone is refused",
-    )
+    Limits.add_flags(s)
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (per rank)")
     s.add_argument(
         "--sp", type=int, default=1, help="sequence-parallel ranks (processes) to run the model on"
@@ -190,13 +131,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def byte_size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def run_ray(args: argparse.Namespace) -> None:
     try:
         from rollout_server.ray import connect, launch, wait_forever
@@ -224,21 +158,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "ray":
         return run_ray(args)
-    limits = Limits(
-        max_samples=args.max_samples,
-        max_batch_size=args.max_batch_size,
-        max_message_bytes=args.max_message_bytes,
-        max_queued_requests=args.max_queued,
-        max_running_samples=args.max_running_samples,
-        max_latent_elements=args.max_latent_elements,
-        max_waiting_requests=args.max_waiting,
-        stall_seconds=args.stall_seconds,
-        prune_hold_seconds=args.prune_hold_seconds,
-        memory_budget=args.memory_budget,
-        max_tree_nodes=args.max_tree_nodes,
-    )
     try:
-        limits.check()
+        limits = Limits.of_flags(args)
     except ValueError as error:
         sys.exit(f"rollout-server: {error}")
     if not 0 < args.collective_timeout <= 120:

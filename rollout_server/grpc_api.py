@@ -19,7 +19,7 @@ from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_core.transport import PREVIOUS_ATTEMPTS_HEADER, PREVIOUS_ATTEMPTS_TRAILER
 from rollout_server.admission import NOT_A_PROTOBUF, Admission, Refused, StreamStalled, failure
 from rollout_server.errors import InvalidRequest
-from rollout_server.validation import quoted
+from rollout_server.quoting import quoted
 from rollout_server.weights import group, upload
 
 if TYPE_CHECKING:

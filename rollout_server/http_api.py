@@ -57,7 +57,7 @@ from rollout_server.admission import Admission, Refused, failure
 from rollout_server.auth import ServerTLS, TokenPolicy, method_path
 from rollout_server.errors import InvalidRequest, Overloaded, StartupError
 from rollout_server.http_connection import BoundedH11Protocol
-from rollout_server.validation import quoted
+from rollout_server.quoting import quoted
 from rollout_server.weights import payload
 from rollout_server.weights.spec import HEADER_ALLOWANCE_BYTES, check_target
 
@@ -602,18 +602,18 @@ class HttpFrontEnd:
 
     async def _probe_rollout(self) -> HttpError | None:
         """Run /health_generate's rollout: None if it went through, else the answer's error."""
-        serving = self.serving
-        side = serving.min_side  # the smallest size the model takes (LTX-2's decoder needs 2 x 2 latents)
+        model = self.serving.model
+        side = model.min_side  # the smallest size the model takes (LTX-2's decoder needs 2 x 2 latents)
         probe = rollout_pb2.RolloutRequest(
             prompts=["health"],
-            num_steps=serving.min_steps,
+            num_steps=model.min_steps,
             height=side,
             width=side,
             sampler=rollout_pb2.SAMPLER_TYPE_ODE,
             latents=rollout_pb2.LATENT_SELECTION_NONE,
             images=False,
         )
-        if serving.max_frames > 1:
+        if model.max_frames > 1:
             probe.num_frames = 1
         try:
             try:

@@ -144,7 +144,7 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
     engine = build_engine(options, metrics, on_fatal)
     adapter, limits = engine.adapter, options.limits
     defaults = presets.defaults_for(options.model, adapter.defaults())
-    serving = ServingContext.of(adapter, defaults, limits, options.parallel.dims.seq_len_divisor)
+    serving = ServingContext(adapter, defaults, limits, options.parallel.dims.seq_len_divisor)
     info = rollout_pb2.GetServerInfoResponse(
         model=options.model,
         model_path=str(adapter.folder),
@@ -159,22 +159,25 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
         solvers=list(solvers.SOLVERS_BY_ENUM),
         defaults=defaults_proto(serving),
         limits=limits.to_proto(
-            adapter.side_multiple, adapter.min_side, adapter.max_frames, adapter.frame_step
+            side_multiple=adapter.side_multiple,
+            min_side=adapter.min_side,
+            max_frames=adapter.max_frames,
+            frame_step=adapter.frame_step,
+            max_update_bytes=engine.max_update_bytes,
+            max_request_bytes=serving.max_request_bytes,
+            memory_budget_bytes=engine.memory_budget.limit,
         ),
         versions=versions(),
         # A model without CFG states no field to turn it on with.
-        cfg_scale_field=serving.cfg_scale_field if serving.has_cfg else "",
+        cfg_scale_field=adapter.cfg_scale_field if serving.has_cfg else "",
         cfg_rule=adapter.cfg_rule if serving.has_cfg else "none",
         cfg_off_scale=adapter.cfg_off_scale,
-        scale_fields=serving.scale_fields,
+        scale_fields=adapter.scale_fields,
         timestep_rule=adapter.timestep_rule,
         features=features(adapter, options.weights_root),
         lora_targets=adapter.lora_targets,
         decode=decode_info(adapter),
     )
-    info.limits.max_update_bytes = engine.max_update_bytes
-    info.limits.max_request_bytes = serving.max_request_bytes
-    info.limits.memory_budget_bytes = engine.memory_budget.limit
     return rollout_service(engine, metrics, serving, info, options.weights_root, options.upload_idle_seconds)
 
 

@@ -55,7 +55,8 @@ from rollout_core import dtypes, latent_streams, wire
 from rollout_core.transformer_call import TransformerCall
 from rollout_server.errors import InvalidRequest
 from rollout_server.limits import MAX_POLICY_VERSION
-from rollout_server.validation import SCALE_FIELDS, quoted
+from rollout_server.quoting import quoted
+from rollout_server.validation import SCALE_FIELDS
 from rollout_server.weights import payload
 from rollout_server.weights.lora_config import MAX_RANK
 from rollout_server.weights.spec import check_target, check_version
@@ -645,17 +646,17 @@ def _unread(request: GenerateRequest, serving: "ServingContext") -> list[str]:
     while CFG is off (the model's CFG scale, as set or by default, at or below its off value), the
     second expert's fields on a model with one (or its scale while CFG is off), and the body's seed
     where extra_sampling_params gives a list (which SGLang merges over it)."""
-    values = request.values
+    values, model = request.values, serving.model
     unread = [
-        field for field in SCALE_FIELDS if values[field] is not None and field not in serving.scale_fields
+        field for field in SCALE_FIELDS if values[field] is not None and field not in model.scale_fields
     ]
-    scale = values[serving.cfg_scale_field]
-    if scale is None or serving.cfg_scale_field in unread:
-        scale = getattr(serving.defaults, serving.cfg_scale_field)
-    cfg = serving.has_cfg and scale > serving.cfg_off_scale
+    scale = values[model.cfg_scale_field]
+    if scale is None or model.cfg_scale_field in unread:
+        scale = getattr(serving.defaults, model.cfg_scale_field)
+    cfg = serving.has_cfg and scale > model.cfg_off_scale
     if request.negative_prompt and not cfg:
         unread.append("negative_prompt")
-    experts = serving.boundary_ratio is not None
+    experts = model.boundary_ratio is not None
     unread += [
         field
         for field in SAMPLING_FIELDS

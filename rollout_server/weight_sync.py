@@ -41,7 +41,7 @@ from rollout_server.parallel.sync_group import (
     WeightSyncOptions,
     stuck_joins,
 )
-from rollout_server.validation import quoted
+from rollout_server.quoting import quoted
 from rollout_server.weights import group
 
 if TYPE_CHECKING:

@@ -328,7 +328,7 @@ def in_process_server(adapter, preset: str, limits: Limits) -> Iterator[str]:
     """The address of a server running in this process (its event loop on a thread of its own) on
     ``adapter``, so that what its threads do can be seen."""
     engine = Engine(lambda: adapter, preset, limits)
-    serving = ServingContext.of(adapter, defaults_for(preset, adapter.defaults()), limits)
+    serving = ServingContext(adapter, defaults_for(preset, adapter.defaults()), limits)
     service = rollout_service(engine, engine.metrics, serving, rollout_pb2.GetServerInfoResponse())
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="event-loop")
@@ -393,7 +393,8 @@ def test_requests_waiting_for_a_policy_version_hold_at_most_the_image_bound(fami
     request is refused with RESOURCE_EXHAUSTED saying why; once the first has left, the second
     waits in its place."""
     image_bytes = 64 * 64 * 3
-    limits = Limits(max_queued_image_bytes=2 * image_bytes)
+    # Room for that request alone: two images at most, 64 pixels a side.
+    limits = Limits(max_queued_image_bytes=2 * image_bytes, max_condition_images=2, max_side=64)
     request = family_request(
         family, "ODE", cfg=False, samples_per_prompt=1, num_steps=1, min_policy_version=1
     )

@@ -27,7 +27,7 @@ def engine(tiny_flux_folder):
 def resolved(engine: Engine, **fields) -> rollout_pb2.RolloutRequest:
     adapter = engine.adapter
     defaults = defaults_for("tiny-flux", adapter.defaults())
-    serving = ServingContext.of(adapter, defaults, Limits())
+    serving = ServingContext(adapter, defaults, Limits())
     return resolve(rollout_pb2.RolloutRequest(images=False, **fields), serving)
 
 

@@ -109,7 +109,7 @@ def estimate_of(adapter, preset: str, request: rollout_pb2.RolloutRequest) -> Ro
     """The server's estimate of ``request`` on ``adapter`` (loaded from ``preset``), computed here as
     the server does."""
     limits = Limits()
-    serving = ServingContext.of(adapter, defaults_for(preset, adapter.defaults()), limits)
+    serving = ServingContext(adapter, defaults_for(preset, adapter.defaults()), limits)
     backlog = STREAM_BUFFER * limits.max_message_bytes
     return memory.estimate(adapter, adapter.measure_vae(), resolve(request, serving), backlog)
 

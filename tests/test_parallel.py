@@ -192,7 +192,7 @@ def test_validation_refuses_tokens_the_ranks_cannot_split(adapters, family):
     they are 48 tokens, which split."""
     adapter = adapters(family)
     defaults = defaults_for(FAMILIES[family].preset, adapter.defaults())
-    serving = ServingContext.of(adapter, defaults, Limits(), seq_len_divisor=2)
+    serving = ServingContext(adapter, defaults, Limits(), seq_len_divisor=2)
     request = {"prompts": ["a fox"], "num_frames": 9, "num_steps": 2}
     with pytest.raises(InvalidRequest) as raised:
         resolve(rollout_pb2.RolloutRequest(height=48, width=48, **request), serving)

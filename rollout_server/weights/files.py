@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from rollout.v1 import rollout_pb2
-from rollout_server.validation import quoted
+from rollout_server.quoting import quoted
 from rollout_server.weights.spec import check_finite, check_target, check_version
 from rollout_server.weights.update import FULL, LORA, WeightUpdate, reject
 

@@ -16,7 +16,7 @@ from typing import Any
 from peft import LoraConfig
 
 from rollout_server.errors import InvalidRequest
-from rollout_server.validation import quoted
+from rollout_server.quoting import quoted
 
 FIELD = "header.lora_config_json"
 MAX_CONFIG_CHARS = 64 * 1024

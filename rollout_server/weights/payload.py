@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from rollout_core.dtypes import BY_NAME, SAFETENSORS_NAMES
-from rollout_server.validation import quoted
+from rollout_server.quoting import quoted
 from rollout_server.weights.files import PEFT_SAVED_PREFIX
 from rollout_server.weights.spec import HEADER_ALLOWANCE_BYTES, check_finite
 from rollout_server.weights.update import reject

@@ -20,7 +20,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from rollout_core.checksum import base_tensors
 from rollout_server.errors import StaleUpdate
 from rollout_server.limits import MAX_POLICY_VERSION
-from rollout_server.validation import quoted
+from rollout_server.quoting import quoted
 from rollout_server.weights.lora_config import parse_lora_config
 from rollout_server.weights.update import FULL, LORA, SUBSET, WeightUpdate, reject
 

@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from rollout.v1 import rollout_pb2
 from rollout_core.dtypes import BY_SAFETENSORS
 from rollout_server.errors import UploadIdle
-from rollout_server.validation import quoted
+from rollout_server.quoting import quoted
 from rollout_server.weights.spec import HEADER_ALLOWANCE_BYTES, check_finite, check_version
 from rollout_server.weights.update import WeightUpdate, from_header, reject
 

@@ -324,7 +324,7 @@ def test_a_distilled_klein_runs_without_cfg(family_folder, tmp_path):
     assert adapter.pipe.config.is_distilled and adapter.scale_fields == ()
     defaults = adapter.defaults()
     assert (defaults.num_steps, defaults.guidance_scale) == (4, 1.0)
-    serving = ServingContext.of(adapter, defaults, Limits())
+    serving = ServingContext(adapter, defaults, Limits())
     assert not serving.has_cfg  # GetServerInfo states no CFG field, and the rule "none"
     for field, value in (("guidance_scale", 4.0), ("negative_prompt", "blurry")):
         with pytest.raises(InvalidRequest) as raised:

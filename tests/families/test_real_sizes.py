@@ -122,7 +122,7 @@ def group_request(adapter: FamilyAdapter, split: int) -> rollout_pb2.RolloutRequ
         image = io.BytesIO()
         Image.new("RGB", (64, 64), "red").save(image, format="PNG")
         request.condition_images.add(data=image.getvalue())
-    serving = ServingContext.of(adapter, adapter.defaults(), Limits(), seq_len_divisor=split)
+    serving = ServingContext(adapter, adapter.defaults(), Limits(), seq_len_divisor=split)
     return resolve(request, serving)
 
 
@@ -427,7 +427,7 @@ def test_the_decode_piece_covers_a_real_decode_of_the_tiny_ltx2_presets_longest_
     (docs/architecture.md#the-memory-budget): within its term (146 MiB), which counts what glibc keeps
     of them and their reorders."""
     adapter = family_resources.adapter("ltx2")
-    serving = ServingContext.of(adapter, defaults_for("tiny-ltx2", adapter.defaults()), Limits())
+    serving = ServingContext(adapter, defaults_for("tiny-ltx2", adapter.defaults()), Limits())
     request = rollout_pb2.RolloutRequest(prompts=["a drum"], num_frames=241, height=64, width=64)
     request = resolve(request, serving)
     assert request.images and (request.num_frames, request.samples_per_prompt) == (241, 1)

@@ -31,7 +31,7 @@ ALLOWED = {
     # with the family's adapter; sglang.py is left as it is while its front end is reworked).
     "rollout_server/sglang.py": "SGLANG_ENV = {",
     # The request validation cites WanPipeline's default for guidance_scale_2 (two-expert models).
-    "rollout_server/validation.py": "WanPipeline's default",
+    "rollout_server/validation/guidance.py": "WanPipeline's default",
 }
 # A family built on another's parts may name it: Wan 2.1 image-to-video is Wan's transformer and
 # adapter with a first frame; Cosmos3 decodes with Wan 2.2's VAE, framed as Wan's adapter frames it.

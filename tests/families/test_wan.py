@@ -187,6 +187,10 @@ def test_the_cli_sets_the_second_experts_fields(family_resources, family, tmp_pa
     assert request["boundary_ratio"] == pytest.approx(0.999, rel=2**-24)  # float32, as JSON
 
 
+# GetServerInfo's limits that the model sets.
+MODEL_LIMITS = ("side_multiple", "min_side", "max_frames", "frame_step")
+
+
 @pytest.mark.parametrize("family", ["wan"])
 def test_a_latent_above_the_servers_bound_is_refused(family, family_folder):
     """``--max-latent-elements`` bounds one sample's latent: 9 frames at 64 x 64 are 16 x 3 x 8 x 8 =
@@ -199,13 +203,12 @@ def test_a_latent_above_the_servers_bound_is_refused(family, family_folder):
 
     adapter = families.load(family_folder, torch.device("cpu"), torch.float32)
     bounded = Limits(max_latent_elements=3000)
-    serving = ServingContext.of(adapter, defaults_for(FAMILIES[family].preset, adapter.defaults()), bounded)
-    assert (
-        bounded.to_proto(
-            adapter.side_multiple, adapter.min_side, adapter.max_frames, adapter.frame_step
-        ).max_latent_elements
-        == 3000
+    serving = ServingContext(adapter, defaults_for(FAMILIES[family].preset, adapter.defaults()), bounded)
+    model = {name: getattr(adapter, name) for name in MODEL_LIMITS}
+    reported = bounded.to_proto(
+        **model, max_update_bytes=0, max_request_bytes=serving.max_request_bytes, memory_budget_bytes=0
     )
+    assert reported.max_latent_elements == 3000
     assert resolve(family_request(family, "ODE", cfg=False, num_frames=5), serving).num_frames == 5
     with pytest.raises(InvalidRequest) as refused:
         resolve(family_request(family, "ODE", cfg=False, num_frames=9), serving)
