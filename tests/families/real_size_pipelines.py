@@ -29,9 +29,6 @@ from diffusers import (
     Flux2KleinPipeline,
     Flux2Pipeline,
     Flux2Transformer2DModel,
-    FluxKontextPipeline,
-    FluxPipeline,
-    FluxTransformer2DModel,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
     LTX2Pipeline,
@@ -39,8 +36,6 @@ from diffusers import (
     QwenImageEditPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
-    SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
     UniPCMultistepScheduler,
     WanImageToVideoPipeline,
     WanPipeline,
@@ -51,9 +46,6 @@ from diffusers import (
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
 from transformers import (
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
     CLIPVisionConfig,
     CLIPVisionModelWithProjection,
     Gemma3Config,
@@ -75,23 +67,21 @@ from transformers import (
     SiglipVisionConfig,
     T5Config,
     T5EncoderModel,
-    T5TokenizerFast,
     UMT5Config,
     UMT5EncoderModel,
 )
 
-from rollout_server.families.common.published import CLIP_L, FLUX_1_VAE, QWEN3_4B, QWEN_VL, T5_XXL
+from rollout_server.families.common.build import Build
+from rollout_server.families.common.published import FLUX_1_VAE, QWEN3_4B, QWEN_VL
 from rollout_server.families.common.tokenizers import (
     QWEN3_CHAT_TEMPLATE,
     QWEN3_SPECIAL_TOKENS,
     write_mistral_tokenizer,
     write_qwen2_tokenizer,
-    write_t5_tokenizer,
 )
 from rollout_server.families.cosmos3.preset import SCHEDULER_CONFIG as COSMOS3_SCHEDULER_CONFIG
 from rollout_server.families.cosmos3.published import COSMOS3_NANO, WAN_2_2_VAE
-from rollout_server.families.flux.preset import FLUX_SCHEDULER_CONFIG
-from rollout_server.families.flux.published import FLUX_1_DEV, FLUX_T5_TOKENS
+from rollout_server.families.flux.preset import flux, flux_kontext
 from rollout_server.families.flux2.preset import FLUX2_SCHEDULER_CONFIG
 from rollout_server.families.flux2.published import (
     FLUX_2_DEV,
@@ -116,8 +106,7 @@ from rollout_server.families.ltx2.published import (
 )
 from rollout_server.families.qwen_image.preset import QWEN_IMAGE_SCHEDULER_CONFIG, _prompt_template
 from rollout_server.families.qwen_image.published import QWEN_IMAGE, QWEN_IMAGE_VAE, QWEN_VL_PROCESSOR
-from rollout_server.families.sd3.preset import SD3_SCHEDULER_CONFIG
-from rollout_server.families.sd3.published import CLIP_G, SD35_MEDIUM, SD35_VAE
+from rollout_server.families.sd3.preset import sd3
 from rollout_server.families.wan.preset import WAN22_BOUNDARY_RATIO, WAN_SCHEDULER_CONFIG
 from rollout_server.families.wan.published import UMT5_XXL, WAN_1_3B, WAN_14B
 from rollout_server.families.wan_i2v.published import CLIP_VIT_H, WAN_I2V_14B
@@ -136,37 +125,10 @@ def on_meta(model_class, *args, **kwargs) -> torch.nn.Module:
         return model_class(*args, **kwargs).to(DTYPE)
 
 
-def t5_tokenizer(folder: Path, tokens: int) -> T5TokenizerFast:
-    """A T5 tokenizer that pads to ``tokens``: the adapter reads its length, not its vocabulary (a
-    locally trained one, as no hub is reached)."""
-    write_t5_tokenizer(folder / "tokenizer_2", 256, model_max_length=tokens)
-    return T5TokenizerFast.from_pretrained(folder / "tokenizer_2")
-
-
-def flux_pipeline(folder: Path, pipeline_class: type[FluxPipeline] = FluxPipeline) -> FluxPipeline:
-    return pipeline_class(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKL, **FLUX_1_VAE),
-        text_encoder=on_meta(CLIPTextModel, CLIPTextConfig(**CLIP_L)),
-        tokenizer=None,
-        text_encoder_2=on_meta(T5EncoderModel, T5Config(**T5_XXL)),
-        tokenizer_2=t5_tokenizer(folder, FLUX_T5_TOKENS),
-        transformer=on_meta(FluxTransformer2DModel, **FLUX_1_DEV),
-    )
-
-
-def sd3_pipeline(folder: Path) -> StableDiffusion3Pipeline:
-    return StableDiffusion3Pipeline(
-        transformer=on_meta(SD3Transformer2DModel, **SD35_MEDIUM),
-        scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKL, **SD35_VAE),
-        text_encoder=on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_L)),
-        tokenizer=None,
-        text_encoder_2=on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_G)),
-        tokenizer_2=None,
-        text_encoder_3=on_meta(T5EncoderModel, T5Config(**T5_XXL)),
-        tokenizer_3=None,
-    )
+def real_size(builder: Callable[..., DiffusionPipeline], **published) -> Callable[[Path], DiffusionPipeline]:
+    """The family's ``builder`` at the published checkpoint's size (``published`` names its configs where the
+    family has several), on the meta device; its tokenizers are written into the folder it is given."""
+    return lambda folder: builder(Build(folder, meta=True), **published)
 
 
 def qwen_image_components(tokenizer: Qwen2Tokenizer | None = None) -> dict:
@@ -408,7 +370,7 @@ CHECKPOINTS = (
     Checkpoint(
         "black-forest-labs/FLUX.1-dev",
         "flux",
-        flux_pipeline,
+        real_size(flux),
         **FLUX_FIGURES,
         # metadata.total_size of transformer/diffusion_pytorch_model.safetensors.index.json and of
         # text_encoder_2/model.safetensors.index.json.
@@ -417,14 +379,14 @@ CHECKPOINTS = (
     Checkpoint(
         "black-forest-labs/FLUX.1-Kontext-dev",
         "flux-kontext",
-        functools.partial(flux_pipeline, pipeline_class=FluxKontextPipeline),
+        real_size(flux_kontext),
         # The conditioning image at the request's size adds as many tokens as it generates.
         **{**FLUX_FIGURES, "forward": (2 * 4096 + 512, 5 * 3072)},
     ),
     Checkpoint(
         "stabilityai/stable-diffusion-3.5-medium",
         "sd3",
-        sd3_pipeline,
+        real_size(sd3),
         latent_shape=(16, 128, 128),
         generated_tokens=64 * 64,  # 2 x 2 patches of the 128 x 128 latent
         forward=(64 * 64 + 77 + 256, 4 * 1536),  # CLIP's 77 and T5's 256 text tokens; 4x feed-forward

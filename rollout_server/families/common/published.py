@@ -2,8 +2,10 @@
 
 Every family's published.py holds such values, each under a comment naming the file they come from;
 values the diffusers or transformers class defaults to are left out. They are data, read by the
-tests and the real-size checks on the meta device (tests/families/test_real_sizes.py).
+builders (a preset: these with a size's overrides; a real-size check: these alone, on the meta device).
 """
+
+from rollout_server.families.common.build import TOKENIZER_LENGTH
 
 # black-forest-labs/FLUX.1-dev vae/config.json.
 FLUX_1_VAE = {
@@ -89,4 +91,19 @@ QWEN3_4B = {
     "rope_theta": 1000000,
     "tie_word_embeddings": True,
     "vocab_size": 151936,
+}
+# openai/clip-vit-large-patch14's tokenizer (also OpenCLIP bigG's): the size of its BPE vocabulary.
+CLIP_TOKENIZER = {"vocab_size": 49408}
+# google/t5-v1_1-xxl's tokenizer: the pieces of its spiece.model (its 100 <extra_id_*> sentinels beside them).
+T5_TOKENIZER = {"vocab_size": 32000}
+
+# A preset's CLIP text encoder: two narrow layers over its tokenizer's vocabulary, trained to 768 tokens.
+TINY_CLIP_TOKENIZER = {"vocab_size": 768}
+TINY_CLIP = {
+    "vocab_size": TOKENIZER_LENGTH,
+    "hidden_size": 32,
+    "intermediate_size": 4 * 32,
+    "projection_dim": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
 }
