@@ -15,8 +15,6 @@ from pathlib import Path
 
 import torch
 from diffusers import (
-    AutoencoderKL,
-    AutoencoderKLFlux2,
     AutoencoderKLHunyuanVideo15,
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
@@ -26,9 +24,6 @@ from diffusers import (
     Cosmos3OmniPipeline,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
-    Flux2KleinPipeline,
-    Flux2Pipeline,
-    Flux2Transformer2DModel,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
     LTX2Pipeline,
@@ -40,8 +35,6 @@ from diffusers import (
     WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
-    ZImagePipeline,
-    ZImageTransformer2DModel,
 )
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
@@ -51,9 +44,6 @@ from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
-    Mistral3Config,
-    Mistral3ForConditionalGeneration,
-    PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLTextConfig,
@@ -61,9 +51,6 @@ from transformers import (
     Qwen2Tokenizer,
     Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3Model,
     SiglipVisionConfig,
     T5Config,
     T5EncoderModel,
@@ -72,22 +59,18 @@ from transformers import (
 )
 
 from rollout_server.families.common.build import Build
-from rollout_server.families.common.published import FLUX_1_VAE, QWEN3_4B, QWEN_VL
+from rollout_server.families.common.published import QWEN_VL
 from rollout_server.families.common.tokenizers import (
     QWEN3_CHAT_TEMPLATE,
     QWEN3_SPECIAL_TOKENS,
-    write_mistral_tokenizer,
     write_qwen2_tokenizer,
 )
 from rollout_server.families.cosmos3.preset import SCHEDULER_CONFIG as COSMOS3_SCHEDULER_CONFIG
 from rollout_server.families.cosmos3.published import COSMOS3_NANO, WAN_2_2_VAE
 from rollout_server.families.flux.preset import flux, flux_kontext
-from rollout_server.families.flux2.preset import FLUX2_SCHEDULER_CONFIG
+from rollout_server.families.flux2.preset import flux2, flux2_klein
 from rollout_server.families.flux2.published import (
-    FLUX_2_DEV,
-    FLUX_2_KLEIN_4B,
     FLUX_2_KLEIN_9B,
-    MISTRAL_SMALL_3_1,
     QWEN3_8B,
 )
 from rollout_server.families.hunyuan_video15.preset import GUIDANCE_SCALE as HUNYUAN_VIDEO15_GUIDANCE_SCALE
@@ -110,8 +93,7 @@ from rollout_server.families.sd3.preset import sd3
 from rollout_server.families.wan.preset import WAN22_BOUNDARY_RATIO, WAN_SCHEDULER_CONFIG
 from rollout_server.families.wan.published import UMT5_XXL, WAN_1_3B, WAN_14B
 from rollout_server.families.wan_i2v.published import CLIP_VIT_H, WAN_I2V_14B
-from rollout_server.families.z_image.preset import Z_IMAGE_SCHEDULER_CONFIG
-from rollout_server.families.z_image.published import Z_IMAGE_TURBO
+from rollout_server.families.z_image.preset import z_image
 
 # The dtype the checkpoints ship and are served in.
 DTYPE = torch.bfloat16
@@ -178,44 +160,6 @@ def wan_i2v_pipeline(folder: Path) -> WanImageToVideoPipeline:
         image_processor=None,
         image_encoder=on_meta(CLIPVisionModelWithProjection, CLIPVisionConfig(**CLIP_VIT_H)),
         transformer=on_meta(WanTransformer3DModel, **WAN_I2V_14B),
-    )
-
-
-def flux2_klein_pipeline(folder: Path, transformer: dict, text_encoder: dict) -> Flux2KleinPipeline:
-    """The adapter reads the tokenizer's length (a locally trained Qwen2 one: the real one is longer
-    than the pipeline's 512) and the text encoder's depth."""
-    write_qwen2_tokenizer(folder / "tokenizer", "")
-    return Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKLFlux2),
-        text_encoder=on_meta(Qwen3ForCausalLM, Qwen3Config(**text_encoder)),
-        tokenizer=Qwen2Tokenizer.from_pretrained(folder / "tokenizer"),
-        transformer=on_meta(Flux2Transformer2DModel, **transformer),
-    )
-
-
-def flux2_dev_pipeline(folder: Path) -> Flux2Pipeline:
-    """As [klein]'s, with Mistral's tokenizer (a real checkpoint's sits in a processor that needs
-    torchvision; the adapter reads the tokenizer's length either way)."""
-    write_mistral_tokenizer(folder / "tokenizer", "", model_max_length=131072)
-    return Flux2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKLFlux2),
-        text_encoder=on_meta(Mistral3ForConditionalGeneration, Mistral3Config(**MISTRAL_SMALL_3_1)),
-        tokenizer=PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer"),
-        transformer=on_meta(Flux2Transformer2DModel, **FLUX_2_DEV),
-    )
-
-
-def z_image_pipeline(folder: Path) -> ZImagePipeline:
-    """Z-Image decodes with FLUX.1's VAE; the adapter reads no tokenizer (its text length is the
-    pipeline's 512)."""
-    return ZImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**Z_IMAGE_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKL, **FLUX_1_VAE),
-        text_encoder=on_meta(Qwen3Model, Qwen3Config(**QWEN3_4B)),
-        tokenizer=None,
-        transformer=on_meta(ZImageTransformer2DModel, **Z_IMAGE_TURBO),
     )
 
 
@@ -463,7 +407,7 @@ CHECKPOINTS = (
     Checkpoint(
         "black-forest-labs/FLUX.2-klein-4B",
         "flux2-klein",
-        functools.partial(flux2_klein_pipeline, transformer=FLUX_2_KLEIN_4B, text_encoder=QWEN3_4B),
+        real_size(flux2_klein),
         **{
             **FLUX2_FIGURES,
             "forward": (4096 + 512, 9 * 24 * 128),
@@ -473,19 +417,19 @@ CHECKPOINTS = (
     Checkpoint(
         "black-forest-labs/FLUX.2-klein-9B",
         "flux2-klein",
-        functools.partial(flux2_klein_pipeline, transformer=FLUX_2_KLEIN_9B, text_encoder=QWEN3_8B),
+        real_size(flux2_klein, transformer=FLUX_2_KLEIN_9B, text_encoder=QWEN3_8B),
         **{**FLUX2_FIGURES, "forward": (4096 + 512, 9 * 32 * 128), "text_elements": 512 * 12288},
     ),
     Checkpoint(
         "black-forest-labs/FLUX.2-dev",
         "flux2",
-        flux2_dev_pipeline,
+        real_size(flux2),
         **{**FLUX2_FIGURES, "forward": (4096 + 512, 9 * 48 * 128), "text_elements": 512 * 15360},
     ),
     Checkpoint(
         "Tongyi-MAI/Z-Image-Turbo",
         "z-image",
-        z_image_pipeline,
+        real_size(z_image),
         latent_shape=(16, 128, 128),  # unpacked, 8x VAE
         generated_tokens=64 * 64,  # 2 x 2 patches, already a multiple of 32
         # The unified sequence: the image's tokens and the 512 caption tokens, each padded to a

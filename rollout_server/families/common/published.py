@@ -88,9 +88,20 @@ QWEN3_4B = {
     "num_hidden_layers": 36,
     "num_key_value_heads": 8,
     "rms_norm_eps": 1e-06,
-    "rope_theta": 1000000,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     "tie_word_embeddings": True,
     "vocab_size": 151936,
+}
+# Qwen/Qwen3-4B tokenizer_config.json: the text length a pipeline that reads it pads prompts to.
+QWEN3_TOKENIZER = {"model_max_length": 131072}
+# A preset's Qwen3 text encoder: two narrow layers of grouped heads over its tokenizer's vocabulary.
+TINY_QWEN3 = {
+    "vocab_size": TOKENIZER_LENGTH,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32 // 2,
 }
 # openai/clip-vit-large-patch14's tokenizer (also OpenCLIP bigG's): the size of its BPE vocabulary.
 CLIP_TOKENIZER = {"vocab_size": 49408}
