@@ -9,7 +9,6 @@ server's adapter over each against the figures.
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,14 +31,10 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     UniPCMultistepScheduler,
-    WanImageToVideoPipeline,
-    WanPipeline,
-    WanTransformer3DModel,
 )
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
 from transformers import (
-    CLIPVisionConfig,
     CLIPVisionModelWithProjection,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
@@ -54,8 +49,6 @@ from transformers import (
     SiglipVisionConfig,
     T5Config,
     T5EncoderModel,
-    UMT5Config,
-    UMT5EncoderModel,
 )
 
 from rollout_server.families.common.build import Build
@@ -90,9 +83,9 @@ from rollout_server.families.ltx2.published import (
 from rollout_server.families.qwen_image.preset import QWEN_IMAGE_SCHEDULER_CONFIG, _prompt_template
 from rollout_server.families.qwen_image.published import QWEN_IMAGE, QWEN_IMAGE_VAE, QWEN_VL_PROCESSOR
 from rollout_server.families.sd3.preset import sd3
-from rollout_server.families.wan.preset import WAN22_BOUNDARY_RATIO, WAN_SCHEDULER_CONFIG
-from rollout_server.families.wan.published import UMT5_XXL, WAN_1_3B, WAN_14B
-from rollout_server.families.wan_i2v.published import CLIP_VIT_H, WAN_I2V_14B
+from rollout_server.families.wan.preset import wan, wan_2_2
+from rollout_server.families.wan.published import WAN_14B
+from rollout_server.families.wan_i2v.preset import wan_i2v
 from rollout_server.families.z_image.preset import z_image
 
 # The dtype the checkpoints ship and are served in.
@@ -137,30 +130,6 @@ def qwen_image_edit_pipeline(folder: Path) -> QwenImageEditPipeline:
         image_processor=Qwen2VLImageProcessorPil(**QWEN_VL_PROCESSOR), tokenizer=tokenizer
     )
     return QwenImageEditPipeline(**qwen_image_components(tokenizer), processor=processor)
-
-
-def wan_pipeline(folder: Path, config: dict, experts: int = 1) -> WanPipeline:
-    return WanPipeline(
-        tokenizer=None,
-        text_encoder=on_meta(UMT5EncoderModel, UMT5Config(**UMT5_XXL)),
-        vae=on_meta(AutoencoderKLWan),
-        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
-        transformer=on_meta(WanTransformer3DModel, **config),
-        transformer_2=on_meta(WanTransformer3DModel, **config) if experts == 2 else None,
-        boundary_ratio=WAN22_BOUNDARY_RATIO if experts == 2 else None,
-    )
-
-
-def wan_i2v_pipeline(folder: Path) -> WanImageToVideoPipeline:
-    return WanImageToVideoPipeline(
-        tokenizer=None,
-        text_encoder=on_meta(UMT5EncoderModel, UMT5Config(**UMT5_XXL)),
-        vae=on_meta(AutoencoderKLWan),
-        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
-        image_processor=None,
-        image_encoder=on_meta(CLIPVisionModelWithProjection, CLIPVisionConfig(**CLIP_VIT_H)),
-        transformer=on_meta(WanTransformer3DModel, **WAN_I2V_14B),
-    )
 
 
 def hunyuan_video15_pipeline(folder: Path) -> HunyuanVideo15Pipeline:
@@ -366,7 +335,7 @@ CHECKPOINTS = (
     Checkpoint(
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
         "wan",
-        functools.partial(wan_pipeline, config=WAN_1_3B),
+        real_size(wan),
         latent_shape=WAN_LATENT,
         generated_tokens=WAN_TOKENS,
         forward=(WAN_TOKENS, 8960),  # the feed-forward, wider than q, k and v (3 x 1536)
@@ -377,7 +346,7 @@ CHECKPOINTS = (
     Checkpoint(
         "Wan-AI/Wan2.1-T2V-14B-Diffusers",
         "wan",
-        functools.partial(wan_pipeline, config=WAN_14B),
+        real_size(wan, transformer=WAN_14B),
         latent_shape=WAN_LATENT,
         generated_tokens=WAN_TOKENS,
         forward=(WAN_TOKENS, 3 * 5120),  # q, k and v, wider than the feed-forward (13824)
@@ -387,7 +356,7 @@ CHECKPOINTS = (
     Checkpoint(
         "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
         "wan",
-        functools.partial(wan_pipeline, config=WAN_14B, experts=2),
+        real_size(wan_2_2),
         latent_shape=WAN_LATENT,
         generated_tokens=WAN_TOKENS,
         forward=(WAN_TOKENS, 3 * 5120),
@@ -397,7 +366,7 @@ CHECKPOINTS = (
     Checkpoint(
         "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
         "wan-i2v",
-        wan_i2v_pipeline,
+        real_size(wan_i2v, image_encoder_class=CLIPVisionModelWithProjection),
         latent_shape=WAN_LATENT,  # the condition enters on channels: the latent stays 16 wide
         generated_tokens=WAN_TOKENS,
         forward=(WAN_TOKENS, 3 * 5120),

@@ -11,9 +11,10 @@ trained locally and written into the folder either way (no hub is reached).
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class _TokenizerLength:
@@ -68,9 +69,11 @@ class Build:
         config = merged(published, self.size.get(component, {}))
         return _with_tokenizer_length(config, None if tokenizer is None else len(tokenizer))
 
-    def model(self, seed: int, model_class, *args, **kwargs) -> torch.nn.Module:
+    def model(self, seed: int, model_class, *args, **kwargs) -> "torch.nn.Module":
         """``model_class(*args, **kwargs)``: seeded with ``seed`` on the CPU (a fixed seed per component
         keeps each one stable when another component's config changes), or on the meta device."""
+        import torch  # here, so that published configs (which import this module) stay plain data
+
         if self.meta:
             with torch.device("meta"):
                 return model_class(*args, **kwargs).to(torch.bfloat16)

@@ -63,8 +63,9 @@ def text_encoder(
 
 
 def model(target: "Build", seed: int, component: str, model_class, published: Mapping[str, Any], **settings):
-    """``component``, a diffusers ``model_class`` of its published config with this size's overrides."""
-    return target.model(seed, model_class, **target.config(component, published), **settings)
+    """``component``, a diffusers ``model_class`` of its published config with this size's overrides and
+    ``settings``."""
+    return target.model(seed, model_class, **{**target.config(component, published), **settings})
 
 
 def clip_text(target: "Build", seed: int, names: tuple[str, str], model_class, published: Mapping[str, Any]):
