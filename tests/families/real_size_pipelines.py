@@ -17,7 +17,6 @@ from diffusers import (
     AutoencoderKLHunyuanVideo15,
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
-    AutoencoderKLQwenImage,
     AutoencoderKLWan,
     ClassifierFreeGuidance,
     Cosmos3OmniPipeline,
@@ -27,9 +26,6 @@ from diffusers import (
     HunyuanVideo15Transformer3DModel,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
-    QwenImageEditPipeline,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
     UniPCMultistepScheduler,
 )
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
@@ -39,13 +35,9 @@ from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLTextConfig,
     Qwen2_5_VLTextModel,
     Qwen2Tokenizer,
-    Qwen2VLImageProcessorPil,
-    Qwen2VLProcessor,
     SiglipVisionConfig,
     T5Config,
     T5EncoderModel,
@@ -80,8 +72,7 @@ from rollout_server.families.ltx2.published import (
     LTX_2_VAE,
     LTX_2_VOCODER,
 )
-from rollout_server.families.qwen_image.preset import QWEN_IMAGE_SCHEDULER_CONFIG, _prompt_template
-from rollout_server.families.qwen_image.published import QWEN_IMAGE, QWEN_IMAGE_VAE, QWEN_VL_PROCESSOR
+from rollout_server.families.qwen_image.preset import qwen_image, qwen_image_edit
 from rollout_server.families.sd3.preset import sd3
 from rollout_server.families.wan.preset import wan, wan_2_2
 from rollout_server.families.wan.published import WAN_14B
@@ -104,32 +95,6 @@ def real_size(builder: Callable[..., DiffusionPipeline], **published) -> Callabl
     """The family's ``builder`` at the published checkpoint's size (``published`` names its configs where the
     family has several), on the meta device; its tokenizers are written into the folder it is given."""
     return lambda folder: builder(Build(folder, meta=True), **published)
-
-
-def qwen_image_components(tokenizer: Qwen2Tokenizer | None = None) -> dict:
-    return {
-        "scheduler": FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
-        "vae": on_meta(AutoencoderKLQwenImage, **QWEN_IMAGE_VAE),
-        "text_encoder": on_meta(Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(**QWEN_VL)),
-        "tokenizer": tokenizer,
-        "transformer": on_meta(QwenImageTransformer2DModel, **QWEN_IMAGE),
-    }
-
-
-def qwen_image_pipeline(folder: Path) -> QwenImagePipeline:
-    return QwenImagePipeline(**qwen_image_components())
-
-
-def qwen_image_edit_pipeline(folder: Path) -> QwenImageEditPipeline:
-    """The edit adapter counts the template's tokens around the image with the tokenizer (a locally
-    trained one, whose words of the template are single tokens as in Qwen2's vocabulary). The
-    processor needs torchvision (for its video processor)."""
-    write_qwen2_tokenizer(folder / "tokenizer", _prompt_template(QwenImageEditPipeline))
-    tokenizer = Qwen2Tokenizer.from_pretrained(folder / "tokenizer")
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessorPil(**QWEN_VL_PROCESSOR), tokenizer=tokenizer
-    )
-    return QwenImageEditPipeline(**qwen_image_components(tokenizer), processor=processor)
 
 
 def hunyuan_video15_pipeline(folder: Path) -> HunyuanVideo15Pipeline:
@@ -310,7 +275,7 @@ CHECKPOINTS = (
     Checkpoint(
         "Qwen/Qwen-Image",
         "qwen-image",
-        qwen_image_pipeline,
+        real_size(qwen_image),
         latent_shape=(4096, 64),
         generated_tokens=4096,
         forward=(4096 + 512, 4 * 3072),  # the 512 longest prompt tokens; 4x feed-forward
@@ -322,7 +287,7 @@ CHECKPOINTS = (
     Checkpoint(
         "Qwen/Qwen-Image-Edit",
         "qwen-image-edit",
-        qwen_image_edit_pipeline,
+        real_size(qwen_image_edit),
         latent_shape=(4096, 64),
         generated_tokens=4096,
         # The image's 4096 latent tokens; the text: the VL encoder's 37 x 37 merged image patches (1024

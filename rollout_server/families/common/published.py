@@ -58,8 +58,8 @@ QWEN_VL = {
         "num_attention_heads": 28,
         "num_hidden_layers": 28,
         "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-        "tie_word_embeddings": False,
         "vocab_size": 152064,
     },
     "vision_config": {
@@ -73,9 +73,22 @@ QWEN_VL = {
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
+        "tokens_per_second": 2,
         "window_size": 112,
     },
     "tie_word_embeddings": False,
+}
+# Qwen/Qwen2.5-VL-7B-Instruct tokenizer_config.json: the text length a pipeline that reads it pads to.
+QWEN_VL_TOKENIZER = {"model_max_length": 131072}
+# A preset's Qwen2.5-VL language model: narrow layers of grouped heads over its tokenizer's vocabulary,
+# its multimodal RoPE sections summing to half the head dim.
+TINY_QWEN_VL_TEXT = {
+    "vocab_size": TOKENIZER_LENGTH,
+    "hidden_size": 32,
+    "intermediate_size": 4 * 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "rope_parameters": {"mrope_section": [2, 3, 3]},
 }
 # Tongyi-MAI/Z-Image-Turbo and black-forest-labs/FLUX.2-klein-4B text_encoder/config.json: Qwen3-4B's.
 QWEN3_4B = {
