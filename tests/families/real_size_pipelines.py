@@ -14,16 +14,12 @@ from pathlib import Path
 
 import torch
 from diffusers import (
-    AutoencoderKLHunyuanVideo15,
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     AutoencoderKLWan,
-    ClassifierFreeGuidance,
     Cosmos3OmniPipeline,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
-    HunyuanVideo15Pipeline,
-    HunyuanVideo15Transformer3DModel,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
     UniPCMultistepScheduler,
@@ -35,16 +31,11 @@ from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
-    Qwen2_5_VLTextConfig,
-    Qwen2_5_VLTextModel,
     Qwen2Tokenizer,
     SiglipVisionConfig,
-    T5Config,
-    T5EncoderModel,
 )
 
 from rollout_server.families.common.build import Build
-from rollout_server.families.common.published import QWEN_VL
 from rollout_server.families.common.tokenizers import (
     QWEN3_CHAT_TEMPLATE,
     QWEN3_SPECIAL_TOKENS,
@@ -58,11 +49,7 @@ from rollout_server.families.flux2.published import (
     FLUX_2_KLEIN_9B,
     QWEN3_8B,
 )
-from rollout_server.families.hunyuan_video15.preset import GUIDANCE_SCALE as HUNYUAN_VIDEO15_GUIDANCE_SCALE
-from rollout_server.families.hunyuan_video15.preset import (
-    SCHEDULER_CONFIG as HUNYUAN_VIDEO15_SCHEDULER_CONFIG,
-)
-from rollout_server.families.hunyuan_video15.published import BYT5_SMALL, HUNYUAN_VIDEO15_480P_T2V
+from rollout_server.families.hunyuan_video15.preset import hunyuan_video15
 from rollout_server.families.ltx2.preset import SCHEDULER_CONFIG as LTX2_SCHEDULER_CONFIG
 from rollout_server.families.ltx2.published import (
     GEMMA_3_12B,
@@ -95,20 +82,6 @@ def real_size(builder: Callable[..., DiffusionPipeline], **published) -> Callabl
     """The family's ``builder`` at the published checkpoint's size (``published`` names its configs where the
     family has several), on the meta device; its tokenizers are written into the folder it is given."""
     return lambda folder: builder(Build(folder, meta=True), **published)
-
-
-def hunyuan_video15_pipeline(folder: Path) -> HunyuanVideo15Pipeline:
-    """The adapter reads no tokenizer: its text lengths are the pipeline's (1000 and 256)."""
-    return HunyuanVideo15Pipeline(
-        text_encoder=on_meta(Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig(**QWEN_VL["text_config"])),
-        tokenizer=None,
-        transformer=on_meta(HunyuanVideo15Transformer3DModel, **HUNYUAN_VIDEO15_480P_T2V),
-        vae=on_meta(AutoencoderKLHunyuanVideo15),
-        scheduler=FlowMatchEulerDiscreteScheduler(**HUNYUAN_VIDEO15_SCHEDULER_CONFIG),
-        text_encoder_2=on_meta(T5EncoderModel, T5Config(**BYT5_SMALL)),
-        tokenizer_2=None,
-        guider=ClassifierFreeGuidance(guidance_scale=HUNYUAN_VIDEO15_GUIDANCE_SCALE),
-    )
 
 
 def cosmos3_pipeline(folder: Path) -> Cosmos3OmniPipeline:
@@ -376,7 +349,7 @@ CHECKPOINTS = (
     Checkpoint(
         "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
         "hunyuan-video15",
-        hunyuan_video15_pipeline,
+        real_size(hunyuan_video15),
         # The pipeline's default: 121 frames at the 16:9 size its target_size (640) picks, 848 x 480;
         # 16x VAE of 32 channels, 4x in time: 1 + 120 / 4 latent frames of 480 / 16 x 848 / 16.
         default_media=(121, 480, 848),
