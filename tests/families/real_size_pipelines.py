@@ -16,33 +16,22 @@ import torch
 from diffusers import (
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
-    AutoencoderKLWan,
-    Cosmos3OmniPipeline,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
-    UniPCMultistepScheduler,
 )
-from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
 from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
 from transformers import (
     CLIPVisionModelWithProjection,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
-    Qwen2Tokenizer,
     SiglipVisionConfig,
 )
 
 from rollout_server.families.common.build import Build
-from rollout_server.families.common.tokenizers import (
-    QWEN3_CHAT_TEMPLATE,
-    QWEN3_SPECIAL_TOKENS,
-    write_qwen2_tokenizer,
-)
-from rollout_server.families.cosmos3.preset import SCHEDULER_CONFIG as COSMOS3_SCHEDULER_CONFIG
-from rollout_server.families.cosmos3.published import COSMOS3_NANO, WAN_2_2_VAE
+from rollout_server.families.cosmos3.preset import cosmos3
 from rollout_server.families.flux.preset import flux, flux_kontext
 from rollout_server.families.flux2.preset import flux2, flux2_klein
 from rollout_server.families.flux2.published import (
@@ -82,21 +71,6 @@ def real_size(builder: Callable[..., DiffusionPipeline], **published) -> Callabl
     """The family's ``builder`` at the published checkpoint's size (``published`` names its configs where the
     family has several), on the meta device; its tokenizers are written into the folder it is given."""
     return lambda folder: builder(Build(folder, meta=True), **published)
-
-
-def cosmos3_pipeline(folder: Path) -> Cosmos3OmniPipeline:
-    """Cosmos3's text tokenizer is Qwen3-VL's (a Qwen2 tokenizer with ``<|vision_start|>``, which the
-    pipeline looks up): a locally trained one, as the adapter reads no size of it. No safety checker."""
-    write_qwen2_tokenizer(
-        folder / "text_tokenizer", "", special_tokens=QWEN3_SPECIAL_TOKENS, chat_template=QWEN3_CHAT_TEMPLATE
-    )
-    return Cosmos3OmniPipeline(
-        transformer=on_meta(Cosmos3OmniTransformer, **COSMOS3_NANO),
-        text_tokenizer=Qwen2Tokenizer.from_pretrained(folder / "text_tokenizer"),
-        vae=on_meta(AutoencoderKLWan, **WAN_2_2_VAE),
-        scheduler=UniPCMultistepScheduler(**COSMOS3_SCHEDULER_CONFIG),
-        enable_safety_checker=False,
-    )
 
 
 def ltx2_pipeline(folder: Path) -> LTX2Pipeline:
@@ -377,7 +351,7 @@ CHECKPOINTS = (
     Checkpoint(
         "nvidia/Cosmos3-Nano",
         "cosmos3",
-        cosmos3_pipeline,
+        real_size(cosmos3),
         # The pipeline's default: 189 frames of 1280 x 720; 16x VAE of 48 channels, 4x in time:
         # 1 + 188 / 4 latent frames of 720 / 16 x 1280 / 16.
         default_media=(189, 720, 1280),

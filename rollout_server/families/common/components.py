@@ -62,10 +62,18 @@ def text_encoder(
     return target.model(seed, model_class, config_class(**config, **token_ids(tokenizer, *ids)))
 
 
-def model(target: "Build", seed: int, component: str, model_class, published: Mapping[str, Any], **settings):
-    """``component``, a diffusers ``model_class`` of its published config with this size's overrides and
-    ``settings``."""
-    return target.model(seed, model_class, **{**target.config(component, published), **settings})
+def model(
+    target: "Build",
+    seed: int,
+    component: str,
+    model_class,
+    published: Mapping[str, Any],
+    tokenizer=None,
+    **settings,
+):
+    """``component``, a diffusers ``model_class`` of its published config with this size's overrides (a
+    vocabulary of ``tokenizer``'s length where the size says so) and ``settings``."""
+    return target.model(seed, model_class, **{**target.config(component, published, tokenizer), **settings})
 
 
 def clip_text(target: "Build", seed: int, names: tuple[str, str], model_class, published: Mapping[str, Any]):
@@ -97,6 +105,21 @@ def t5_text(
     return t5_tokenizer, encoder
 
 
+def qwen3_tokenizer(target: "Build", component: str, extra_text: str) -> Qwen2Tokenizer:
+    """Qwen3's tokenizer as ``component``: Qwen2's byte-level BPE with Qwen3's reasoning markers and chat
+    template, the words of ``extra_text`` single tokens."""
+    return tokenizer(
+        target,
+        component,
+        write_qwen2_tokenizer,
+        Qwen2Tokenizer,
+        QWEN3_TOKENIZER,
+        extra_text=extra_text,
+        special_tokens=QWEN3_SPECIAL_TOKENS,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+    )
+
+
 def qwen3_text(
     target: "Build",
     seed: int,
@@ -105,19 +128,8 @@ def qwen3_text(
     published: Mapping[str, Any],
     extra_text: str,
 ):
-    """Qwen3's tokenizer (Qwen2's byte-level BPE with Qwen3's reasoning markers and chat template, the
-    words of ``extra_text`` single tokens) and a Qwen3 ``model_class`` of ``published``'s sizes, as the
-    components ``names`` (tokenizer, encoder)."""
+    """Qwen3's tokenizer (``qwen3_tokenizer``) and a Qwen3 ``model_class`` of ``published``'s sizes, as
+    the components ``names`` (tokenizer, encoder)."""
     tokenizer_name, encoder_name = names
-    qwen3_tokenizer = tokenizer(
-        target,
-        tokenizer_name,
-        write_qwen2_tokenizer,
-        Qwen2Tokenizer,
-        QWEN3_TOKENIZER,
-        extra_text=extra_text,
-        special_tokens=QWEN3_SPECIAL_TOKENS,
-        chat_template=QWEN3_CHAT_TEMPLATE,
-    )
-    encoder = text_encoder(target, seed, encoder_name, model_class, Qwen3Config, published, qwen3_tokenizer)
-    return qwen3_tokenizer, encoder
+    qwen3 = qwen3_tokenizer(target, tokenizer_name, extra_text)
+    return qwen3, text_encoder(target, seed, encoder_name, model_class, Qwen3Config, published, qwen3)
