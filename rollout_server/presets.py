@@ -119,14 +119,9 @@ def _build(name: str, target: Path) -> Path:
     try:
         family, preset = registry.presets()[name]
         module, builder = preset.builder.split(":")
-        published = importlib.import_module(f"{family.package}.published")
-        function = getattr(importlib.import_module(f"{family.package}.{module}"), builder)
-        if hasattr(published, preset.size):
-            function(Build(staging, getattr(published, preset.size))).save_pretrained(
-                staging, safe_serialization=True
-            )
-        else:  # TRANSITION: a builder not yet one from published configs
-            function(staging, size=preset.size)
+        size = getattr(importlib.import_module(f"{family.package}.published"), preset.size)
+        pipe = getattr(importlib.import_module(f"{family.package}.{module}"), builder)(Build(staging, size))
+        pipe.save_pretrained(staging, safe_serialization=True)
         staging.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
         try:
             os.rename(staging, target)

@@ -1,11 +1,10 @@
 """The published checkpoints of every served family, assembled on the meta device, and their figures at
 the family's default request size worked out by hand.
 
-Each pipeline is built from its family's published configs (``rollout_server/families/<family>/published.py``)
-and the preset module's published scheduler settings: the checkpoint's transformer and the components whose
-sizes the adapter and the server read (the VAE, the text and image encoders, the scheduler, a tokenizer's
-length), with no weights, no memory and no arithmetic beyond shapes. ``test_real_sizes.py`` checks the
-server's adapter over each against the figures.
+Each pipeline is its family's builder (``rollout_server/families/<family>/preset.py``, the one that builds
+the family's presets) over its published configs (``published.py``) with no size's overrides, on the meta
+device: no weights, no memory and no arithmetic beyond shapes; its tokenizers are trained locally into a
+folder. ``test_real_sizes.py`` checks the server's adapter over each against the figures.
 """
 
 import dataclasses
@@ -13,41 +12,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from diffusers import (
-    AutoencoderKLLTX2Audio,
-    AutoencoderKLLTX2Video,
-    DiffusionPipeline,
-    FlowMatchEulerDiscreteScheduler,
-    LTX2Pipeline,
-    LTX2VideoTransformer3DModel,
-)
-from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
-from transformers import (
-    CLIPVisionModelWithProjection,
-    Gemma3Config,
-    Gemma3ForConditionalGeneration,
-    Gemma3TextConfig,
-    SiglipVisionConfig,
-)
+from diffusers import DiffusionPipeline
+from transformers import CLIPVisionModelWithProjection
 
 from rollout_server.families.common.build import Build
 from rollout_server.families.cosmos3.preset import cosmos3
 from rollout_server.families.flux.preset import flux, flux_kontext
 from rollout_server.families.flux2.preset import flux2, flux2_klein
-from rollout_server.families.flux2.published import (
-    FLUX_2_KLEIN_9B,
-    QWEN3_8B,
-)
+from rollout_server.families.flux2.published import FLUX_2_KLEIN_9B, QWEN3_8B
 from rollout_server.families.hunyuan_video15.preset import hunyuan_video15
-from rollout_server.families.ltx2.preset import SCHEDULER_CONFIG as LTX2_SCHEDULER_CONFIG
-from rollout_server.families.ltx2.published import (
-    GEMMA_3_12B,
-    LTX_2,
-    LTX_2_AUDIO_VAE,
-    LTX_2_CONNECTORS,
-    LTX_2_VAE,
-    LTX_2_VOCODER,
-)
+from rollout_server.families.ltx2.preset import ltx2
 from rollout_server.families.qwen_image.preset import qwen_image, qwen_image_edit
 from rollout_server.families.sd3.preset import sd3
 from rollout_server.families.wan.preset import wan, wan_2_2
@@ -61,37 +35,10 @@ META = torch.device("meta")
 SPLITS = (2, 4, 8)
 
 
-def on_meta(model_class, *args, **kwargs) -> torch.nn.Module:
-    """``model_class(*args, **kwargs)`` on the meta device, in the served dtype."""
-    with torch.device(META):
-        return model_class(*args, **kwargs).to(DTYPE)
-
-
 def real_size(builder: Callable[..., DiffusionPipeline], **published) -> Callable[[Path], DiffusionPipeline]:
     """The family's ``builder`` at the published checkpoint's size (``published`` names its configs where the
     family has several), on the meta device; its tokenizers are written into the folder it is given."""
     return lambda folder: builder(Build(folder, meta=True), **published)
-
-
-def ltx2_pipeline(folder: Path) -> LTX2Pipeline:
-    """The adapter reads no tokenizer: its text length is the pipeline's 1024."""
-    return LTX2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKLLTX2Video, **LTX_2_VAE),
-        audio_vae=on_meta(AutoencoderKLLTX2Audio, **LTX_2_AUDIO_VAE),
-        text_encoder=on_meta(
-            Gemma3ForConditionalGeneration,
-            Gemma3Config(
-                text_config=Gemma3TextConfig(**GEMMA_3_12B["text_config"]),
-                vision_config=SiglipVisionConfig(**GEMMA_3_12B["vision_config"]),
-                mm_tokens_per_image=GEMMA_3_12B["mm_tokens_per_image"],
-            ),
-        ),
-        tokenizer=None,
-        connectors=on_meta(LTX2TextConnectors, **LTX_2_CONNECTORS),
-        transformer=on_meta(LTX2VideoTransformer3DModel, **LTX_2),
-        vocoder=on_meta(LTX2Vocoder, **LTX_2_VOCODER),
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +106,7 @@ LTX_2_AUDIO_FRAMES = 126
 LTX_2_CHECKPOINT = Checkpoint(
     "Lightricks/LTX-2",
     "ltx2",
-    ltx2_pipeline,
+    real_size(ltx2),
     default_media=(121, 512, 768),
     latent_shape=(LTX_2_VIDEO_TOKENS * 128 + LTX_2_AUDIO_FRAMES * 128,),
     latent_streams=((LTX_2_VIDEO_TOKENS, 128), (LTX_2_AUDIO_FRAMES, 128)),
