@@ -92,11 +92,19 @@ FLUX_FIGURES = {
 # (heads x 128). Its text: three stacked layers of the encoder. [klein]'s CFG makes 16 rows and
 # [dev] has none: max_batch_size 8 either way.
 FLUX2_FIGURES = {"latent_shape": (4096, 128), "generated_tokens": 4096, "forward_rows": 8}
-WAN_LATENT = (16, 21, 60, 104)  # 81 frames: 1 + 80 / 4 latent frames of 480 / 8 x 832 / 8
-WAN_TOKENS = 21 * 30 * 52  # 1 x 2 x 2 patches
-# CFG doubles the group's rows to 16; the 2,096,640-element latent fits 4 times in the default
-# max_latent_elements (8 Mi), so 4 rows a forward.
-WAN_FORWARD_ROWS = 4
+# Wan at 832 x 480 x 81: 1 + 80 / 4 latent frames of 480 / 8 x 832 / 8, 16 channels (image-to-video's
+# condition enters on channels: its latent stays 16 wide); 1 x 2 x 2 patches. Its text: 512 UMT5 states
+# of 4096. CFG doubles the group's rows to 16; the 2,096,640-element latent fits 4 times in the default
+# max_latent_elements (8 Mi), so 4 rows a forward. The 14B's widest activation is q, k and v (3 x 5120),
+# wider than its feed-forward (13824).
+WAN_TOKENS = 21 * 30 * 52
+WAN_FIGURES = {
+    "latent_shape": (16, 21, 60, 104),
+    "generated_tokens": WAN_TOKENS,
+    "forward": (WAN_TOKENS, 3 * 5120),
+    "text_elements": 512 * 4096,
+    "forward_rows": 4,
+}
 # LTX-2 at the pipeline's default, 121 frames of 768 x 512: 32x VAE of 128 channels, 8x in time, 1 x 1
 # patches: 1 + 120 / 8 latent frames of 512 / 32 x 768 / 32 video tokens; its audio: 121 frames at
 # 24 fps are 5.04 s, 25 latent frames a second (16 kHz, hop 160, 4x), round(126.04) frames of 8
@@ -195,42 +203,28 @@ CHECKPOINTS = (
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
         "wan",
         real_size(wan),
-        latent_shape=WAN_LATENT,
-        generated_tokens=WAN_TOKENS,
-        forward=(WAN_TOKENS, 8960),  # the feed-forward, wider than q, k and v (3 x 1536)
-        text_elements=512 * 4096,
-        forward_rows=WAN_FORWARD_ROWS,
+        # The 1.3B's widest: the feed-forward, wider than q, k and v (3 x 1536).
+        **{**WAN_FIGURES, "forward": (WAN_TOKENS, 8960)},
         ulysses_refused=frozenset({8}),  # 12 heads
     ),
     Checkpoint(
         "Wan-AI/Wan2.1-T2V-14B-Diffusers",
         "wan",
         real_size(wan, transformer=WAN_14B),
-        latent_shape=WAN_LATENT,
-        generated_tokens=WAN_TOKENS,
-        forward=(WAN_TOKENS, 3 * 5120),  # q, k and v, wider than the feed-forward (13824)
-        text_elements=512 * 4096,
-        forward_rows=WAN_FORWARD_ROWS,
+        **WAN_FIGURES,
     ),
     Checkpoint(
         "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
         "wan",
         real_size(wan_2_2),
-        latent_shape=WAN_LATENT,
-        generated_tokens=WAN_TOKENS,
-        forward=(WAN_TOKENS, 3 * 5120),
-        text_elements=512 * 4096,
-        forward_rows=WAN_FORWARD_ROWS,
+        **WAN_FIGURES,
     ),
     Checkpoint(
         "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
         "wan-i2v",
         real_size(wan_i2v, image_encoder_class=CLIPVisionModelWithProjection),
-        latent_shape=WAN_LATENT,  # the condition enters on channels: the latent stays 16 wide
-        generated_tokens=WAN_TOKENS,
-        forward=(WAN_TOKENS, 3 * 5120),
-        text_elements=512 * 4096 + (16 * 16 + 1) * 1280,  # and CLIP's 224 / 14 squared patches + class
-        forward_rows=WAN_FORWARD_ROWS,
+        # The text, and CLIP's 224 / 14 squared patches and class token.
+        **{**WAN_FIGURES, "text_elements": 512 * 4096 + (16 * 16 + 1) * 1280},
     ),
     Checkpoint(
         "black-forest-labs/FLUX.2-klein-4B",

@@ -14,7 +14,12 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from rollout_server.families.common.published import CLIP_TOKENIZER, QWEN3_TOKENIZER, T5_TOKENIZER
+from rollout_server.families.common.published import (
+    CLIP_TOKENIZER,
+    QWEN3_TOKENIZER,
+    QWEN_VL_TOKENIZER,
+    T5_TOKENIZER,
+)
 from rollout_server.families.common.tokenizers import (
     QWEN3_CHAT_TEMPLATE,
     QWEN3_SPECIAL_TOKENS,
@@ -76,60 +81,70 @@ def model(
     return target.model(seed, model_class, **{**target.config(component, published, tokenizer), **settings})
 
 
-def clip_text(target: "Build", seed: int, names: tuple[str, str], model_class, published: Mapping[str, Any]):
+TEXT = ("tokenizer", "text_encoder")  # a pipeline's first tokenizer and text encoder, by component name
+
+
+def clip_text(target: "Build", seed: int, model_class, published: Mapping[str, Any], names=TEXT):
     """A CLIP tokenizer and text encoder (``model_class``, with a projection or not) of ``published``'s
-    sizes, as the components ``names`` (tokenizer, encoder)."""
+    sizes, by component name (``names``: the tokenizer's, the encoder's)."""
     tokenizer_name, encoder_name = names
     clip_tokenizer = tokenizer(target, tokenizer_name, write_clip_tokenizer, CLIPTokenizer, CLIP_TOKENIZER)
     encoder = text_encoder(target, seed, encoder_name, model_class, CLIPTextConfig, published, clip_tokenizer)
-    return clip_tokenizer, encoder
+    return {tokenizer_name: clip_tokenizer, encoder_name: encoder}
 
 
 def t5_text(
     target: "Build",
     seed: int,
-    names: tuple[str, str],
     published: Mapping[str, Any],
+    names=TEXT,
     published_tokenizer: Mapping[str, Any] = T5_TOKENIZER,
     model_class=T5EncoderModel,
     config_class=T5Config,
 ):
-    """A T5 tokenizer and encoder (T5 v1.1's, or ``model_class``: UMT5's) of ``published``'s sizes, as the
-    components ``names`` (tokenizer, encoder)."""
+    """A T5 tokenizer and encoder (T5 v1.1's, or ``model_class``: UMT5's) of ``published``'s sizes, by
+    component name (``names``: the tokenizer's, the encoder's)."""
     tokenizer_name, encoder_name = names
     t5_tokenizer = tokenizer(target, tokenizer_name, write_t5_tokenizer, T5TokenizerFast, published_tokenizer)
-    ids = ("pad", "eos")
     encoder = text_encoder(
-        target, seed, encoder_name, model_class, config_class, published, t5_tokenizer, ids
+        target, seed, encoder_name, model_class, config_class, published, t5_tokenizer, ids=("pad", "eos")
     )
-    return t5_tokenizer, encoder
+    return {tokenizer_name: t5_tokenizer, encoder_name: encoder}
+
+
+def qwen2_tokenizer(
+    target: "Build",
+    component: str,
+    extra_text: str,
+    published: Mapping[str, Any] = QWEN_VL_TOKENIZER,
+    **settings,
+) -> Qwen2Tokenizer:
+    """Qwen2's byte-level BPE tokenizer as ``component``, the words of ``extra_text`` (a pipeline's
+    template) single tokens, as they are in Qwen2's vocabulary; ``settings``: its special tokens and chat
+    template."""
+    return tokenizer(
+        target, component, write_qwen2_tokenizer, Qwen2Tokenizer, published, extra_text=extra_text, **settings
+    )
 
 
 def qwen3_tokenizer(target: "Build", component: str, extra_text: str) -> Qwen2Tokenizer:
-    """Qwen3's tokenizer as ``component``: Qwen2's byte-level BPE with Qwen3's reasoning markers and chat
-    template, the words of ``extra_text`` single tokens."""
-    return tokenizer(
+    """Qwen3's tokenizer as ``component``: Qwen2's with Qwen3's reasoning markers and chat template."""
+    return qwen2_tokenizer(
         target,
         component,
-        write_qwen2_tokenizer,
-        Qwen2Tokenizer,
+        extra_text,
         QWEN3_TOKENIZER,
-        extra_text=extra_text,
         special_tokens=QWEN3_SPECIAL_TOKENS,
         chat_template=QWEN3_CHAT_TEMPLATE,
     )
 
 
 def qwen3_text(
-    target: "Build",
-    seed: int,
-    names: tuple[str, str],
-    model_class,
-    published: Mapping[str, Any],
-    extra_text: str,
+    target: "Build", seed: int, model_class, published: Mapping[str, Any], extra_text: str, names=TEXT
 ):
-    """Qwen3's tokenizer (``qwen3_tokenizer``) and a Qwen3 ``model_class`` of ``published``'s sizes, as
-    the components ``names`` (tokenizer, encoder)."""
+    """Qwen3's tokenizer (``qwen3_tokenizer``) and a Qwen3 ``model_class`` of ``published``'s sizes, by
+    component name (``names``: the tokenizer's, the encoder's)."""
     tokenizer_name, encoder_name = names
     qwen3 = qwen3_tokenizer(target, tokenizer_name, extra_text)
-    return qwen3, text_encoder(target, seed, encoder_name, model_class, Qwen3Config, published, qwen3)
+    encoder = text_encoder(target, seed, encoder_name, model_class, Qwen3Config, published, qwen3)
+    return {tokenizer_name: qwen3, encoder_name: encoder}

@@ -19,8 +19,14 @@ from diffusers import (
 from transformers import CLIPTextModel
 
 from rollout_server.families.common import components
-from rollout_server.families.common.published import CLIP_L, FLUX_1_VAE, T5_TOKENIZER, T5_XXL
-from rollout_server.families.flux.published import FLUX_1_DEV, FLUX_SCHEDULER, FLUX_T5_TOKENS
+from rollout_server.families.common.published import (
+    CLIP_L,
+    FLUX_1_SCHEDULER,
+    FLUX_1_VAE,
+    T5_TOKENIZER,
+    T5_XXL,
+)
+from rollout_server.families.flux.published import FLUX_1_DEV, FLUX_T5_TOKENS
 
 if TYPE_CHECKING:
     from rollout_server.families.common.build import Build
@@ -28,20 +34,12 @@ if TYPE_CHECKING:
 
 def flux(target: "Build", pipeline_class: type[FluxPipeline] = FluxPipeline) -> FluxPipeline:
     """A ``pipeline_class`` (FluxPipeline or FluxKontextPipeline) of FLUX.1-dev's components."""
-    tokenizer, text_encoder = components.clip_text(
-        target, 2, ("tokenizer", "text_encoder"), CLIPTextModel, CLIP_L
-    )
     t5_tokenizer = {**T5_TOKENIZER, "model_max_length": FLUX_T5_TOKENS}
-    tokenizer_2, text_encoder_2 = components.t5_text(
-        target, 3, ("tokenizer_2", "text_encoder_2"), T5_XXL, t5_tokenizer
-    )
     return pipeline_class(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_1_SCHEDULER),
         vae=components.model(target, 1, "vae", AutoencoderKL, FLUX_1_VAE),
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
+        **components.clip_text(target, 2, CLIPTextModel, CLIP_L),
+        **components.t5_text(target, 3, T5_XXL, ("tokenizer_2", "text_encoder_2"), t5_tokenizer),
         transformer=components.model(target, 0, "transformer", FluxTransformer2DModel, FLUX_1_DEV),
     )
 

@@ -1,7 +1,12 @@
 """FLUX.1 [dev] and FLUX.1 Kontext [dev]'s published configs, and the sizes of the presets built from them."""
 
-from rollout_server.families.common.build import TOKENIZER_LENGTH
-from rollout_server.families.common.published import TINY_CLIP, TINY_CLIP_TOKENIZER
+from rollout_server.families.common.published import (
+    TINY_CLIP,
+    TINY_CLIP_TOKENIZER,
+    TINY_KL_VAE,
+    clip_size,
+    t5_size,
+)
 
 # black-forest-labs/FLUX.1-dev transformer/config.json; FLUX.1-Kontext-dev ships the same one.
 FLUX_1_DEV = {
@@ -18,18 +23,6 @@ FLUX_1_DEV = {
 }
 # black-forest-labs/FLUX.1-dev tokenizer_2/tokenizer_config.json: prompts are padded to this length.
 FLUX_T5_TOKENS = 512
-# black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json: the timestep shift depends on the image
-# token count.
-FLUX_SCHEDULER = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-}
-
 # The presets: FLUX.1-dev with fewer and narrower layers, 8x VAE downsampling kept. The tokenizers' sizes
 # stay below what the embedded corpus supports (about 1540 CLIP tokens and 484 SentencePiece pieces), so
 # they are the real ones; each text encoder's vocabulary is its tokenizer's.
@@ -44,23 +37,11 @@ TINY = {
         "joint_attention_dim": 32,  # the T5 width
         "pooled_projection_dim": 32,  # the CLIP width
     },
-    "vae": {
-        "latent_channels": 4,
-        "block_out_channels": (16, 16, 16, 16),
-        "norm_num_groups": 8,
-        "layers_per_block": 1,
-    },
+    "vae": {**TINY_KL_VAE, "latent_channels": 4},
     "tokenizer": TINY_CLIP_TOKENIZER,
     "text_encoder": TINY_CLIP,
     "tokenizer_2": {"vocab_size": 256},
-    "text_encoder_2": {
-        "vocab_size": TOKENIZER_LENGTH,
-        "d_model": 32,
-        "d_kv": 32 // 2,
-        "d_ff": int(2.5 * 32),  # t5-v1_1-xxl: 4096 -> 10240
-        "num_layers": 2,
-        "num_heads": 2,
-    },
+    "text_encoder_2": t5_size(32, layers=2, heads=2),
 }
 SMALL = {
     "transformer": {
@@ -75,23 +56,9 @@ SMALL = {
     },
     "vae": {"block_out_channels": (32, 64, 128, 128), "layers_per_block": 1},
     "tokenizer": {"vocab_size": 1536},
-    "text_encoder": {
-        "vocab_size": TOKENIZER_LENGTH,
-        "hidden_size": 128,
-        "intermediate_size": 4 * 128,
-        "projection_dim": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-    },
+    "text_encoder": clip_size(128, layers=4, heads=4),
     "tokenizer_2": {"vocab_size": 480},
-    "text_encoder_2": {
-        "vocab_size": TOKENIZER_LENGTH,
-        "d_model": 256,
-        "d_kv": 256 // 4,
-        "d_ff": int(2.5 * 256),
-        "num_layers": 4,
-        "num_heads": 4,
-    },
+    "text_encoder_2": t5_size(256, layers=4, heads=4),
 }
 TEXT_TOKENS = 24  # the longest caption is 18 T5 tokens with its end token
 # The `shapes` preset (shapes.py): FLUX.1-dev at a size this CPU trains, with three VAE levels (4x) and
@@ -117,21 +84,7 @@ SHAPES = {
         "layers_per_block": 1,
     },
     "tokenizer": {"vocab_size": 768},
-    "text_encoder": {
-        "vocab_size": TOKENIZER_LENGTH,
-        "hidden_size": 64,
-        "intermediate_size": 4 * 64,
-        "projection_dim": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-    },
+    "text_encoder": clip_size(64, layers=2, heads=2),
     "tokenizer_2": {"vocab_size": 256, "model_max_length": TEXT_TOKENS},
-    "text_encoder_2": {
-        "vocab_size": TOKENIZER_LENGTH,
-        "d_model": 64,
-        "d_kv": 64 // 2,
-        "d_ff": int(2.5 * 64),
-        "num_layers": 2,
-        "num_heads": 2,
-    },
+    "text_encoder_2": t5_size(64, layers=2, heads=2),
 }

@@ -51,14 +51,10 @@ def flux2_klein(target: "Build", transformer=FLUX_2_KLEIN_4B, text_encoder=QWEN3
     """A Flux2KleinPipeline of [klein]'s components (4B's; ``transformer`` and ``text_encoder`` name
     another's), the CFG-trained base."""
     # The words of the chat template's turns are single tokens, as in Qwen3's vocabulary.
-    tokenizer, qwen3 = components.qwen3_text(
-        target, 2, ("tokenizer", "text_encoder"), Qwen3ForCausalLM, text_encoder, "user\nassistant\n"
-    )
     return Flux2KleinPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
         vae=_vae(target),
-        text_encoder=qwen3,
-        tokenizer=tokenizer,
+        **components.qwen3_text(target, 2, Qwen3ForCausalLM, text_encoder, "user\nassistant\n"),
         transformer=components.model(target, 0, "transformer", Flux2Transformer2DModel, transformer),
         is_distilled=False,
     )

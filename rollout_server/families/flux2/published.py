@@ -1,7 +1,7 @@
 """FLUX.2 [dev] and [klein]'s published configs, and the size of the presets built from them."""
 
 from rollout_server.families.common.build import TOKENIZER_LENGTH
-from rollout_server.families.common.published import QWEN3_4B, TINY_QWEN3
+from rollout_server.families.common.published import FLUX_1_SCHEDULER, QWEN3_4B, TINY_KL_VAE, TINY_QWEN3
 
 # black-forest-labs/FLUX.2-dev transformer/config.json (diffusers' scripts/convert_flux2_to_diffusers.py).
 FLUX_2_DEV = {
@@ -79,19 +79,10 @@ MISTRAL_SMALL_3_1 = {
 MISTRAL_TOKENIZER = {"model_max_length": 131072}
 # black-forest-labs/FLUX.2-dev vae/config.json is AutoencoderKLFlux2's defaults (FLUX.2-klein's too).
 FLUX_2_VAE: dict = {}
-# black-forest-labs/FLUX.2-dev scheduler/scheduler_config.json: dynamic shifting, whose mu the pipelines
-# compute from the image token count and the step count (compute_empirical_mu), on the exponential time
-# shift.
-FLUX2_SCHEDULER = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-    "time_shift_type": "exponential",
-}
+# black-forest-labs/FLUX.2-dev scheduler/scheduler_config.json: FLUX.1's dynamic shifting, whose mu the
+# pipelines compute from the image token count and the step count (compute_empirical_mu), on the
+# exponential time shift.
+FLUX2_SCHEDULER = {**FLUX_1_SCHEDULER, "time_shift_type": "exponential"}
 
 # The presets, [dev] and [klein] alike. The text encoders have two layers: the adapters stack their three
 # hidden states (embeddings and both layers) where FLUX.2 stacks three of 36 or 40 layers, so the
@@ -108,12 +99,7 @@ TINY = {
         "in_channels": 4 * 4,  # the VAE latents' 2x2 patches
         "joint_attention_dim": 3 * 32,
     },
-    "vae": {
-        "block_out_channels": (16, 16, 16, 16),
-        "layers_per_block": 1,
-        "latent_channels": 4,
-        "norm_num_groups": 8,
-    },
+    "vae": {**TINY_KL_VAE, "latent_channels": 4},
     "tokenizer": {"model_max_length": TEXT_TOKENS},
     # [klein]'s Qwen3.
     "text_encoder": {

@@ -26,14 +26,13 @@ from transformers import (
     ByT5Tokenizer,
     Qwen2_5_VLTextConfig,
     Qwen2_5_VLTextModel,
-    Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
 )
 
 from rollout_server.families.common import components
-from rollout_server.families.common.published import QWEN_VL, QWEN_VL_TOKENIZER
-from rollout_server.families.common.tokenizers import QWEN3_CHAT_TEMPLATE, write_qwen2_tokenizer
+from rollout_server.families.common.published import QWEN_VL
+from rollout_server.families.common.tokenizers import QWEN3_CHAT_TEMPLATE
 from rollout_server.families.hunyuan_video15.published import (
     BYT5_SMALL,
     GUIDANCE_SCALE,
@@ -54,14 +53,8 @@ def system_message() -> str:
 
 def hunyuan_video15(target: "Build") -> HunyuanVideo15Pipeline:
     """A HunyuanVideo15Pipeline of the 480p text-to-video checkpoint's components."""
-    tokenizer = components.tokenizer(
-        target,
-        "tokenizer",
-        write_qwen2_tokenizer,
-        Qwen2Tokenizer,
-        QWEN_VL_TOKENIZER,
-        extra_text=system_message(),
-        chat_template=QWEN3_CHAT_TEMPLATE,
+    tokenizer = components.qwen2_tokenizer(
+        target, "tokenizer", system_message(), chat_template=QWEN3_CHAT_TEMPLATE
     )
     tokenizer_2 = ByT5Tokenizer()
     return HunyuanVideo15Pipeline(

@@ -20,15 +20,13 @@ from diffusers import (
 from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
-    Qwen2Tokenizer,
     Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
 )
 from transformers.utils import is_torchvision_available
 
 from rollout_server.families.common import components
-from rollout_server.families.common.published import QWEN_VL, QWEN_VL_TOKENIZER
-from rollout_server.families.common.tokenizers import write_qwen2_tokenizer
+from rollout_server.families.common.published import QWEN_VL
 from rollout_server.families.qwen_image.published import (
     QWEN_IMAGE,
     QWEN_IMAGE_SCHEDULER_CONFIG,
@@ -70,14 +68,7 @@ def qwen_image_components(
     """Qwen-Image's components by pipeline component name; the tokenizer (whose words of
     ``pipeline_class``'s prompt template are single tokens, as in Qwen2's vocabulary) is written into
     the folder."""
-    tokenizer = components.tokenizer(
-        target,
-        "tokenizer",
-        write_qwen2_tokenizer,
-        Qwen2Tokenizer,
-        QWEN_VL_TOKENIZER,
-        extra_text=_prompt_template(pipeline_class),
-    )
+    tokenizer = components.qwen2_tokenizer(target, "tokenizer", _prompt_template(pipeline_class))
     config = target.config("text_encoder", QWEN_VL, tokenizer)
     config["text_config"] |= components.token_ids(tokenizer, "bos", "eos")
     markers = ("image_pad", "video_pad", "vision_start", "vision_end")

@@ -56,7 +56,7 @@ TINY = {
         "joint_attention_dim": 32,  # the text encoder's width
     },
     "text_encoder": {
-        "text_config": {**TINY_QWEN_VL_TEXT, "num_hidden_layers": 2},
+        "text_config": TINY_QWEN_VL_TEXT,
         "vision_config": {
             "depth": 2,
             "hidden_size": 32,

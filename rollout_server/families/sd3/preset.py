@@ -25,21 +25,14 @@ if TYPE_CHECKING:
 
 def sd3(target: "Build") -> StableDiffusion3Pipeline:
     """A StableDiffusion3Pipeline of SD3.5-Medium's components."""
-    tokenizer, text_encoder = components.clip_text(
-        target, 2, ("tokenizer", "text_encoder"), CLIPTextModelWithProjection, CLIP_L
-    )
-    tokenizer_2, text_encoder_2 = components.clip_text(  # OpenCLIP bigG
-        target, 3, ("tokenizer_2", "text_encoder_2"), CLIPTextModelWithProjection, CLIP_G
-    )
-    tokenizer_3, text_encoder_3 = components.t5_text(target, 4, ("tokenizer_3", "text_encoder_3"), T5_XXL)
     return StableDiffusion3Pipeline(
         transformer=components.model(target, 0, "transformer", SD3Transformer2DModel, SD35_MEDIUM),
         scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER),
         vae=components.model(target, 1, "vae", AutoencoderKL, SD35_VAE),
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        text_encoder_3=text_encoder_3,
-        tokenizer_3=tokenizer_3,
+        **components.clip_text(target, 2, CLIPTextModelWithProjection, CLIP_L),
+        # OpenCLIP bigG's
+        **components.clip_text(
+            target, 3, CLIPTextModelWithProjection, CLIP_G, ("tokenizer_2", "text_encoder_2")
+        ),
+        **components.t5_text(target, 4, T5_XXL, ("tokenizer_3", "text_encoder_3")),
     )

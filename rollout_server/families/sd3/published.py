@@ -1,7 +1,13 @@
 """Stable Diffusion 3.5 Medium's published configs, and the size of the preset built from them."""
 
-from rollout_server.families.common.build import TOKENIZER_LENGTH
-from rollout_server.families.common.published import FLUX_1_VAE, TINY_CLIP, TINY_CLIP_TOKENIZER
+from rollout_server.families.common.published import (
+    FLUX_1_VAE,
+    TINY_CLIP,
+    TINY_CLIP_TOKENIZER,
+    TINY_KL_VAE,
+    clip_size,
+    t5_size,
+)
 
 # stabilityai/stable-diffusion-3.5-medium transformer/config.json.
 SD35_MEDIUM = {
@@ -51,18 +57,12 @@ TINY = {
         "caption_projection_dim": 2 * 16,  # text and image tokens share the joint attention width
         "pooled_projection_dim": 32 + 48,
     },
-    "vae": {"block_out_channels": (16, 16, 16, 16), "norm_num_groups": 8, "layers_per_block": 1},
+    "vae": TINY_KL_VAE,
     "tokenizer": TINY_CLIP_TOKENIZER,
     "text_encoder": TINY_CLIP,
     "tokenizer_2": TINY_CLIP_TOKENIZER,
-    "text_encoder_2": {**TINY_CLIP, "hidden_size": 48, "intermediate_size": 4 * 48, "projection_dim": 48},
+    "text_encoder_2": clip_size(48, layers=2, heads=2),
     "tokenizer_3": {"vocab_size": 256},
-    "text_encoder_3": {
-        "vocab_size": TOKENIZER_LENGTH,
-        "d_model": 96,  # wider than 32 + 48, so the CLIP hidden states are padded as in the original
-        "d_kv": 96 // 2,
-        "d_ff": int(2.5 * 96),
-        "num_layers": 2,
-        "num_heads": 2,
-    },
+    # T5 wider than the CLIPs together (32 + 48), so their hidden states are padded as in the original.
+    "text_encoder_3": t5_size(96, layers=2, heads=2),
 }

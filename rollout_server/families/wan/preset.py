@@ -35,10 +35,8 @@ from rollout_server.families.wan.published import (
 def wan(target: Build, transformer=WAN_1_3B, experts: int = 1) -> WanPipeline:
     """A WanPipeline of Wan 2.1's components, the ``transformer`` config's (1.3B's); two ``experts``
     make Wan 2.2's."""
-    tokenizer, text_encoder = umt5_text(target)
     return WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
+        **umt5_text(target),
         vae=wan_vae(target),
         scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
         transformer=wan_transformer(target, 1, transformer),
@@ -51,9 +49,15 @@ wan_2_2 = functools.partial(wan, transformer=WAN_14B, experts=2)
 
 
 def umt5_text(target: Build):
-    """The UMT5 tokenizer and encoder, as the components ``tokenizer`` and ``text_encoder``."""
-    names = ("tokenizer", "text_encoder")
-    return components.t5_text(target, 2, names, UMT5_XXL, UMT5_TOKENIZER, UMT5EncoderModel, UMT5Config)
+    """The UMT5 tokenizer and encoder, by component name."""
+    return components.t5_text(
+        target,
+        2,
+        UMT5_XXL,
+        published_tokenizer=UMT5_TOKENIZER,
+        model_class=UMT5EncoderModel,
+        config_class=UMT5Config,
+    )
 
 
 def wan_vae(target: Build) -> AutoencoderKLWan:

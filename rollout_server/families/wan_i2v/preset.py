@@ -20,12 +20,10 @@ def wan_i2v(target: "Build", image_encoder_class=CLIPVisionModel) -> WanImageToV
     """A WanImageToVideoPipeline of Wan 2.1 I2V 14B's components. The pipeline reads the image encoder's
     penultimate states, never its projection: the published checkpoint ships one
     (CLIPVisionModelWithProjection, as diffusers' conversion script saves it), the presets none."""
-    tokenizer, text_encoder = umt5_text(target)
     vision = CLIPVisionConfig(**target.config("image_encoder", CLIP_VIT_H))
     image_encoder = target.model(4, image_encoder_class, vision)
     return WanImageToVideoPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
+        **umt5_text(target),
         vae=wan_vae(target),
         scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
         image_processor=CLIPImageProcessorPil(**target.config("image_processor", CLIP_VIT_H_PROCESSOR)),

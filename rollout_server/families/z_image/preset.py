@@ -25,13 +25,9 @@ TEMPLATE = "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"
 
 def z_image(target: "Build") -> ZImagePipeline:
     """A ZImagePipeline of Z-Image-Turbo's components (FLUX.1's VAE, a Qwen3-4B text encoder)."""
-    tokenizer, text_encoder = components.qwen3_text(
-        target, 2, ("tokenizer", "text_encoder"), Qwen3Model, QWEN3_4B, TEMPLATE
-    )
     return ZImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**Z_IMAGE_SCHEDULER),
         vae=components.model(target, 0, "vae", AutoencoderKL, FLUX_1_VAE),
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
+        **components.qwen3_text(target, 2, Qwen3Model, QWEN3_4B, TEMPLATE),
         transformer=components.model(target, 1, "transformer", ZImageTransformer2DModel, Z_IMAGE_TURBO),
     )

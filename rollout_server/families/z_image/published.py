@@ -1,6 +1,6 @@
 """Z-Image-Turbo's published configs, and the size of the preset built from them."""
 
-from rollout_server.families.common.published import TINY_QWEN3
+from rollout_server.families.common.published import TINY_KL_VAE, TINY_QWEN3
 
 # Tongyi-MAI/Z-Image-Turbo transformer/config.json.
 Z_IMAGE_TURBO = {
@@ -36,6 +36,6 @@ TINY = {
         "axes_lens": [1024, 512, 512],
         "cap_feat_dim": 32,  # the text encoder's width
     },
-    "vae": {"block_out_channels": (16, 16, 16, 16), "norm_num_groups": 8, "layers_per_block": 1},
+    "vae": TINY_KL_VAE,
     "text_encoder": {**TINY_QWEN3, "intermediate_size": 2 * 32, "tie_word_embeddings": False},
 }
