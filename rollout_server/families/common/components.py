@@ -1,5 +1,6 @@
 """The steps every family's builder takes: a tokenizer trained into the folder, a text encoder over it, a
-model from its config; and the CLIP and T5 text stacks several families share."""
+model from its config; and the CLIP, T5 and Qwen text stacks several families share, each returned by
+component name."""
 
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
