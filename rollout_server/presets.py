@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The shared builder helpers every family's preset module may use.
-_COMMON_SOURCES = ("components.py", "tokenizers.py", "published.py")
+_COMMON_SOURCES = ("build.py", "components.py", "tokenizers.py", "published.py")
 _FAMILIES_DIR = Path(registry.__file__).parent
 _FINGERPRINTED_PACKAGES = ("diffusers", "transformers", "tokenizers", "sentencepiece", "torch")
 
@@ -111,13 +111,17 @@ def _build_preset_once(name: str, cache_dir: Path) -> Path:
 
 
 def _build(name: str, target: Path) -> Path:
+    from rollout_server.families.common.build import Build  # torch: not for the CLI's --help
+
     models_dir = target.parent
     logger.info("Building model preset %r into %s", name, target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=models_dir))
     try:
         family, preset = registry.presets()[name]
         module, builder = preset.builder.split(":")
-        getattr(importlib.import_module(f"{family.package}.{module}"), builder)(staging, size=preset.size)
+        size = getattr(importlib.import_module(f"{family.package}.published"), preset.size)
+        pipe = getattr(importlib.import_module(f"{family.package}.{module}"), builder)(Build(staging, size))
+        pipe.save_pretrained(staging, safe_serialization=True)
         staging.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
         try:
             os.rename(staging, target)

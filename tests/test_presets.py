@@ -1,5 +1,6 @@
 """The tiny-flux preset is a real, loadable, runnable and reproducible FluxPipeline built without a hub."""
 
+import json
 import logging
 
 import pytest
@@ -7,6 +8,9 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
+from rollout_server.families.common.build import TOKENIZER_LENGTH
+from rollout_server.families.common.published import CLIP_L, FLUX_1_VAE, T5_XXL
+from rollout_server.families.flux.published import FLUX_1_DEV, TINY
 from rollout_server.presets import default_cache_dir, preset_names, resolve_model
 
 UNSEEN_TEXT = "Quokkas juggle 9876 glowing xylophones in Zurich!"
@@ -70,6 +74,32 @@ def test_builds_are_byte_identical(tiny_flux, tmp_path, caplog):
     assert "transformer/diffusion_pytorch_model.safetensors" in map(str, files)
     for file in files:
         assert (tiny_flux / file).read_bytes() == (rebuilt / file).read_bytes(), file
+
+
+def test_the_preset_is_the_published_checkpoint_with_its_size_overrides(pipe):
+    """tiny-flux is FLUX.1-dev's builder at its TINY size: each component's saved config holds the size's
+    value of every field the size names (a text encoder's vocabulary is its tokenizer's length), and the
+    published value of every other field of the checkpoint's config."""
+    components = {
+        "transformer": (FLUX_1_DEV, None),
+        "vae": (FLUX_1_VAE, None),
+        "text_encoder": (CLIP_L, pipe.tokenizer),
+        "text_encoder_2": (T5_XXL, pipe.tokenizer_2),
+    }
+    for name, (published, tokenizer) in components.items():
+        config = getattr(pipe, name).config
+        size = {
+            key: len(tokenizer) if value is TOKENIZER_LENGTH else value for key, value in TINY[name].items()
+        }
+        given = {**published, **size}
+        # A transformers config as its class reads what it is given (T5's ties its embeddings whatever it
+        # is told); JSON, as the files hold them (a tuple of the data is a list of the config).
+        transformers_config = hasattr(config, "to_dict")
+        expected = type(config)(**given).to_dict() if transformers_config else given
+        saved = config.to_dict() if transformers_config else dict(config)
+        assert json.loads(json.dumps({key: saved[key] for key in given})) == json.loads(
+            json.dumps({key: expected[key] for key in given})
+        ), name
 
 
 def test_clip_tokenizer_round_trips_unseen_text(pipe):

@@ -16,9 +16,11 @@ from types import MappingProxyType
 class Preset:
     """A seeded pipeline the server builds locally under the preset's name.
 
-    ``builder`` is ``"module:function"`` in the family's package; the function is called as
-    ``function(folder, size=size)`` and saves a diffusers pipeline into ``folder``. ``defaults`` override
-    the adapter's request defaults (``FamilyDefaults`` fields) for this preset.
+    ``builder`` is ``"module:function"`` in the family's package; ``size`` names the overrides of the
+    published configs (a mapping in the family's ``published`` module, e.g. ``"TINY"``). The function is
+    called as ``function(Build(folder, size))`` (``families/common/build.py``) and returns the diffusers
+    pipeline, which is saved into ``folder``. ``defaults`` override the adapter's request defaults
+    (``FamilyDefaults`` fields) for this preset.
     """
 
     builder: str

@@ -1,128 +1,33 @@
 """The published checkpoints of every served family, assembled on the meta device, and their figures at
 the family's default request size worked out by hand.
 
-Each pipeline is built from its family's published configs (``rollout_server/families/<family>/published.py``)
-and the preset module's published scheduler settings: the checkpoint's transformer and the components whose
-sizes the adapter and the server read (the VAE, the text and image encoders, the scheduler, a tokenizer's
-length), with no weights, no memory and no arithmetic beyond shapes. ``test_real_sizes.py`` checks the
-server's adapter over each against the figures.
+Each pipeline is its family's builder (``rollout_server/families/<family>/preset.py``, the one that builds
+the family's presets) over its published configs (``published.py``) with no size's overrides, on the meta
+device: no weights, no memory and no arithmetic beyond shapes; its tokenizers are trained locally into a
+folder. ``test_real_sizes.py`` checks the server's adapter over each against the figures.
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    AutoencoderKLFlux2,
-    AutoencoderKLHunyuanVideo15,
-    AutoencoderKLLTX2Audio,
-    AutoencoderKLLTX2Video,
-    AutoencoderKLQwenImage,
-    AutoencoderKLWan,
-    ClassifierFreeGuidance,
-    Cosmos3OmniPipeline,
-    DiffusionPipeline,
-    FlowMatchEulerDiscreteScheduler,
-    Flux2KleinPipeline,
-    Flux2Pipeline,
-    Flux2Transformer2DModel,
-    FluxKontextPipeline,
-    FluxPipeline,
-    FluxTransformer2DModel,
-    HunyuanVideo15Pipeline,
-    HunyuanVideo15Transformer3DModel,
-    LTX2Pipeline,
-    LTX2VideoTransformer3DModel,
-    QwenImageEditPipeline,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
-    SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
-    UniPCMultistepScheduler,
-    WanImageToVideoPipeline,
-    WanPipeline,
-    WanTransformer3DModel,
-    ZImagePipeline,
-    ZImageTransformer2DModel,
-)
-from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
-from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
-from transformers import (
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    CLIPVisionConfig,
-    CLIPVisionModelWithProjection,
-    Gemma3Config,
-    Gemma3ForConditionalGeneration,
-    Gemma3TextConfig,
-    Mistral3Config,
-    Mistral3ForConditionalGeneration,
-    PreTrainedTokenizerFast,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2_5_VLTextConfig,
-    Qwen2_5_VLTextModel,
-    Qwen2Tokenizer,
-    Qwen2VLImageProcessorPil,
-    Qwen2VLProcessor,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3Model,
-    SiglipVisionConfig,
-    T5Config,
-    T5EncoderModel,
-    T5TokenizerFast,
-    UMT5Config,
-    UMT5EncoderModel,
-)
+from diffusers import DiffusionPipeline
+from transformers import CLIPVisionModelWithProjection
 
-from rollout_server.families.common.published import CLIP_L, FLUX_1_VAE, QWEN3_4B, QWEN_VL, T5_XXL
-from rollout_server.families.common.tokenizers import (
-    QWEN3_CHAT_TEMPLATE,
-    QWEN3_SPECIAL_TOKENS,
-    write_mistral_tokenizer,
-    write_qwen2_tokenizer,
-    write_t5_tokenizer,
-)
-from rollout_server.families.cosmos3.preset import SCHEDULER_CONFIG as COSMOS3_SCHEDULER_CONFIG
-from rollout_server.families.cosmos3.published import COSMOS3_NANO, WAN_2_2_VAE
-from rollout_server.families.flux.preset import FLUX_SCHEDULER_CONFIG
-from rollout_server.families.flux.published import FLUX_1_DEV, FLUX_T5_TOKENS
-from rollout_server.families.flux2.preset import FLUX2_SCHEDULER_CONFIG
-from rollout_server.families.flux2.published import (
-    FLUX_2_DEV,
-    FLUX_2_KLEIN_4B,
-    FLUX_2_KLEIN_9B,
-    MISTRAL_SMALL_3_1,
-    QWEN3_8B,
-)
-from rollout_server.families.hunyuan_video15.preset import GUIDANCE_SCALE as HUNYUAN_VIDEO15_GUIDANCE_SCALE
-from rollout_server.families.hunyuan_video15.preset import (
-    SCHEDULER_CONFIG as HUNYUAN_VIDEO15_SCHEDULER_CONFIG,
-)
-from rollout_server.families.hunyuan_video15.published import BYT5_SMALL, HUNYUAN_VIDEO15_480P_T2V
-from rollout_server.families.ltx2.preset import SCHEDULER_CONFIG as LTX2_SCHEDULER_CONFIG
-from rollout_server.families.ltx2.published import (
-    GEMMA_3_12B,
-    LTX_2,
-    LTX_2_AUDIO_VAE,
-    LTX_2_CONNECTORS,
-    LTX_2_VAE,
-    LTX_2_VOCODER,
-)
-from rollout_server.families.qwen_image.preset import QWEN_IMAGE_SCHEDULER_CONFIG, _prompt_template
-from rollout_server.families.qwen_image.published import QWEN_IMAGE, QWEN_IMAGE_VAE, QWEN_VL_PROCESSOR
-from rollout_server.families.sd3.preset import SD3_SCHEDULER_CONFIG
-from rollout_server.families.sd3.published import CLIP_G, SD35_MEDIUM, SD35_VAE
-from rollout_server.families.wan.preset import WAN22_BOUNDARY_RATIO, WAN_SCHEDULER_CONFIG
-from rollout_server.families.wan.published import UMT5_XXL, WAN_1_3B, WAN_14B
-from rollout_server.families.wan_i2v.published import CLIP_VIT_H, WAN_I2V_14B
-from rollout_server.families.z_image.preset import Z_IMAGE_SCHEDULER_CONFIG
-from rollout_server.families.z_image.published import Z_IMAGE_TURBO
+from rollout_server.families.common.build import Build
+from rollout_server.families.cosmos3.preset import cosmos3
+from rollout_server.families.flux.preset import flux, flux_kontext
+from rollout_server.families.flux2.preset import flux2, flux2_klein
+from rollout_server.families.flux2.published import FLUX_2_KLEIN_9B, QWEN3_8B
+from rollout_server.families.hunyuan_video15.preset import hunyuan_video15
+from rollout_server.families.ltx2.preset import ltx2
+from rollout_server.families.qwen_image.preset import qwen_image, qwen_image_edit
+from rollout_server.families.sd3.preset import sd3
+from rollout_server.families.wan.preset import wan, wan_2_2
+from rollout_server.families.wan.published import WAN_14B
+from rollout_server.families.wan_i2v.preset import wan_i2v
+from rollout_server.families.z_image.preset import z_image
 
 # The dtype the checkpoints ship and are served in.
 DTYPE = torch.bfloat16
@@ -130,181 +35,10 @@ META = torch.device("meta")
 SPLITS = (2, 4, 8)
 
 
-def on_meta(model_class, *args, **kwargs) -> torch.nn.Module:
-    """``model_class(*args, **kwargs)`` on the meta device, in the served dtype."""
-    with torch.device(META):
-        return model_class(*args, **kwargs).to(DTYPE)
-
-
-def t5_tokenizer(folder: Path, tokens: int) -> T5TokenizerFast:
-    """A T5 tokenizer that pads to ``tokens``: the adapter reads its length, not its vocabulary (a
-    locally trained one, as no hub is reached)."""
-    write_t5_tokenizer(folder / "tokenizer_2", 256, model_max_length=tokens)
-    return T5TokenizerFast.from_pretrained(folder / "tokenizer_2")
-
-
-def flux_pipeline(folder: Path, pipeline_class: type[FluxPipeline] = FluxPipeline) -> FluxPipeline:
-    return pipeline_class(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKL, **FLUX_1_VAE),
-        text_encoder=on_meta(CLIPTextModel, CLIPTextConfig(**CLIP_L)),
-        tokenizer=None,
-        text_encoder_2=on_meta(T5EncoderModel, T5Config(**T5_XXL)),
-        tokenizer_2=t5_tokenizer(folder, FLUX_T5_TOKENS),
-        transformer=on_meta(FluxTransformer2DModel, **FLUX_1_DEV),
-    )
-
-
-def sd3_pipeline(folder: Path) -> StableDiffusion3Pipeline:
-    return StableDiffusion3Pipeline(
-        transformer=on_meta(SD3Transformer2DModel, **SD35_MEDIUM),
-        scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKL, **SD35_VAE),
-        text_encoder=on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_L)),
-        tokenizer=None,
-        text_encoder_2=on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_G)),
-        tokenizer_2=None,
-        text_encoder_3=on_meta(T5EncoderModel, T5Config(**T5_XXL)),
-        tokenizer_3=None,
-    )
-
-
-def qwen_image_components(tokenizer: Qwen2Tokenizer | None = None) -> dict:
-    return {
-        "scheduler": FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
-        "vae": on_meta(AutoencoderKLQwenImage, **QWEN_IMAGE_VAE),
-        "text_encoder": on_meta(Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(**QWEN_VL)),
-        "tokenizer": tokenizer,
-        "transformer": on_meta(QwenImageTransformer2DModel, **QWEN_IMAGE),
-    }
-
-
-def qwen_image_pipeline(folder: Path) -> QwenImagePipeline:
-    return QwenImagePipeline(**qwen_image_components())
-
-
-def qwen_image_edit_pipeline(folder: Path) -> QwenImageEditPipeline:
-    """The edit adapter counts the template's tokens around the image with the tokenizer (a locally
-    trained one, whose words of the template are single tokens as in Qwen2's vocabulary). The
-    processor needs torchvision (for its video processor)."""
-    write_qwen2_tokenizer(folder / "tokenizer", _prompt_template(QwenImageEditPipeline))
-    tokenizer = Qwen2Tokenizer.from_pretrained(folder / "tokenizer")
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessorPil(**QWEN_VL_PROCESSOR), tokenizer=tokenizer
-    )
-    return QwenImageEditPipeline(**qwen_image_components(tokenizer), processor=processor)
-
-
-def wan_pipeline(folder: Path, config: dict, experts: int = 1) -> WanPipeline:
-    return WanPipeline(
-        tokenizer=None,
-        text_encoder=on_meta(UMT5EncoderModel, UMT5Config(**UMT5_XXL)),
-        vae=on_meta(AutoencoderKLWan),
-        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
-        transformer=on_meta(WanTransformer3DModel, **config),
-        transformer_2=on_meta(WanTransformer3DModel, **config) if experts == 2 else None,
-        boundary_ratio=WAN22_BOUNDARY_RATIO if experts == 2 else None,
-    )
-
-
-def wan_i2v_pipeline(folder: Path) -> WanImageToVideoPipeline:
-    return WanImageToVideoPipeline(
-        tokenizer=None,
-        text_encoder=on_meta(UMT5EncoderModel, UMT5Config(**UMT5_XXL)),
-        vae=on_meta(AutoencoderKLWan),
-        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
-        image_processor=None,
-        image_encoder=on_meta(CLIPVisionModelWithProjection, CLIPVisionConfig(**CLIP_VIT_H)),
-        transformer=on_meta(WanTransformer3DModel, **WAN_I2V_14B),
-    )
-
-
-def flux2_klein_pipeline(folder: Path, transformer: dict, text_encoder: dict) -> Flux2KleinPipeline:
-    """The adapter reads the tokenizer's length (a locally trained Qwen2 one: the real one is longer
-    than the pipeline's 512) and the text encoder's depth."""
-    write_qwen2_tokenizer(folder / "tokenizer", "")
-    return Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKLFlux2),
-        text_encoder=on_meta(Qwen3ForCausalLM, Qwen3Config(**text_encoder)),
-        tokenizer=Qwen2Tokenizer.from_pretrained(folder / "tokenizer"),
-        transformer=on_meta(Flux2Transformer2DModel, **transformer),
-    )
-
-
-def flux2_dev_pipeline(folder: Path) -> Flux2Pipeline:
-    """As [klein]'s, with Mistral's tokenizer (a real checkpoint's sits in a processor that needs
-    torchvision; the adapter reads the tokenizer's length either way)."""
-    write_mistral_tokenizer(folder / "tokenizer", "", model_max_length=131072)
-    return Flux2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKLFlux2),
-        text_encoder=on_meta(Mistral3ForConditionalGeneration, Mistral3Config(**MISTRAL_SMALL_3_1)),
-        tokenizer=PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer"),
-        transformer=on_meta(Flux2Transformer2DModel, **FLUX_2_DEV),
-    )
-
-
-def z_image_pipeline(folder: Path) -> ZImagePipeline:
-    """Z-Image decodes with FLUX.1's VAE; the adapter reads no tokenizer (its text length is the
-    pipeline's 512)."""
-    return ZImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**Z_IMAGE_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKL, **FLUX_1_VAE),
-        text_encoder=on_meta(Qwen3Model, Qwen3Config(**QWEN3_4B)),
-        tokenizer=None,
-        transformer=on_meta(ZImageTransformer2DModel, **Z_IMAGE_TURBO),
-    )
-
-
-def hunyuan_video15_pipeline(folder: Path) -> HunyuanVideo15Pipeline:
-    """The adapter reads no tokenizer: its text lengths are the pipeline's (1000 and 256)."""
-    return HunyuanVideo15Pipeline(
-        text_encoder=on_meta(Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig(**QWEN_VL["text_config"])),
-        tokenizer=None,
-        transformer=on_meta(HunyuanVideo15Transformer3DModel, **HUNYUAN_VIDEO15_480P_T2V),
-        vae=on_meta(AutoencoderKLHunyuanVideo15),
-        scheduler=FlowMatchEulerDiscreteScheduler(**HUNYUAN_VIDEO15_SCHEDULER_CONFIG),
-        text_encoder_2=on_meta(T5EncoderModel, T5Config(**BYT5_SMALL)),
-        tokenizer_2=None,
-        guider=ClassifierFreeGuidance(guidance_scale=HUNYUAN_VIDEO15_GUIDANCE_SCALE),
-    )
-
-
-def cosmos3_pipeline(folder: Path) -> Cosmos3OmniPipeline:
-    """Cosmos3's text tokenizer is Qwen3-VL's (a Qwen2 tokenizer with ``<|vision_start|>``, which the
-    pipeline looks up): a locally trained one, as the adapter reads no size of it. No safety checker."""
-    write_qwen2_tokenizer(
-        folder / "text_tokenizer", "", special_tokens=QWEN3_SPECIAL_TOKENS, chat_template=QWEN3_CHAT_TEMPLATE
-    )
-    return Cosmos3OmniPipeline(
-        transformer=on_meta(Cosmos3OmniTransformer, **COSMOS3_NANO),
-        text_tokenizer=Qwen2Tokenizer.from_pretrained(folder / "text_tokenizer"),
-        vae=on_meta(AutoencoderKLWan, **WAN_2_2_VAE),
-        scheduler=UniPCMultistepScheduler(**COSMOS3_SCHEDULER_CONFIG),
-        enable_safety_checker=False,
-    )
-
-
-def ltx2_pipeline(folder: Path) -> LTX2Pipeline:
-    """The adapter reads no tokenizer: its text length is the pipeline's 1024."""
-    return LTX2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER_CONFIG),
-        vae=on_meta(AutoencoderKLLTX2Video, **LTX_2_VAE),
-        audio_vae=on_meta(AutoencoderKLLTX2Audio, **LTX_2_AUDIO_VAE),
-        text_encoder=on_meta(
-            Gemma3ForConditionalGeneration,
-            Gemma3Config(
-                text_config=Gemma3TextConfig(**GEMMA_3_12B["text_config"]),
-                vision_config=SiglipVisionConfig(**GEMMA_3_12B["vision_config"]),
-                mm_tokens_per_image=GEMMA_3_12B["mm_tokens_per_image"],
-            ),
-        ),
-        tokenizer=None,
-        connectors=on_meta(LTX2TextConnectors, **LTX_2_CONNECTORS),
-        transformer=on_meta(LTX2VideoTransformer3DModel, **LTX_2),
-        vocoder=on_meta(LTX2Vocoder, **LTX_2_VOCODER),
-    )
+def real_size(builder: Callable[..., DiffusionPipeline], **published) -> Callable[[Path], DiffusionPipeline]:
+    """The family's ``builder`` at the published checkpoint's size (``published`` names its configs where the
+    family has several), on the meta device; its tokenizers are written into the folder it is given."""
+    return lambda folder: builder(Build(folder, meta=True), **published)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,11 +92,19 @@ FLUX_FIGURES = {
 # (heads x 128). Its text: three stacked layers of the encoder. [klein]'s CFG makes 16 rows and
 # [dev] has none: max_batch_size 8 either way.
 FLUX2_FIGURES = {"latent_shape": (4096, 128), "generated_tokens": 4096, "forward_rows": 8}
-WAN_LATENT = (16, 21, 60, 104)  # 81 frames: 1 + 80 / 4 latent frames of 480 / 8 x 832 / 8
-WAN_TOKENS = 21 * 30 * 52  # 1 x 2 x 2 patches
-# CFG doubles the group's rows to 16; the 2,096,640-element latent fits 4 times in the default
-# max_latent_elements (8 Mi), so 4 rows a forward.
-WAN_FORWARD_ROWS = 4
+# Wan at 832 x 480 x 81: 1 + 80 / 4 latent frames of 480 / 8 x 832 / 8, 16 channels (image-to-video's
+# condition enters on channels: its latent stays 16 wide); 1 x 2 x 2 patches. Its text: 512 UMT5 states
+# of 4096. CFG doubles the group's rows to 16; the 2,096,640-element latent fits 4 times in the default
+# max_latent_elements (8 Mi), so 4 rows a forward. The 14B's widest activation is q, k and v (3 x 5120),
+# wider than its feed-forward (13824).
+WAN_TOKENS = 21 * 30 * 52
+WAN_FIGURES = {
+    "latent_shape": (16, 21, 60, 104),
+    "generated_tokens": WAN_TOKENS,
+    "forward": (WAN_TOKENS, 3 * 5120),
+    "text_elements": 512 * 4096,
+    "forward_rows": 4,
+}
 # LTX-2 at the pipeline's default, 121 frames of 768 x 512: 32x VAE of 128 channels, 8x in time, 1 x 1
 # patches: 1 + 120 / 8 latent frames of 512 / 32 x 768 / 32 video tokens; its audio: 121 frames at
 # 24 fps are 5.04 s, 25 latent frames a second (16 kHz, hop 160, 4x), round(126.04) frames of 8
@@ -372,7 +114,7 @@ LTX_2_AUDIO_FRAMES = 126
 LTX_2_CHECKPOINT = Checkpoint(
     "Lightricks/LTX-2",
     "ltx2",
-    ltx2_pipeline,
+    real_size(ltx2),
     default_media=(121, 512, 768),
     latent_shape=(LTX_2_VIDEO_TOKENS * 128 + LTX_2_AUDIO_FRAMES * 128,),
     latent_streams=((LTX_2_VIDEO_TOKENS, 128), (LTX_2_AUDIO_FRAMES, 128)),
@@ -408,7 +150,7 @@ CHECKPOINTS = (
     Checkpoint(
         "black-forest-labs/FLUX.1-dev",
         "flux",
-        flux_pipeline,
+        real_size(flux),
         **FLUX_FIGURES,
         # metadata.total_size of transformer/diffusion_pytorch_model.safetensors.index.json and of
         # text_encoder_2/model.safetensors.index.json.
@@ -417,14 +159,14 @@ CHECKPOINTS = (
     Checkpoint(
         "black-forest-labs/FLUX.1-Kontext-dev",
         "flux-kontext",
-        functools.partial(flux_pipeline, pipeline_class=FluxKontextPipeline),
+        real_size(flux_kontext),
         # The conditioning image at the request's size adds as many tokens as it generates.
         **{**FLUX_FIGURES, "forward": (2 * 4096 + 512, 5 * 3072)},
     ),
     Checkpoint(
         "stabilityai/stable-diffusion-3.5-medium",
         "sd3",
-        sd3_pipeline,
+        real_size(sd3),
         latent_shape=(16, 128, 128),
         generated_tokens=64 * 64,  # 2 x 2 patches of the 128 x 128 latent
         forward=(64 * 64 + 77 + 256, 4 * 1536),  # CLIP's 77 and T5's 256 text tokens; 4x feed-forward
@@ -435,7 +177,7 @@ CHECKPOINTS = (
     Checkpoint(
         "Qwen/Qwen-Image",
         "qwen-image",
-        qwen_image_pipeline,
+        real_size(qwen_image),
         latent_shape=(4096, 64),
         generated_tokens=4096,
         forward=(4096 + 512, 4 * 3072),  # the 512 longest prompt tokens; 4x feed-forward
@@ -447,7 +189,7 @@ CHECKPOINTS = (
     Checkpoint(
         "Qwen/Qwen-Image-Edit",
         "qwen-image-edit",
-        qwen_image_edit_pipeline,
+        real_size(qwen_image_edit),
         latent_shape=(4096, 64),
         generated_tokens=4096,
         # The image's 4096 latent tokens; the text: the VL encoder's 37 x 37 merged image patches (1024
@@ -460,48 +202,34 @@ CHECKPOINTS = (
     Checkpoint(
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
         "wan",
-        functools.partial(wan_pipeline, config=WAN_1_3B),
-        latent_shape=WAN_LATENT,
-        generated_tokens=WAN_TOKENS,
-        forward=(WAN_TOKENS, 8960),  # the feed-forward, wider than q, k and v (3 x 1536)
-        text_elements=512 * 4096,
-        forward_rows=WAN_FORWARD_ROWS,
+        real_size(wan),
+        # The 1.3B's widest: the feed-forward, wider than q, k and v (3 x 1536).
+        **{**WAN_FIGURES, "forward": (WAN_TOKENS, 8960)},
         ulysses_refused=frozenset({8}),  # 12 heads
     ),
     Checkpoint(
         "Wan-AI/Wan2.1-T2V-14B-Diffusers",
         "wan",
-        functools.partial(wan_pipeline, config=WAN_14B),
-        latent_shape=WAN_LATENT,
-        generated_tokens=WAN_TOKENS,
-        forward=(WAN_TOKENS, 3 * 5120),  # q, k and v, wider than the feed-forward (13824)
-        text_elements=512 * 4096,
-        forward_rows=WAN_FORWARD_ROWS,
+        real_size(wan, transformer=WAN_14B),
+        **WAN_FIGURES,
     ),
     Checkpoint(
         "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
         "wan",
-        functools.partial(wan_pipeline, config=WAN_14B, experts=2),
-        latent_shape=WAN_LATENT,
-        generated_tokens=WAN_TOKENS,
-        forward=(WAN_TOKENS, 3 * 5120),
-        text_elements=512 * 4096,
-        forward_rows=WAN_FORWARD_ROWS,
+        real_size(wan_2_2),
+        **WAN_FIGURES,
     ),
     Checkpoint(
         "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
         "wan-i2v",
-        wan_i2v_pipeline,
-        latent_shape=WAN_LATENT,  # the condition enters on channels: the latent stays 16 wide
-        generated_tokens=WAN_TOKENS,
-        forward=(WAN_TOKENS, 3 * 5120),
-        text_elements=512 * 4096 + (16 * 16 + 1) * 1280,  # and CLIP's 224 / 14 squared patches + class
-        forward_rows=WAN_FORWARD_ROWS,
+        real_size(wan_i2v, image_encoder_class=CLIPVisionModelWithProjection),
+        # The text, and CLIP's 224 / 14 squared patches and class token.
+        **{**WAN_FIGURES, "text_elements": 512 * 4096 + (16 * 16 + 1) * 1280},
     ),
     Checkpoint(
         "black-forest-labs/FLUX.2-klein-4B",
         "flux2-klein",
-        functools.partial(flux2_klein_pipeline, transformer=FLUX_2_KLEIN_4B, text_encoder=QWEN3_4B),
+        real_size(flux2_klein),
         **{
             **FLUX2_FIGURES,
             "forward": (4096 + 512, 9 * 24 * 128),
@@ -511,19 +239,19 @@ CHECKPOINTS = (
     Checkpoint(
         "black-forest-labs/FLUX.2-klein-9B",
         "flux2-klein",
-        functools.partial(flux2_klein_pipeline, transformer=FLUX_2_KLEIN_9B, text_encoder=QWEN3_8B),
+        real_size(flux2_klein, transformer=FLUX_2_KLEIN_9B, text_encoder=QWEN3_8B),
         **{**FLUX2_FIGURES, "forward": (4096 + 512, 9 * 32 * 128), "text_elements": 512 * 12288},
     ),
     Checkpoint(
         "black-forest-labs/FLUX.2-dev",
         "flux2",
-        flux2_dev_pipeline,
+        real_size(flux2),
         **{**FLUX2_FIGURES, "forward": (4096 + 512, 9 * 48 * 128), "text_elements": 512 * 15360},
     ),
     Checkpoint(
         "Tongyi-MAI/Z-Image-Turbo",
         "z-image",
-        z_image_pipeline,
+        real_size(z_image),
         latent_shape=(16, 128, 128),  # unpacked, 8x VAE
         generated_tokens=64 * 64,  # 2 x 2 patches, already a multiple of 32
         # The unified sequence: the image's tokens and the 512 caption tokens, each padded to a
@@ -536,7 +264,7 @@ CHECKPOINTS = (
     Checkpoint(
         "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
         "hunyuan-video15",
-        hunyuan_video15_pipeline,
+        real_size(hunyuan_video15),
         # The pipeline's default: 121 frames at the 16:9 size its target_size (640) picks, 848 x 480;
         # 16x VAE of 32 channels, 4x in time: 1 + 120 / 4 latent frames of 480 / 16 x 848 / 16.
         default_media=(121, 480, 848),
@@ -564,7 +292,7 @@ CHECKPOINTS = (
     Checkpoint(
         "nvidia/Cosmos3-Nano",
         "cosmos3",
-        cosmos3_pipeline,
+        real_size(cosmos3),
         # The pipeline's default: 189 frames of 1280 x 720; 16x VAE of 48 channels, 4x in time:
         # 1 + 188 / 4 latent frames of 720 / 16 x 1280 / 16.
         default_media=(189, 720, 1280),

@@ -20,7 +20,7 @@ SPEC = FamilySpec(
     ),
     presets={
         "tiny-cosmos3": Preset(
-            "preset:build_cosmos3_preset", "tiny", {"height": 64, "width": 64, "frames": 5, "num_steps": 10}
+            "preset:cosmos3", "TINY", {"height": 64, "width": 64, "frames": 5, "num_steps": 10}
         )
     },
 )

@@ -1,4 +1,6 @@
-"""Cosmos3's published configs."""
+"""Cosmos3's published configs, and the size of the preset built from them."""
+
+from rollout_server.families.common.build import TOKENIZER_LENGTH
 
 # nvidia/Cosmos3-Nano transformer/config.json, the arguments Cosmos3OmniTransformer takes (the file
 # also carries the source model's, e.g. "model_type": "qwen3_vl_text" and "use_moe", which diffusers
@@ -23,10 +25,10 @@ COSMOS3_NANO = {
     "qk_norm_for_text": True,
     "rms_norm_eps": 1e-06,
     "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
-    "rope_theta": 5000000,
+    "rope_theta": 5000000.0,
     "sound_dim": 64,
     "sound_gen": True,
-    "sound_latent_fps": 25,
+    "sound_latent_fps": 25.0,
     "timestep_scale": 0.001,
     "unified_3d_mrope_reset_spatial_ids": True,
     "unified_3d_mrope_temporal_modality_margin": 15000,
@@ -46,4 +48,36 @@ WAN_2_2_VAE = {
     "scale_factor_temporal": 4,
     "latents_mean": [0.0] * 48,
     "latents_std": [1.0] * 48,
+}
+# diffusers' scripts/convert_cosmos3_to_diffusers.py: the scheduler it saves with the released
+# checkpoints, Karras sigmas approximating a flow shift of 5 over 35 steps.
+SCHEDULER_CONFIG = {
+    "use_karras_sigmas": True,
+    "use_flow_sigmas": True,
+    "prediction_type": "flow_prediction",
+    "sigma_max": 200.0,
+    "sigma_min": 0.147,
+}
+
+# The preset: one narrow layer, no action or sound head, and Wan 2.2's VAE narrowed (its decoder as wide
+# as its encoder).
+TINY = {
+    "transformer": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        # Grouped as Cosmos3-Nano's 32 query and 8 key/value heads (a key/value head per group of query
+        # heads), and both counts divide by 2: --sp 2's Ulysses splits each.
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rope_scaling": None,
+        "rope_axes_dim": [2, 3, 3],  # frames, rows, columns: sums to half the head dim
+        "action_dim": None,
+        "action_gen": False,
+        "sound_dim": None,
+        "sound_gen": False,
+        "vocab_size": TOKENIZER_LENGTH,
+    },
+    "vae": {"base_dim": 8, "decoder_base_dim": None, "num_res_blocks": 1},
 }

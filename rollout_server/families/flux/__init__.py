@@ -15,13 +15,13 @@ SPEC = FamilySpec(
     # The attention and feed-forward layers, with the latent projections in and out.
     lora_targets=("x_embedder", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_out"),
     presets={
-        "tiny-flux": Preset("preset:build_flux_preset", "tiny", TINY),
-        "small-flux": Preset("preset:build_flux_preset", "small", {**TINY, "height": 256, "width": 256}),
-        "tiny-flux-kontext": Preset("preset:build_flux_kontext_preset", "tiny", TINY),
+        "tiny-flux": Preset("preset:flux", "TINY", TINY),
+        "small-flux": Preset("preset:flux", "SMALL", {**TINY, "height": 256, "width": 256}),
+        "tiny-flux-kontext": Preset("preset:flux_kontext", "TINY", TINY),
         # The size it was pretrained at, and true CFG against the empty caption it was also trained on.
         "shapes": Preset(
-            "shapes:build_shapes_preset",
-            "pretrained",
+            "shapes:shapes",
+            "SHAPES",
             {"height": 64, "width": 64, "num_steps": 20, "true_cfg_scale": 3.0},
         ),
     },

@@ -18,29 +18,12 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from rollout_server.families.common.build import Build, merged
 from rollout_server.families.common.tokenizers import CORPUS
-from rollout_server.families.flux.preset import FluxPresetConfig, flux_pipeline
+from rollout_server.families.flux.preset import flux
+from rollout_server.families.flux.published import SHAPES
+from rollout_server.families.flux.published import TEXT_TOKENS as TEXT_TOKENS  # read by its pretraining
 
-SHAPES_CONFIG = FluxPresetConfig(
-    num_layers=2,
-    num_single_layers=2,
-    num_attention_heads=4,  # divisible by 2 and 4: Ulysses sequence parallelism splits heads
-    attention_head_dim=32,
-    axes_dims_rope=(8, 12, 12),
-    latent_channels=4,
-    vae_block_out_channels=(16, 32, 32),
-    vae_norm_num_groups=8,
-    vae_layers_per_block=1,
-    clip_hidden_size=64,
-    clip_layers=2,
-    clip_heads=2,
-    clip_vocab_size=768,
-    t5_d_model=64,
-    t5_layers=2,
-    t5_heads=2,
-    t5_vocab_size=256,
-)
-TEXT_TOKENS = 24  # the longest caption is 18 T5 tokens with its end token
 WEIGHTS = Path(__file__).with_name("shapes_weights")
 # What examples/pretrain_shapes.py trains; the rest of the pipeline is the seeded build.
 TRAINED_COMPONENTS = ("vae", "transformer")
@@ -55,7 +38,7 @@ def shapes_corpus() -> str:
 
 def untrained_shapes_pipeline(folder: Path):
     """The seeded pipeline before pretraining; its tokenizers are written into `folder`."""
-    return flux_pipeline(folder, SHAPES_CONFIG, shapes_corpus(), TEXT_TOKENS, guidance=False)
+    return flux(_with_shapes_corpus(Build(Path(folder), SHAPES)))
 
 
 def load_pretrained(pipe, weights: Path = WEIGHTS) -> None:
@@ -66,8 +49,15 @@ def load_pretrained(pipe, weights: Path = WEIGHTS) -> None:
         getattr(pipe, name).load_state_dict(load_file(weights / f"{name}.safetensors"), strict=True)
 
 
-def build_shapes_preset(folder: Path, size: str) -> None:
-    """Builds the pretrained `shapes` preset (`size`: "pretrained") as a float32 FluxPipeline in `folder`."""
-    pipe = untrained_shapes_pipeline(folder)
+def _with_shapes_corpus(target: Build) -> Build:
+    corpus = {"corpus": shapes_corpus()}
+    return Build(
+        target.folder, merged(target.size, {"tokenizer": corpus, "tokenizer_2": corpus}), target.meta
+    )
+
+
+def shapes(target: Build):
+    """The pretrained `shapes` preset, a FluxPipeline (``target``'s size: ``SHAPES``)."""
+    pipe = flux(_with_shapes_corpus(target))
     load_pretrained(pipe)
-    pipe.save_pretrained(folder, safe_serialization=True)
+    return pipe

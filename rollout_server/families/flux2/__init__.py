@@ -21,7 +21,7 @@ SPEC = FamilySpec(
         "proj_out",
     ),
     presets={
-        "tiny-flux2": Preset("preset:build_flux2_preset", "tiny", TINY),
-        "tiny-flux2-klein": Preset("preset:build_flux2_klein_preset", "tiny", TINY),
+        "tiny-flux2": Preset("preset:flux2", "TINY", TINY),
+        "tiny-flux2-klein": Preset("preset:flux2_klein", "TINY", TINY),
     },
 )

@@ -1,6 +1,7 @@
-"""FLUX.2 [dev] and [klein]'s published configs."""
+"""FLUX.2 [dev] and [klein]'s published configs, and the size of the presets built from them."""
 
-from rollout_server.families.common.published import QWEN3_4B
+from rollout_server.families.common.build import TOKENIZER_LENGTH
+from rollout_server.families.common.published import FLUX_1_SCHEDULER, QWEN3_4B, TINY_KL_VAE, TINY_QWEN3
 
 # black-forest-labs/FLUX.2-dev transformer/config.json (diffusers' scripts/convert_flux2_to_diffusers.py).
 FLUX_2_DEV = {
@@ -73,4 +74,62 @@ MISTRAL_SMALL_3_1 = {
         "rope_theta": 10000.0,
     },
     "vision_feature_layer": -1,
+}
+# black-forest-labs/FLUX.2-dev tokenizer (Mistral Small 3.1's): the text length it pads prompts to.
+MISTRAL_TOKENIZER = {"model_max_length": 131072}
+# black-forest-labs/FLUX.2-dev vae/config.json is AutoencoderKLFlux2's defaults (FLUX.2-klein's too).
+FLUX_2_VAE: dict = {}
+# black-forest-labs/FLUX.2-dev scheduler/scheduler_config.json: FLUX.1's dynamic shifting, whose mu the
+# pipelines compute from the image token count and the step count (compute_empirical_mu), on the
+# exponential time shift.
+FLUX2_SCHEDULER = {**FLUX_1_SCHEDULER, "time_shift_type": "exponential"}
+
+# The presets, [dev] and [klein] alike. The text encoders have two layers: the adapters stack their three
+# hidden states (embeddings and both layers) where FLUX.2 stacks three of 36 or 40 layers, so the
+# transformer's joint_attention_dim is three times the encoder's width, as in the real models. Prompts
+# are padded to 64 tokens.
+TEXT_TOKENS = 64
+TINY = {
+    "transformer": {
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "num_attention_heads": 2,
+        "attention_head_dim": 16,
+        "axes_dims_rope": (4, 4, 4, 4),  # sums to attention_head_dim
+        "in_channels": 4 * 4,  # the VAE latents' 2x2 patches
+        "joint_attention_dim": 3 * 32,
+    },
+    "vae": {**TINY_KL_VAE, "latent_channels": 4},
+    "tokenizer": {"model_max_length": TEXT_TOKENS},
+    # [klein]'s Qwen3.
+    "text_encoder": {
+        **TINY_QWEN3,
+        "intermediate_size": 3 * 32,
+        "max_position_embeddings": 4 * TEXT_TOKENS,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    # [dev]'s Mistral 3 and its Pixtral vision tower.
+    "mistral": {
+        "text_config": {
+            "vocab_size": TOKENIZER_LENGTH,
+            "hidden_size": 32,
+            "intermediate_size": 3 * 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32 // 2,
+            "max_position_embeddings": 4 * TEXT_TOKENS,
+            "rope_theta": 10000.0,
+            "sliding_window": None,
+        },
+        "vision_config": {
+            "hidden_size": 32,
+            "intermediate_size": 2 * 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "head_dim": 32 // 2,
+            "image_size": 64,
+            "patch_size": 16,
+        },
+    },
 }

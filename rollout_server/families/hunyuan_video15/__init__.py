@@ -17,8 +17,8 @@ SPEC = FamilySpec(
     ),
     presets={
         "tiny-hunyuan-video15": Preset(
-            "preset:build_hunyuan_video15_preset",
-            "tiny",
+            "preset:hunyuan_video15",
+            "TINY",
             {"height": 64, "width": 64, "frames": 5, "num_steps": 10},
         )
     },

@@ -22,8 +22,6 @@ SPEC = FamilySpec(
     ),
     presets={
         # 64: the VAE's decoder needs 2x2 latents (32x); 9 = 1 + 8 frames, two latent frames (8x, causal).
-        "tiny-ltx2": Preset(
-            "preset:build_ltx2_preset", "tiny", {"height": 64, "width": 64, "frames": 9, "num_steps": 10}
-        )
+        "tiny-ltx2": Preset("preset:ltx2", "TINY", {"height": 64, "width": 64, "frames": 9, "num_steps": 10})
     },
 )

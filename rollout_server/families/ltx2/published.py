@@ -1,4 +1,6 @@
-"""LTX-2's published configs."""
+"""LTX-2's published configs, and the size of the preset built from them."""
+
+from rollout_server.families.common.build import TOKENIZER_LENGTH
 
 # Lightricks/LTX-2 (LTX-2.0, the 19B audio-video model): the "2.0" entries of diffusers'
 # scripts/convert_ltx2_to_diffusers.py (its transformer, video VAE, audio VAE, vocoder and connectors
@@ -154,4 +156,80 @@ GEMMA_3_12B = {
         "vision_use_head": False,
     },
     "mm_tokens_per_image": 256,
+}
+# tokenizer/: Gemma 3's, whose model_max_length is the length the pipeline pads prompts to.
+GEMMA_3_TOKENIZER = {"vocab_size": 262144, "model_max_length": 1024}
+# scheduler/scheduler_config.json (the conversion script's): the pipeline passes linspace(1, 1/N, N) as
+# sigmas and mu = calculate_shift(video tokens, 1024, 4096, 0.95, 2.05).
+SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.95,
+    "max_shift": 2.05,
+    "base_image_seq_len": 1024,
+    "max_image_seq_len": 4096,
+    "shift_terminal": 0.1,
+}
+
+# The preset: LTX-2's latent channels (video 128, audio 8), its widths / 16 or / 32, a quarter of its
+# mel bins. The audio VAE's per-channel statistics are as wide as one packed audio token: base_channels =
+# latent_channels x mel_bins / 4 (LTX-2's 128 = 8 x 64 / 4; here 8 x 16 / 4 = 32).
+AUDIO_TOKEN = 8 * 16 // 4
+TINY = {
+    "vae": {
+        "block_out_channels": (8, 16, 32, 64),  # 4 levels of 2x: with the 4x4 patches, 32x
+        "decoder_block_out_channels": (8, 16, 32),
+        "layers_per_block": (1, 1, 1, 1, 1),
+        "decoder_layers_per_block": (1, 1, 1, 1),
+    },
+    "audio_vae": {"base_channels": AUDIO_TOKEN, "num_res_blocks": 1, "mel_bins": 16},
+    # The decoded stereo mel spectrogram, channels x mel bins; halved at each of the 5 upsamplers.
+    "vocoder": {"in_channels": 2 * 16, "hidden_channels": 64},
+    "transformer": {
+        "num_layers": 2,
+        "num_attention_heads": 2,  # divisible by 2: Ulysses sequence parallelism splits heads
+        "attention_head_dim": 32,
+        "cross_attention_dim": 2 * 32,  # the caption projection's output
+        # Equal to the video's heads, as split RoPE on a2v needs.
+        "audio_num_attention_heads": 2,
+        "audio_attention_head_dim": 16,
+        "audio_cross_attention_dim": 2 * 16,
+        "audio_in_channels": AUDIO_TOKEN,
+        "audio_out_channels": AUDIO_TOKEN,
+        "caption_channels": 32,  # the text encoder's width
+    },
+    "connectors": {
+        "caption_channels": 32,
+        "text_proj_in_factor": 6 + 1,  # the text encoder's layers and its embeddings
+        # Heads x head dim is the text width, as LTX-2.0's connectors keep it.
+        "video_connector_num_attention_heads": 2,
+        "video_connector_attention_head_dim": 16,
+        "video_connector_num_layers": 1,
+        "audio_connector_num_attention_heads": 2,
+        "audio_connector_attention_head_dim": 16,
+        "audio_connector_num_layers": 1,
+    },
+    # The padded text length: a multiple of the connectors' 128 registers.
+    "tokenizer": {"vocab_size": 1024, "model_max_length": 128},
+    "text_encoder": {
+        "text_config": {
+            "vocab_size": TOKENIZER_LENGTH,
+            "hidden_size": 32,
+            "intermediate_size": 4 * 32,  # Gemma 3 12B: 3840 -> 15360
+            "num_hidden_layers": 6,  # one period of Gemma 3's 5 local : 1 global pattern
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+        },
+        # Gemma 3's SigLIP tower, which text-to-video never runs (only an image prompt would).
+        "vision_config": {
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 56,
+        },
+        "mm_tokens_per_image": 4,  # 4x4 patches pooled 2x2, as Gemma 3 pools 64x64 to 16x16
+    },
 }

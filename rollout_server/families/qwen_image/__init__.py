@@ -17,7 +17,7 @@ SPEC = FamilySpec(
         "txt_mlp.net.2",
     ),
     presets={
-        "tiny-qwen-image": Preset("preset:build_qwen_image_preset", "tiny", TINY),
-        "tiny-qwen-image-edit": Preset("preset:build_qwen_image_edit_preset", "tiny", TINY),
+        "tiny-qwen-image": Preset("preset:qwen_image", "TINY", TINY),
+        "tiny-qwen-image-edit": Preset("preset:qwen_image_edit", "TINY", TINY),
     },
 )

@@ -1,4 +1,6 @@
-"""Qwen-Image and Qwen-Image-Edit's published configs."""
+"""Qwen-Image and Qwen-Image-Edit's published configs, and the size of the presets built from them."""
+
+from rollout_server.families.common.published import TINY_QWEN_VL_TEXT
 
 # Qwen/Qwen-Image transformer/config.json; Qwen/Qwen-Image-Edit ships the same one.
 QWEN_IMAGE = {
@@ -28,4 +30,41 @@ QWEN_VL_PROCESSOR = {
     "min_pixels": 3136,
     "patch_size": 14,
     "temporal_patch_size": 2,
+}
+# Qwen/Qwen-Image scheduler/scheduler_config.json: the timestep shift depends on the image token count.
+QWEN_IMAGE_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+}
+
+# The presets: narrow layers; the VL processor's pixel bounds keep a preset's conditioning images at their
+# size (to the nearest 28 pixels), up to 448 x 448 (256 tokens).
+TINY = {
+    "vae": {"base_dim": 8, "num_res_blocks": 1},
+    "transformer": {
+        "num_layers": 2,
+        "num_attention_heads": 2,
+        "attention_head_dim": 16,
+        "axes_dims_rope": (4, 6, 6),
+        "joint_attention_dim": 32,  # the text encoder's width
+    },
+    "text_encoder": {
+        "text_config": TINY_QWEN_VL_TEXT,
+        "vision_config": {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 2 * 32,
+            "num_heads": 2,
+            "out_hidden_size": 32,
+            "fullatt_block_indexes": [1],
+        },
+    },
+    "processor": {"max_pixels": 28 * 28 * 256},
 }

@@ -8,7 +8,5 @@ SPEC = FamilySpec(
     adapters={"StableDiffusion3Pipeline": "SD3Adapter"},
     # The joint attention of every MMDiT block (FlowGRPO's SD3 targets).
     lora_targets=JOINT_ATTENTION_TARGETS,
-    presets={
-        "tiny-sd3": Preset("preset:build_sd3_preset", "tiny", {"height": 128, "width": 128, "num_steps": 10})
-    },
+    presets={"tiny-sd3": Preset("preset:sd3", "TINY", {"height": 128, "width": 128, "num_steps": 10})},
 )

@@ -11,7 +11,7 @@ SPEC = FamilySpec(
     adapters={"WanPipeline": "WanAdapter"},
     lora_targets=LORA_TARGETS,
     presets={
-        "tiny-wan": Preset("preset:build_wan_preset", "tiny", TINY),
-        "tiny-wan2.2": Preset("preset:build_wan_preset", "tiny-2.2", TINY),
+        "tiny-wan": Preset("preset:wan", "TINY", TINY),
+        "tiny-wan2.2": Preset("preset:wan_2_2", "TINY", TINY),
     },
 )

@@ -7,5 +7,5 @@ SPEC = FamilySpec(
     name="wan_i2v",
     adapters={"WanImageToVideoPipeline": "WanImageToVideoAdapter"},
     lora_targets=wan.LORA_TARGETS,
-    presets={"tiny-wan-i2v": Preset("preset:build_wan_i2v_preset", "tiny", wan.TINY)},
+    presets={"tiny-wan-i2v": Preset("preset:wan_i2v", "TINY", wan.TINY)},
 )

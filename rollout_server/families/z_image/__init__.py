@@ -16,8 +16,6 @@ SPEC = FamilySpec(
         "feed_forward.w3",
     ),
     presets={
-        "tiny-z-image": Preset(
-            "preset:build_z_image_preset", "tiny", {"height": 128, "width": 128, "num_steps": 10}
-        )
+        "tiny-z-image": Preset("preset:z_image", "TINY", {"height": 128, "width": 128, "num_steps": 10})
     },
 )
