@@ -9,12 +9,13 @@ from safetensors.torch import load_file
 from support.servers import run_example
 
 from rollout_server import families
+from rollout_server.families.base import MediaShape
 from rollout_server.families.flux.shapes import TEXT_TOKENS, untrained_shapes_pipeline
 
 
 def test_a_flux_folder_pads_prompts_to_its_own_text_length(tmp_path, tiny_flux_folder):
     untrained_shapes_pipeline(tmp_path).save_pretrained(tmp_path)
-    shape = families.base.MediaShape(1, 64, 64)
+    shape = MediaShape(1, 64, 64)
     shapes_adapter = families.load(tmp_path, torch.device("cpu"), torch.float32)
     env = shapes_adapter.encode_text("a red circle", 1.0, shape)
     assert env["encoder_hidden_states"].shape[1] == TEXT_TOKENS

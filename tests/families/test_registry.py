@@ -110,9 +110,9 @@ def test_no_family_is_named_outside_its_folder_the_registry_and_the_docs():
 def test_every_preset_and_pipeline_class_has_its_row_in_the_contract_suite():
     """The contract suite (tests/families/test_contract.py) runs over support.families' table: a row for
     every pipeline class the registry serves and for every preset but the larger copies of a tiny one
-    (size "small"), and no row for a preset the registry does not declare."""
+    (size ``SMALL``), and no row for a preset the registry does not declare."""
     rows = {family.preset: family for family in CONTRACT_ROWS.values()}
     assert rows.keys() <= set(preset_names())
-    served = {name for name, (_, preset) in registry.presets().items() if preset.size != "small"}
+    served = {name for name, (_, preset) in registry.presets().items() if preset.size != "SMALL"}
     assert served <= rows.keys(), sorted(served - rows.keys())
     assert {family.pipeline for family in CONTRACT_ROWS.values()} == set(registry.pipeline_classes())

@@ -10,6 +10,7 @@ of the same texts (the same code, which uses ftfy when it is installed)."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ from rollout_core.transformer_call import LatentConditioning
 from rollout_server import families
 from rollout_server.errors import UnsupportedModel
 from rollout_server.families.base import MediaShape
-from rollout_server.families.wan.preset import WAN_PRESET_CONFIGS, wan_transformer
+from rollout_server.families.common.build import Build
+from rollout_server.families.wan.preset import wan_transformer
+from rollout_server.families.wan.published import TINY
 
 SHAPE = MediaShape(frames=5, height=64, width=64)
 CONDITIONING = LatentConditioning(rollout_pb2.CONDITIONING_CONCAT_CHANNELS, "condition")
@@ -41,7 +44,7 @@ def wan22_folder(family_resources, tmp_path_factory):
     """Wan 2.2 image-to-video's layout (two 36-channel experts, no image encoder: they read no
     image embeddings) on the preset's VAE, text encoder and scheduler."""
     tiny = family_resources.pipeline("wan-i2v")
-    cfg = WAN_PRESET_CONFIGS["tiny"]
+    cfg = Build(Path(), TINY)  # the tiny size on the CPU
     in_channels = tiny.transformer.config.in_channels
     folder = tmp_path_factory.mktemp("wan22-i2v")
     WanImageToVideoPipeline(

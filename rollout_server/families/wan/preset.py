@@ -13,15 +13,13 @@ below ``boundary_ratio * 1000``. The image-to-video builder takes its components
 """
 
 import functools
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from transformers import UMT5Config, UMT5EncoderModel
 
 from rollout_server.families.common import components
-from rollout_server.families.common.build import Build
 from rollout_server.families.wan.published import (
-    TINY,
     UMT5_TOKENIZER,
     UMT5_XXL,
     WAN22_BOUNDARY_RATIO,
@@ -31,8 +29,11 @@ from rollout_server.families.wan.published import (
     WAN_VAE,
 )
 
+if TYPE_CHECKING:
+    from rollout_server.families.common.build import Build
 
-def wan(target: Build, transformer=WAN_1_3B, experts: int = 1) -> WanPipeline:
+
+def wan(target: "Build", transformer=WAN_1_3B, experts: int = 1) -> WanPipeline:
     """A WanPipeline of Wan 2.1's components, the ``transformer`` config's (1.3B's); two ``experts``
     make Wan 2.2's."""
     return WanPipeline(
@@ -48,7 +49,7 @@ def wan(target: Build, transformer=WAN_1_3B, experts: int = 1) -> WanPipeline:
 wan_2_2 = functools.partial(wan, transformer=WAN_14B, experts=2)
 
 
-def umt5_text(target: Build):
+def umt5_text(target: "Build"):
     """The UMT5 tokenizer and encoder, by component name."""
     return components.t5_text(
         target,
@@ -60,16 +61,12 @@ def umt5_text(target: Build):
     )
 
 
-def wan_vae(target: Build) -> AutoencoderKLWan:
+def wan_vae(target: "Build") -> AutoencoderKLWan:
     """The causal 3D VAE."""
     return components.model(target, 0, "vae", AutoencoderKLWan, WAN_VAE)
 
 
-def wan_transformer(target: Build, seed: int, published=WAN_1_3B, **settings) -> WanTransformer3DModel:
+def wan_transformer(target: "Build", seed: int, published=WAN_1_3B, **settings) -> WanTransformer3DModel:
     """A denoising transformer of ``published`` at this size, seeded with ``seed``; ``settings`` replace
     fields of the result (another layout's input channels)."""
     return components.model(target, seed, "transformer", WanTransformer3DModel, published, **settings)
-
-
-# The tiny size on the CPU, for a caller that builds transformers of another layout.
-WAN_PRESET_CONFIGS = {"tiny": Build(Path(), TINY)}
