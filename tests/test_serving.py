@@ -488,7 +488,7 @@ def test_unworkable_limits_are_startup_errors(flags, message):
 
 
 def test_help_is_quiet_and_lists_every_preset():
-    """``serve --help`` shows our own text only, with the presets from the preset table."""
+    """``serve --help`` shows our own text only, with every preset the family registry declares."""
     result = subprocess.run(
         [sys.executable, "-m", "rollout_server", "serve", "--help"],
         capture_output=True,
@@ -500,24 +500,6 @@ def test_help_is_quiet_and_lists_every_preset():
     assert result.stdout.startswith("usage: rollout-server serve")
     squeezed = "".join(result.stdout.split())  # argparse wraps lines, even inside a preset name
     assert f"presetname({','.join(preset_names())})" in squeezed
-    assert set(preset_names()) == {
-        "shapes",
-        "tiny-flux",
-        "small-flux",
-        "tiny-sd3",
-        "tiny-qwen-image",
-        "tiny-wan",
-        "tiny-wan2.2",
-        "tiny-flux-kontext",
-        "tiny-flux2",
-        "tiny-flux2-klein",
-        "tiny-qwen-image-edit",
-        "tiny-wan-i2v",
-        "tiny-z-image",
-        "tiny-hunyuan-video15",
-        "tiny-cosmos3",
-        "tiny-ltx2",
-    }
 
 
 @pytest.mark.parametrize(
