@@ -81,7 +81,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==26.3 setuptools==80.9.0
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,train,ray]'
+	$(PY) -m pip install --quiet -e '.[dev,train,ray,tensorboard]'
 	touch $(STAMP)
 
 clean:

@@ -56,7 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Finished, RolloutClient, Step
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 
 # preset -> default image side, and on CPU (rounds, requests per client): see the docstring.
 SIZES = {"tiny-flux": 128, "small-flux": 256}

@@ -27,7 +27,7 @@ from stream_overhead import in_process_runner, in_process_seconds
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 from rollout_server.validation import resolve
 
 PROMPT = "a watercolour fox in a misty forest"

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the te
 from forked import ForkedProcess
 
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout_core.local_server import LocalServer
 from rollout_server import families, memory
 from rollout_server.limits import Limits
-from rollout_server.local import LocalServer
 from rollout_server.presets import default_cache_dir, defaults_for, resolve_model
 from rollout_server.scheduler import STREAM_BUFFER
 from rollout_server.validation import ServingContext, resolve

@@ -17,7 +17,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from rollout_client import Finished, RolloutClient
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 
 PROMPTS = ["a red fox in the snow", "a lighthouse at dusk", "two cats on a sofa", "a bowl of ramen"]
 

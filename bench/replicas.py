@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutPool
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 
 counter = itertools.count()
 

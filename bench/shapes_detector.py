@@ -16,8 +16,8 @@ import io
 import numpy as np
 from PIL import Image, ImageFilter
 
-from rollout_client.rewards.scenes import TASKS, all_specs, caption, render
 from rollout_client.rewards.shapes import accuracy_table, evaluate
+from rollout_core.scenes import TASKS, all_specs, caption, render
 
 
 def jpeg(image: Image.Image) -> Image.Image:

@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 
 CASES = {"shapes": 64, "tiny-flux": 128}  # preset -> image side
 PROMPTS = ["a red circle", "two blue squares", "a green triangle and a yellow circle", "a purple square"]

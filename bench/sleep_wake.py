@@ -21,7 +21,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from rollout_client import RolloutClient
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 
 ROLLOUT = {"prompts": ["a red fox"], "samples_per_prompt": 1, "num_steps": 2, "height": 64, "width": 64}
 

@@ -28,7 +28,7 @@ import torch
 from rollout.v1 import rollout_pb2
 from rollout_client import Finished, RolloutClient, Started, Step
 from rollout_core import solvers
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 
 STEPS = (6, 8, 10, 16)
 REFERENCE_STEPS = 50

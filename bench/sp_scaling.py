@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Finished, RolloutClient
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

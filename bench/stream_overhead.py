@@ -26,9 +26,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Finished, RolloutClient
+from rollout_core.local_server import LocalServer
 from rollout_server import families
 from rollout_server.limits import Limits
-from rollout_server.local import LocalServer
 from rollout_server.metrics import ServerMetrics
 from rollout_server.parallel import SequenceParallel
 from rollout_server.presets import defaults_for, resolve_model

@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from rollout.v1 import rollout_pb2
 from rollout_client import Finished, RolloutClient
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 
 CASES = {
     "branchgrpo": {"num_steps": 20, "branches": [(0, 2), (3, 2), (6, 2), (9, 2)], "stochastic_steps": []},

@@ -29,7 +29,7 @@ from safetensors.torch import save
 
 from rollout_client import RolloutClient
 from rollout_core import codec
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 from rollout_server.presets import resolve_model
 
 RANK_READY = re.compile(r"rank (?P<rank>\d+) of \d+ ready \(pid (?P<pid>\d+)")

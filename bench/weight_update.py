@@ -36,7 +36,7 @@ from peft import LoraConfig, get_peft_model_state_dict
 from rollout_client import RolloutClient, WeightSyncGroup
 from rollout_client.client import UPDATE_CHUNK_BYTES
 from rollout_core import checksum, codec
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 from rollout_server.presets import resolve_model
 from rollout_server.weights.spec import check_finite
 

@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient, Started, Step, conformance
-from rollout_server.local import LocalServer
-from rollout_server.presets import PRESETS, resolve_model
+from rollout_core.local_server import LocalServer
+from rollout_server.presets import preset_names, resolve_model
 
 HERE = Path(__file__).resolve().parent
 VECTORS = HERE / "vectors"
@@ -36,7 +36,7 @@ def tiny_presets() -> list[str]:
     """Every tiny preset whose libraries are installed here."""
     from transformers.utils import is_torchvision_available
 
-    names = [name for name in PRESETS if name.startswith("tiny-")]
+    names = [name for name in preset_names() if name.startswith("tiny-")]
     if not is_torchvision_available():
         print("tiny-qwen-image-edit left out: its Qwen2VLProcessor needs torchvision", file=sys.stderr)
         names.remove("tiny-qwen-image-edit")
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         action="append",
-        choices=sorted(PRESETS),
+        choices=sorted(preset_names()),
         help="a preset (default: every tiny one that builds)",
     )
     parser.add_argument("--out", type=Path, default=VECTORS, help=f"vector folder (default {VECTORS})")

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from rollout_client import RolloutClient, Trajectory, replay_log_probs
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the server builds its model locally
 

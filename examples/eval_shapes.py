@@ -4,7 +4,7 @@
     python examples/eval_shapes.py --lora train-output-shapes/lora
     python examples/eval_shapes.py --server HOST:PORT
 
-Each eval prompt (``rollout_client.rewards.scenes.eval_prompts()``) is sampled ``--samples`` times
+Each eval prompt (``rollout_core.scenes.eval_prompts()``) is sampled ``--samples`` times
 with the deterministic ODE sampler from fixed seeds, with the server's CFG (or ``--cfg``), and every image is
 scored strictly (the right objects, counts, colours and relation, nothing extra; see
 ``rollout_client.shapes_eval``). Prints the table per task type and overall,
@@ -21,7 +21,7 @@ from pathlib import Path
 from rollout_client import RolloutClient
 from rollout_client.rewards import shapes
 from rollout_client.shapes_eval import ShapesEval, eval_request, evaluate_policy
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

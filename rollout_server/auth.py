@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from rollout.v1 import rollout_pb2
-from rollout_client.credentials import AUTHORIZATION, read_token
+from rollout_core.transport import AUTHORIZATION, read_token
 from rollout_server.errors import StartupError
 
 log = logging.getLogger("rollout_server.auth")

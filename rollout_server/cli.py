@@ -23,7 +23,7 @@ from rollout_server.limits import (
     Limits,
     parse_bytes,
 )
-from rollout_server.presets import PRESETS, resolve_model
+from rollout_server.presets import preset_names, resolve_model
 from rollout_server.prompt_cache import DEFAULT_PROMPT_CACHE_ENTRIES
 
 # The model dtypes are those latents stream in (rollout_core.dtypes.MODEL_DTYPE_NAMES, which loads
@@ -39,9 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rollout-server", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     s = commands.add_parser("serve", help="serve rollouts over gRPC")
-    s.add_argument(
-        "--model", default="tiny-flux", help=f"preset name ({', '.join(PRESETS)}) or a diffusers folder"
-    )
+    presets = ", ".join(preset_names())
+    s.add_argument("--model", default="tiny-flux", help=f"preset name ({presets}) or a diffusers folder")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
     s.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")

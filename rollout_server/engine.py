@@ -19,9 +19,7 @@ step.
 """
 
 import asyncio
-import functools
 import itertools
-import json
 import logging
 import resource
 import threading
@@ -39,31 +37,25 @@ from rollout_server import memory
 from rollout_server.errors import (
     InvalidRequest,
     MemoryReleased,
-    NoWeightSyncGroup,
     PruneTooLate,
     RankFailure,
     ShuttingDown,
-    UpdateAbandoned,
     WeightSyncFailed,
 )
 from rollout_server.families.base import FamilyAdapter, MediaShape, Sound
-from rollout_server.images import ConditionImage
 from rollout_server.metrics import ServerMetrics
-from rollout_server.parallel import (
+from rollout_server.parallel import SequenceParallel
+from rollout_server.parallel.protocol import (
     HEARTBEAT,
-    MAX_STUCK_JOINS,
     RELEASE,
     RESUME,
     ROUND,
     STOP,
-    SYNC_INSTALL,
-    SYNC_JOIN,
-    SYNC_LEAVE,
-    SYNC_UPDATE,
+    SYNC_COMMANDS,
     UPDATE,
-    SequenceParallel,
-    WeightSyncOptions,
-    stuck_joins,
+    Joining,
+    decode_round,
+    encode_round,
 )
 from rollout_server.policy import Policy
 from rollout_server.residency import Moved, Weights
@@ -79,73 +71,16 @@ from rollout_server.scheduler import (
     UpdateJob,
 )
 from rollout_server.stream import StreamEncoder, latents_sent, started_event
-from rollout_server.validation import quoted
-from rollout_server.weights import group
+from rollout_server.weight_sync import GroupMembership
 
 if TYPE_CHECKING:
+    from rollout_server.images import ConditionImage
     from rollout_server.limits import Limits
+    from rollout_server.parallel.sync_group import WeightSyncOptions
+    from rollout_server.weights import group
     from rollout_server.weights.update import WeightUpdate
 
 log = logging.getLogger("rollout_server.engine")
-
-
-# A rollout joining a round: its key, its resolved request and its conditioning images.
-Joining = tuple[int, rollout_pb2.RolloutRequest, list[ConditionImage]]
-
-
-def encode_round(planned: Round) -> bytes:
-    """A round as rank 0 broadcasts it: a JSON header, then each joining request's bytes, each
-    followed by its conditioning images (their description and RGB pixels)."""
-    parts, join = [], []
-    for job in planned.join:
-        images = [image.pack() for image in job.condition_images]
-        request = job.request.SerializeToString()
-        join.append([job.key, len(request), [[len(info), len(pixels)] for info, pixels in images]])
-        parts += [request, *(part for image in images for part in image)]
-    header = {
-        "drop": planned.drop,
-        "join": join,
-        "prune": [[key, nodes] for key, nodes in planned.prune.items()],
-        "step": planned.step,
-    }
-    return json.dumps(header).encode() + b"\n" + b"".join(parts)
-
-
-def decode_round(payload: bytes) -> tuple[list[int], list[Joining], dict[int, list[int]], list[int]]:
-    """(drop, join, prune, step) of an encoded round."""
-    header_bytes, _, data = payload.partition(b"\n")
-    header = json.loads(header_bytes)
-    join, offset = [], 0
-
-    def take(size: int) -> bytes:
-        nonlocal offset
-        offset += size
-        return data[offset - size : offset]
-
-    for key, size, image_sizes in header["join"]:
-        request = rollout_pb2.RolloutRequest.FromString(take(size))
-        images = [ConditionImage.unpack(take(info), take(pixels)) for info, pixels in image_sizes]
-        join.append((key, request, images))
-    return header["drop"], join, dict(header["prune"]), header["step"]
-
-
-@dataclass(frozen=True)
-class GroupApplied:
-    """What a group update did, beyond what UpdateWeights reports."""
-
-    transfer_seconds: float  # the broadcasts alone
-    total_tensors: int  # of the target (or its adapter layout) for this kind
-    rank_checksums: list[str]  # the served checksum as each rank computed it, rank 0 first
-
-
-# What a non-leader rank does for each weight-sync command (the failures every rank meets alike are
-# rank 0's to report).
-FOLLOWED_SYNC = {
-    SYNC_JOIN: Policy.follow_join,
-    SYNC_INSTALL: Policy.follow_install,
-    SYNC_UPDATE: Policy.follow_update,
-    SYNC_LEAVE: Policy.follow_leave,
-}
 
 
 @dataclass(frozen=True)
@@ -169,7 +104,7 @@ class EngineStatus:
     weights_checksum: str  # of the policy served (rollout_core.checksum)
     # Each transformer's own: the checksum of its tensors (and its adapter's) alone, by component.
     transformer_checksums: dict[str, str]
-    weight_sync: WeightSyncOptions | None  # the weight-sync group joined, if any
+    weight_sync: "WeightSyncOptions | None"  # the weight-sync group joined, if any
     memory_released: bool  # rollouts are refused: the weights are released, or a release waits
 
 
@@ -241,6 +176,9 @@ class Engine:
             prompt_cache_entries,
             self.metrics,
         )
+        self.weight_sync = GroupMembership(
+            self.parallel, self.policy, self.scheduler, self.adapter.device, self._check_resident
+        )
         self.transformers = tuple(self.adapter.experts)  # the pipeline components an update may target
         self.max_update_bytes = self.policy.spec.max_update_bytes
         self.metrics.watch(self.status)
@@ -262,7 +200,7 @@ class Engine:
         return memory.sample_sizes(self.adapter, resolved)
 
     def open_stream(
-        self, resolved: rollout_pb2.RolloutRequest, condition_images: list[ConditionImage] = ()
+        self, resolved: rollout_pb2.RolloutRequest, condition_images: list["ConditionImage"] = ()
     ) -> Outbox:
         """Queue a resolved rollout (on the running event loop's thread), with its conditioning images
         as admission decoded them (the request keeps no files). Iterating the returned stream gives its
@@ -377,99 +315,32 @@ class Engine:
         served = self.policy.served_tensors(target)
         return {name: checksum.tensor_sha256(served[name]) for name in names if name in served}
 
-    def join_weight_sync(self, options: WeightSyncOptions) -> Future:
-        """Have every rank join a weight-sync group without holding a rollout: the ranks start joining
-        between two rounds, each on a thread of its own, and install the group between two later
-        rounds, once rank 0's join ended or ``options.timeout_seconds`` passed. The future ends once
-        every rank installed it; WeightSyncFailed (no group is left) if any could not, in time."""
-        joined: Future = Future()
-        if (stuck := stuck_joins()) >= MAX_STUCK_JOINS:
-            joined.set_exception(
-                WeightSyncFailed(f"{stuck} earlier joins still wait on stores that never answer; retry later")
-            )
-            return joined
+    # The weight-sync group (weight_sync.GroupMembership).
 
-        def coordinate() -> None:
-            try:
-                pending = self.scheduler.submit_side_job(functools.partial(self.policy.start_join, options))
-                pending.result().wait_finished()
-                install = functools.partial(self.policy.install_join, options.group_id)
-                joined.set_result(self.scheduler.submit_side_job(install).result())
-            except BaseException as error:  # noqa: BLE001 - the caller's future carries it
-                joined.set_exception(error)
+    def check_weight_sync(self, request: rollout_pb2.InitWeightSyncRequest) -> "WeightSyncOptions":
+        """The options of an InitWeightSync request for this server's ranks; InvalidRequest naming
+        every bad field."""
+        return self.weight_sync.check_init(request)
 
-        threading.Thread(target=coordinate, name="weight-sync-join", daemon=True).start()
-        return joined
+    def join_weight_sync(self, options: "WeightSyncOptions") -> Future:
+        """Every rank joins the group, without holding a rollout (``GroupMembership.join``)."""
+        return self.weight_sync.join(options)
 
     def leave_weight_sync(self) -> Future:
         """Every rank leaves its weight-sync group; the future says whether there was one."""
-        return self.scheduler.submit_update(self.policy.leave_sync)
+        return self.weight_sync.leave()
 
-    def check_weight_sync(self, request: rollout_pb2.InitWeightSyncRequest) -> WeightSyncOptions:
-        """The options of an InitWeightSync request for this server's ranks; InvalidRequest naming
-        every bad field."""
-        rank_timeout = self.parallel.timeout_seconds if self.parallel.enabled else None
-        return group.parse_init(request, self.parallel.degree, self.adapter.device, rank_timeout)
-
-    def check_group_update(self, message: rollout_pb2.GroupUpdateManifest) -> group.GroupManifest:
-        """The manifest of a group update, checked whole against the current weights (InvalidRequest
-        naming its field, StaleUpdate, NoWeightSyncGroup): off the event loop, as check_update."""
-        self._check_resident()
-        self._check_group(message.group_id)
-        manifest = group.parse_manifest(message, self.max_update_bytes)
-        self.policy.check(manifest.update, prefix="manifest.")
-        return manifest
-
-    def _check_group(self, group_id: str) -> None:
-        """NoWeightSyncGroup unless the server is in the group ``group_id`` names (a manifest without
-        one comes from a client older than the field: it is taken for the group joined)."""
-        sync = self.parallel.weight_sync
-        if sync is None:
-            raise NoWeightSyncGroup("the server is in no weight-sync group: call InitWeightSync first")
-        if group_id and group_id != sync.options.group_id:
-            raise NoWeightSyncGroup(
-                f"manifest.group_id {quoted(group_id)} names a group this server is no longer in (it is in "
-                f"weight-sync group {sync.options.group_name!r} now): the update is refused"
-            )
+    def check_group_update(self, message: rollout_pb2.GroupUpdateManifest) -> "group.GroupManifest":
+        """A group update's manifest, checked whole (``GroupMembership.check_update``)."""
+        return self.weight_sync.check_update(message)
 
     def update_from_group(
-        self, manifest: group.GroupManifest, on_ready: Callable[[], None], start: Future
+        self, manifest: "group.GroupManifest", on_ready: Callable[[], None], start: Future
     ) -> Future:
-        """Queue a checked group update. At its barrier the version is checked again, ``on_ready()``
-        is called, and the worker waits for ``start`` (True: the trainer broadcasts now; False, or
-        nothing within the group's timeout: UpdateAbandoned); then every rank receives and applies
-        it. The future ends with a ``GroupApplied``, or the failure."""
-
-        def run() -> GroupApplied:
-            self._check_resident()
-            self._check_group(manifest.message.group_id)
-            self.policy.check(manifest.update, prefix="manifest.")
-            on_ready()
-            self._wait_for_start(start)
-            seconds = self.policy.apply_from_group(manifest)
-            total = self.policy.expected_tensors(manifest.update)
-            return GroupApplied(seconds, total, list(self.policy.rank_checksums))
-
+        """Queue a checked group update; the future ends with a ``GroupApplied`` once every rank
+        received and applied it, or the failure (``GroupMembership.update``)."""
         self._log_queued(manifest.update)
-        return self.scheduler.submit_update(run)
-
-    def _wait_for_start(self, start: Future) -> None:
-        """Wait for the trainer's start (the other ranks get heartbeats meanwhile)."""
-        sync = self.parallel.weight_sync
-        deadline = time.monotonic() + sync.options.timeout_seconds
-        while True:
-            try:
-                started = start.result(
-                    timeout=min(self.parallel.timeout_seconds / 4, sync.options.timeout_seconds)
-                )
-                break
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    started = False
-                    break
-                self.parallel.broadcast_command(HEARTBEAT)
-        if not started:
-            raise UpdateAbandoned("the trainer did not start the group update: nothing was received")
+        return self.weight_sync.update(manifest, on_ready, start)
 
     def status(self) -> EngineStatus:
         return EngineStatus(
@@ -480,7 +351,7 @@ class Engine:
             queued=self.scheduler.queued,
             weights_checksum=self.policy.checksum,
             transformer_checksums=self.policy.transformer_checksums,
-            weight_sync=None if self.parallel.weight_sync is None else self.parallel.weight_sync.options,
+            weight_sync=self.weight_sync.options,
             memory_released=self.scheduler.refusing_rollouts,
         )
 
@@ -490,6 +361,7 @@ class Engine:
         self.scheduler.stop()
         self._worker.join(timeout=self.parallel.timeout_seconds)
         self.weights.close()
+        self.weight_sync.close()
 
     def _lead(self, load_adapter: Callable[[], FamilyAdapter], loaded: Future) -> None:
         """Rank 0's worker: load the model, then run the scheduler's rounds, with heartbeats to the
@@ -559,11 +431,12 @@ class Engine:
 
     def follow(self) -> None:
         """A non-leader rank's loop: run what rank 0 broadcasts until it says stop (then, or on a
-        failure, delete the spill of weights still released)."""
+        failure, delete the spill of weights still released and leave the weight-sync group)."""
         try:
             self._follow_commands()
         finally:
             self.weights.close()
+            self.weight_sync.close()
 
     def _follow_commands(self) -> None:
         while True:
@@ -576,9 +449,9 @@ class Engine:
                 self.policy.follow(payload)
             elif command in (RELEASE, RESUME):
                 self._move_on_every_rank(self.weights.release if command == RELEASE else self.weights.restore)
-            elif command in FOLLOWED_SYNC:
+            elif command in SYNC_COMMANDS:
                 try:
-                    FOLLOWED_SYNC[command](self.policy, payload)
+                    self.weight_sync.follow(command, payload)
                 except (WeightSyncFailed, InvalidRequest) as error:
                     log.info("rank %d: %s", self.parallel.rank, error)  # rank 0 answers the call
 
@@ -679,7 +552,7 @@ class Engine:
         return job is not None and job.dropped
 
     def _join(
-        self, key: int, request: rollout_pb2.RolloutRequest, condition_images: list[ConditionImage]
+        self, key: int, request: rollout_pb2.RolloutRequest, condition_images: list["ConditionImage"]
     ) -> None:
         joined_at = time.perf_counter()
         try:

@@ -4,7 +4,7 @@ import re
 from dataclasses import dataclass
 
 from rollout.v1 import rollout_pb2
-from rollout_client.channel import MAX_RECEIVE_BYTES
+from rollout_core.transport import MAX_RECEIVE_BYTES
 
 # Just below 4 MiB, so grpcurl and default gRPC clients (4 MiB receive limit) work unchanged.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024

@@ -10,14 +10,10 @@ serving different weights would be worse than no server, so any failure there is
 that takes the server down.
 
 An update arrives on rank 0 over gRPC (the other ranks get it from rank 0, ``weights.ranks``) or, from
-a weight-sync group, on every rank at once (``weights.group``): a broadcast that fails anywhere
-leaves every rank's weights as they were and every rank out of the group. Joining a group is no
-barrier: the ranks rendezvous on threads of their own while rollouts run (``start_join``), and
-install the group between two rounds (``install_join``).
+a weight-sync group, on every rank at once (``rollout_server.weight_sync`` receives it, and joins and
+leaves the group).
 """
 
-import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -28,17 +24,8 @@ from peft import get_peft_model_state_dict
 
 from rollout.v1 import rollout_pb2
 from rollout_core import checksum
-from rollout_server.errors import RankFailure, WeightSyncFailed
-from rollout_server.parallel import (
-    SYNC_INSTALL,
-    SYNC_JOIN,
-    SYNC_LEAVE,
-    SYNC_UPDATE,
-    PendingJoin,
-    WeightSync,
-    WeightSyncOptions,
-)
-from rollout_server.weights import group, ranks, spec
+from rollout_server.errors import RankFailure
+from rollout_server.weights import ranks, spec
 from rollout_server.weights.apply import apply_update, peft_name
 from rollout_server.weights.update import FULL, LORA
 
@@ -68,7 +55,6 @@ class Policy:
             self._digest(target, None)
         self._combine()
         self.rank_checksums = [self.checksum]  # as every rank computed it after the last update
-        self._pending_join: PendingJoin | None = None  # a weight-sync group being joined
 
     @property
     def spec(self) -> spec.TransformerSpec:
@@ -113,103 +99,10 @@ class Policy:
 
         self._apply_on_every_rank(checked)
 
-    def start_join(self, options: WeightSyncOptions) -> PendingJoin:
-        """Rank 0, between two rounds: every rank leaves its weight-sync group (and any join still
-        pending) and starts joining the group ``options`` describes, each on a thread of its own, so
-        rounds go on while the ranks rendezvous. Returns rank 0's join."""
-        self.parallel.broadcast_command(SYNC_JOIN, json.dumps(dataclasses.asdict(options)).encode())
-        return self._start_join_here(options)
-
-    def follow_join(self, payload: bytes) -> None:
-        self._start_join_here(WeightSyncOptions(**json.loads(payload)))
-
-    def _start_join_here(self, options: WeightSyncOptions) -> PendingJoin:
-        self._leave_here()
-        self._pending_join = PendingJoin(options, options.rank_offset + self.parallel.rank, self.device)
-        return self._pending_join
-
-    def install_join(self, group_id: str) -> None:
-        """Rank 0, between two rounds, once its own join ended or its deadline passed: every rank
-        installs the group it joined, if all of them joined it; WeightSyncFailed, with no group left,
-        otherwise. The ranks join at the same rendezvous, so when rank 0's join ended the others' have
-        too (or end within their deadline); when rank 0's failed, they give theirs up at once."""
-        pending = self._pending_join
-        if pending is None or pending.options.group_id != group_id:
-            raise WeightSyncFailed("the join was replaced by a later InitWeightSync or a DestroyWeightSync")
-        self._pending_join = None
-        try:
-            joined, failure = pending.result(), None
-        except WeightSyncFailed as error:
-            joined, failure = None, error
-        self.parallel.broadcast_command(SYNC_INSTALL, json.dumps(failure is None).encode())
-        self._install_here(joined, failure)
-
-    def follow_install(self, payload: bytes) -> None:
-        # Commands arrive in rank 0's order: this rank's pending join is the one rank 0 installs.
-        pending, self._pending_join = self._pending_join, None
-        joined, failure = None, WeightSyncFailed("rank 0 of the server could not join the group")
-        if pending is None:
-            failure = WeightSyncFailed(f"rank {self.parallel.rank} has no join pending")
-        elif json.loads(payload):
-            try:
-                joined, failure = pending.result(), None
-            except WeightSyncFailed as error:
-                failure = error
-        else:
-            pending.abandon()
-        self._install_here(joined, failure)
-
-    def _install_here(self, joined: WeightSync | None, failure: WeightSyncFailed | None) -> None:
-        if not self.parallel.all_succeeded(failure is None):
-            if joined is not None:
-                joined.close()
-            raise failure or WeightSyncFailed("another rank of the server could not join the group")
-        self.parallel.weight_sync = joined
-
-    def leave_sync(self) -> bool:
-        """Rank 0: every rank leaves the weight-sync group; whether there was one."""
-        self.parallel.broadcast_command(SYNC_LEAVE)
-        return self._leave_here()
-
-    def follow_leave(self, payload: bytes) -> None:
-        self._leave_here()
-
-    def _leave_here(self) -> bool:
-        """Leave the group joined, and give up a join still pending; whether there was a group."""
-        if self._pending_join is not None:
-            self._pending_join.abandon()
-            self._pending_join = None
-        sync, self.parallel.weight_sync = self.parallel.weight_sync, None
-        if sync is not None:
-            sync.close()
-        return sync is not None
-
-    def apply_from_group(self, manifest: group.GroupManifest) -> float:
-        """Rank 0, at the update's barrier, once the trainer started: every rank receives the
-        broadcasts and applies them. Returns the seconds the broadcasts took."""
-        self.parallel.broadcast_command(SYNC_UPDATE, manifest.message.SerializeToString())
-        return self._receive_on_every_rank(manifest)
-
-    def follow_update(self, payload: bytes) -> None:
-        message = rollout_pb2.GroupUpdateManifest.FromString(payload)
-        self._receive_on_every_rank(group.parse_manifest(message, self.spec.max_update_bytes))
-
-    def _receive_on_every_rank(self, manifest: group.GroupManifest) -> float:
-        started_at = time.perf_counter()
-        received, failure = None, None
-        try:
-            served_as_received = self.parallel.weight_sync.device == self.device
-            received = group.receive(self.parallel.weight_sync, manifest, served_as_received)
-        except Exception as error:  # noqa: BLE001 - leaving the group below ends the trainer's broadcast
-            failure = error
-        if not self.parallel.all_succeeded(failure is None):
-            self._leave_here()  # the group's state is unknown after a failed collective
-            raise failure or WeightSyncFailed("the broadcast failed on another rank of the server")
-        seconds = time.perf_counter() - started_at
-        if received.non_finite is not None:  # alike on every rank: the same bytes arrived
-            raise received.non_finite
-        self._apply_on_every_rank(lambda: received.update, received.lines)
-        return seconds
+    def apply_received(self, update: "WeightUpdate", lines: dict[str, str]) -> None:
+        """Every rank: apply an update every rank received alike (over a weight-sync group, checked by
+        rank 0); ``lines``: the checksum lines taken from its tensors as they arrived."""
+        self._apply_on_every_rank(lambda: update, lines)
 
     def _apply_here(self, update: "WeightUpdate", lines: dict[str, str]) -> None:
         started_at = time.perf_counter()

@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 import ray
 
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 
 PR_SET_PDEATHSIG = 1
 # Ray waits a fixed 30 s for a new local node's raylet to register, which a loaded machine can miss.

@@ -121,6 +121,18 @@ def features(adapter: families.base.FamilyAdapter, weights_root: Path | None) ->
     return names
 
 
+def decode_info(adapter: families.base.FamilyAdapter) -> rollout_pb2.DecodeInfo:
+    """GetServerInfo.decode: what each sample decodes to, as the adapter states it."""
+    video = adapter.max_frames > 1
+    info = rollout_pb2.DecodeInfo(
+        media=rollout_pb2.MEDIA_KIND_VIDEO if video else rollout_pb2.MEDIA_KIND_IMAGE,
+        frame_rate=adapter.frame_rate if video else 0.0,
+    )
+    if adapter.decodes_audio:
+        info.audio_sample_rate, info.audio_channels = adapter.sound_format()
+    return info
+
+
 def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None]) -> RolloutService:
     """Load the model and assemble the servicer (no network yet); ``on_fatal`` is called from the
     engine's worker thread when the server must go down."""
@@ -153,6 +165,8 @@ def build_service(options: ServerOptions, on_fatal: Callable[[Exception], None])
         scale_fields=serving.scale_fields,
         timestep_rule=adapter.timestep_rule,
         features=features(adapter, options.weights_root),
+        lora_targets=adapter.lora_targets,
+        decode=decode_info(adapter),
     )
     info.limits.max_update_bytes = engine.max_update_bytes
     info.limits.max_request_bytes = serving.max_request_bytes

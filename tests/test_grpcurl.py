@@ -84,11 +84,14 @@ def test_health_check(server):
 
 
 def test_get_server_info(server):
-    """GetServerInfo prints as JSON with the family, limits and defaults."""
+    """GetServerInfo prints as JSON with the family, limits and defaults, the LoRA targets a trainer
+    adapts by default (module names of the served transformer) and what a sample decodes to."""
     result = grpcurl(server.address, f"{SERVICE}/GetServerInfo")
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["family"] == "flux"
+    assert info["lora_targets"][:3] == ["x_embedder", "to_q", "to_k"] and "proj_out" in info["lora_targets"]
+    assert info["decode"] == {"media": "MEDIA_KIND_IMAGE"}  # one frame; no frame rate, no sound
     assert info["limits"]["side_multiple"] == 16
     assert int(info["limits"]["max_message_bytes"]) < 4 * 1024 * 1024
     assert info["limits"]["max_steps"] > 0 and info["limits"]["max_samples"] > 0

@@ -7,7 +7,7 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-from rollout_server.presets import PRESETS, default_cache_dir, resolve_model
+from rollout_server.presets import default_cache_dir, preset_names, resolve_model
 
 UNSEEN_TEXT = "Quokkas juggle 9876 glowing xylophones in Zurich!"
 
@@ -112,7 +112,7 @@ def test_resolve_model_accepts_folders_and_rejects_unknown_names(tiny_flux, tmp_
         resolve_model(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="tiny-flux"):
         resolve_model("no-such-preset")
-    assert {"tiny-flux", "small-flux"} <= set(PRESETS)
+    assert {"tiny-flux", "small-flux"} <= set(preset_names())
 
 
 def test_default_cache_dir_honours_env(monkeypatch, tmp_path):

@@ -31,8 +31,8 @@ from support.servers import SERVER_THREADS, http_url, imported_modules, metrics_
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RetryPolicy, RolloutClient
 from rollout_client.client import RolloutStats
-from rollout_server.local import LocalServer
-from rollout_server.presets import PRESETS, resolve_model
+from rollout_core.local_server import LocalServer
+from rollout_server.presets import preset_names, resolve_model
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 WAIT_SECONDS = 30.0
@@ -499,8 +499,8 @@ def test_help_is_quiet_and_lists_every_preset():
     assert result.stderr == ""
     assert result.stdout.startswith("usage: rollout-server serve")
     squeezed = "".join(result.stdout.split())  # argparse wraps lines, even inside a preset name
-    assert f"presetname({','.join(PRESETS)})" in squeezed
-    assert set(PRESETS) == {
+    assert f"presetname({','.join(preset_names())})" in squeezed
+    assert set(preset_names()) == {
         "shapes",
         "tiny-flux",
         "small-flux",

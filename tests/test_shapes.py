@@ -13,8 +13,17 @@ import pytest
 import torch
 from PIL import Image
 
-from rollout_client.rewards import scenes
-from rollout_client.rewards.scenes import (
+from rollout_client.rewards.shapes import (
+    accuracy_table,
+    detect,
+    evaluate,
+    format_accuracy_table,
+    geneval_reward,
+    score,
+    strict_accuracy,
+)
+from rollout_core import scenes
+from rollout_core.scenes import (
     BACKGROUND,
     HELD_OUT_FOUR,
     HELD_OUT_PAIRS,
@@ -33,15 +42,6 @@ from rollout_client.rewards.scenes import (
     render,
     sample_scene,
     train_prompts,
-)
-from rollout_client.rewards.shapes import (
-    accuracy_table,
-    detect,
-    evaluate,
-    format_accuracy_table,
-    geneval_reward,
-    score,
-    strict_accuracy,
 )
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "training.md"

@@ -16,8 +16,9 @@ from support.servers import example_module, run_example, start_server
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
-from rollout_client.rewards import scenes, shapes
+from rollout_client.rewards import shapes
 from rollout_client.shapes_eval import eval_request, evaluate_policy
+from rollout_core import scenes
 
 # The committed model's strict accuracy on the eval prompts, one ODE sample each at EVAL_STEPS, must
 # stay in this band (the full 20-step table is in docs/training.md).

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from support.servers import run_example
 
 from rollout_server import families
-from rollout_server.presets.shapes import TEXT_TOKENS, untrained_shapes_pipeline
+from rollout_server.families.flux.shapes import TEXT_TOKENS, untrained_shapes_pipeline
 
 
 def test_a_flux_folder_pads_prompts_to_its_own_text_length(tmp_path, tiny_flux_folder):

@@ -19,7 +19,7 @@ from rollout.v1 import rollout_pb2
 from rollout_client import regenerate_deterministic_steps
 from rollout_client.trajectory import collect
 from rollout_core import noise, solvers, steps
-from rollout_server.presets.wan import WAN_SCHEDULER_CONFIG
+from rollout_server.families.wan.preset import WAN_SCHEDULER_CONFIG
 from rollout_server.sampler import SamplerPlan, advance, init, regroup
 
 # float32's unit roundoff.

@@ -20,7 +20,7 @@ from support.servers import SERVER_THREADS, metrics_url, scrape, start_server
 from rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout_client import RolloutClient
 from rollout_core import wire
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 from rollout_server.parallel import ParallelDims, SequenceParallel
 
 EPS, VELOCITY = rollout_pb2.DEBUG_TENSOR_EPS, rollout_pb2.DEBUG_TENSOR_VELOCITY

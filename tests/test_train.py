@@ -6,16 +6,14 @@ uninterrupted result, and a hung or dead server is reported and retried, then st
 finished iterations checkpointed."""
 
 import copy
-import csv
 import json
 import math
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,97 +24,44 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from PIL import Image
 from safetensors.torch import load_file
 from support import forked
-from support.forked import ForkedProcess
 from support.parity import TOLERANCE, assert_replays
 from support.requests import make_request
-from support.servers import ROOT, example_module, metrics_url, run_example, scrape, start_server
+from support.servers import example_module, metrics_url, run_example, scrape, start_server
+from support.train_runs import (
+    TIMED,
+    TINY,
+    WAIT_SECONDS,
+    metrics_rows,
+    read_metrics,
+    run_trainer,
+    same_for_any_run,
+    start_trainer,
+    trainer_args,
+    training_server,
+    wait_until,
+)
 from support.weights import next_version, perturbed, with_lora
 
 from rollout_client import RolloutClient
 from rollout_client.rewards import jpeg_compressibility
 from rollout_client.train import Trainer
-from rollout_client.train.algorithms import ALGORITHMS
 from rollout_client.train.distributed import Ranks
 from rollout_client.train.finite import NonFinite
-from rollout_client.train.lora import LORA_TARGETS
-from rollout_client.train.metrics import COLUMNS
 from rollout_core import checksum
+from rollout_core.local_server import SERVING_LINE
 
-# Columns every iteration times (above 0).
-TIMED = ("rollout_seconds", "train_seconds", "update_seconds")
-TINY = ["--iterations", "3", "--prompts", "2", "--group-size", "3", "--steps", "3", "--size", "64"]
 PROBE = make_request(
     {"prompts": ["a red fox"], "samples_per_prompt": 2, "base_seed": 11, "num_steps": 3},
     {"height": 64, "width": 64},
 )
-# A safety net against a trainer that hangs, not a timing assertion.
-WAIT_SECONDS = 180
 # The server's log lines of a release and a resume of its weights' memory.
 RESIDENCY_LINES = (r"weights' memory released", r"weights' memory resumed")
 
 
-def trainer_args(address: str, out, *flags: str) -> list:
-    """The trainer's command line after ``python examples/train_grpo.py``."""
-    return ["--server", address, *TINY, *flags, "--out", out]
-
-
-def same_for_any_run(row: dict) -> dict:
-    """A metrics row without what two runs with the same seeds may differ in: the server's policy
-    versions, the timings, and the velocity-norm ratio (measured at the points of the process's first
-    rollout, which for a resumed run is its first after resuming)."""
-    return {
-        name: value
-        for name, value in row.items()
-        if not name.endswith(("_version", "_seconds")) and name != "velocity_norm_ratio"
-    }
-
-
-def read_metrics(out) -> list[dict]:
-    with open(out / "metrics.csv") as file:
-        rows = list(csv.DictReader(file))
-    assert list(rows[0])[: len(COLUMNS)] == COLUMNS
-    return rows
-
-
-def run_trainer(address: str, out, *flags: str) -> list[dict]:
-    """The trainer in this process (a process of its own only where its boundary is what a test
-    checks): its metrics.csv rows."""
-    run_example("train_grpo", *trainer_args(address, out, *flags))
-    return read_metrics(out)
-
-
-def start_trainer(address: str, out: Path, *flags: str) -> tuple[ForkedProcess, Path]:
-    """A trainer process in the background; its output goes to the returned log file."""
-    log = out.with_name(out.name + ".log")
-    return ForkedProcess(trainer_args(address, out, *flags), log, main=forked.train), log
-
-
-def wait_until(process: ForkedProcess, log: Path, condition: Callable[[], bool]) -> None:
-    """Until ``condition()`` holds; fails if the trainer exits first."""
-    deadline = time.monotonic() + WAIT_SECONDS
-    while True:
-        exited = process.poll() is not None  # polled before the check: what it did before exiting counts
-        if condition():
-            return
-        assert not exited, f"the trainer exited with {process.returncode}:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"still waiting after {WAIT_SECONDS} s:\n{log.read_text()}"
-        time.sleep(0.05)
-
-
-def metrics_rows(out: Path) -> int:
-    """The iterations a running trainer has finished: the whole rows of its metrics.csv, after the
-    header."""
-    path = out / "metrics.csv"
-    return max(path.read_text().count("\n") - 1, 0) if path.exists() else 0
-
-
 @pytest.fixture(scope="module")
 def train_server(cache_dir, tiny_flux_folder, tmp_path_factory):
-    """This module's server. Each trainer run pushes its own policy before its first rollout, so the
-    runs share it: a run sees nothing of the ones before it. It holds a rollout at its prune point
-    for as long as the trainer takes to score it."""
-    log = tmp_path_factory.mktemp("train") / "server.log"
-    server = start_server(cache_dir, log, "--prune-hold-seconds", "3600")
+    """This module's server (``training_server``)."""
+    server = training_server(cache_dir, tmp_path_factory.mktemp("train") / "server.log")
     try:
         yield server
     finally:
@@ -166,6 +111,7 @@ def test_three_iterations_push_the_trained_lora_and_change_the_rollouts(
     set_peft_model_state_dict(trained, load_file(out / "lora" / "adapter_model.safetensors"))
     wrapped = sorted(name for name, module in trained.named_modules() if isinstance(module, BaseTunerLayer))
     info = train_client.server_info()
+    assert sorted(config.target_modules) == sorted(info.lora_targets)  # the server's default targets
     assert info.policy_version == first + 3  # and the final policy after the last iteration
     assert list(info.lora_adapter.modules) == wrapped
     assert {target for target in config.target_modules if any(m.endswith(target) for m in wrapped)} == set(
@@ -630,94 +576,18 @@ def test_a_non_finite_loss_gradient_or_weight_is_not_stepped_on_nor_checkpointed
     )
 
 
-@pytest.mark.parametrize(
-    "flag, value, message",
-    [
-        ("--noise-level", "0", "must be finite and above 0 (at 0 the sampler is deterministic"),
-        ("--noise-level", "nan", "must be finite and above 0"),
-        ("--iterations", "0", "must be at least 1, got 0"),
-        ("--group-size", "1", "must be at least 2 (advantages are standardised within a prompt's group"),
-    ],
-)
-def test_arguments_that_cannot_train_are_refused(trainer, capsys, flag, value, message):
-    with pytest.raises(SystemExit) as refused:
-        trainer.parse_args([flag, value])
-    assert refused.value.code == 2
-    assert f"argument {flag}: {message}" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--tree", "1:2", "--window", "2"], "--window does not go with --tree"),
-        (["--tree", "1:2", "--algorithm", "nft"], "--tree trains edges with FlowGRPO's loss"),
-        (["--tree", "9:2", "--steps", "6"], "--tree: every branch step must be in [0, --steps)"),
-        (["--tree", "1-2"], "--tree: not step:factor[:noise_level]: '1-2'"),
-        (["--tree", "1:1", "--group-size", "1"], "argument --group-size: must be at least 2"),
-        (["--tree", "1:0"], "--tree: every branch step must be in [0, --steps), every factor at least 1"),
-        (["--prune-at", "1"], "--prune-at prunes a tree: it needs --tree"),
-        (["--tree", "1:1", "--prune-at", "1"], "--prune-at prunes a tree: it needs --tree, with a factor"),
-        (["--tree", "1:2", "--prune-at", "1", "--async"], "--prune-at prunes as the rollout streams"),
-        (["--tree", "2:2", "--prune-at", "1"], "--prune-at 1 is before --tree's first fork at step 2"),
-        (["--tree", "1:2", "--prune-at", "5", "--steps", "6"], "--prune-at must be below --steps - 1 (5)"),
-        (["--tree", "1:2", "--prune-at", "1", "--prune-keep", "1000"], "--prune-keep 1000 prunes nothing"),
-        (["--tree", "1:2", "--prune-keep", "4"], "--prune-keep is what --prune-at keeps: it needs"),
-        (["--tree-advantages", "backed-up"], "--tree-advantages scores the nodes of a tree: it needs --tree"),
-    ],
-)
-def test_tree_flags_that_cannot_train_are_refused(trainer, capsys, flags, message):
-    with pytest.raises(SystemExit) as refused:
-        trainer.parse_args(flags)
-    assert refused.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (
-            ["--grpo-guard", "--async"],
-            "--grpo-guard takes the rollout policy's step means from the trainer's",
-        ),
-        (
-            ["--algorithm", "nft", "--nft-anchor", "-1"],
-            "argument --nft-anchor: must be finite and at least 0",
-        ),
-        (["--time-budget", "inf"], "argument --time-budget: must be finite and at least 0"),
-        (["--ema-decay", "1"], "argument --ema-decay: must be in [0, 1)"),
-        (["--algorithm", "nft", "--nft-old-decay", "-0.1"], "argument --nft-old-decay: must be in [0, 1)"),
-        (["--algorithm", "awm", "--nft-min-level", "1"], "argument --nft-min-level: must be in [0, 1)"),
-        (["--ema-decay", "0.9", "--async"], "--ema-decay's evals push the EMA between rollouts"),
-        (["--async", "--colocate"], "--colocate releases the server's memory while the policy trains"),
-        (["--algorithm", "awm", "--awm-kl", "1"], "--awm-kl pulls towards the EMA of the trained weights"),
-        (["--nft-old-decay", "0.5"], "--nft-old-decay is for --algorithm nft"),
-        (["--algorithm", "nft", "--awm-power", "1"], "--awm-power is for --algorithm awm"),
-        (["--nft-min-level", "0.5"], "--nft-min-level is for --algorithm nft or awm"),
-        (["--algorithm", "awm", "--window", "2"], "--window is for FlowGRPO: --algorithm awm scores no step"),
-        (["--tree-sde", "forks"], "--tree-sde picks a tree's stochastic steps: it needs --tree"),
-        (
-            ["--algorithm", "nft", "--nft-anchor", "nan"],
-            "argument --nft-anchor: must be finite and at least 0",
-        ),
-        (
-            ["--algorithm", "nft", "--nft-anchor", "1", "--train", "full"],
-            "--nft-anchor compares with the base",
-        ),
-    ],
-)
-def test_stabiliser_flags_that_cannot_train_are_refused(trainer, capsys, flags, message):
-    with pytest.raises(SystemExit) as refused:
-        trainer.parse_args(flags)
-    assert refused.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_the_lora_goes_on_the_servers_family_unless_the_flag_names_its_targets(trainer):
-    """Each family's defaults are checked against its published transformers in test_real_sizes.py."""
-    assert trainer.parse_args([]).optim.targets("sd3") == list(LORA_TARGETS["sd3"])
-    assert trainer.parse_args(["--lora-targets", "to_q,to_v"]).optim.targets("wan") == ["to_q", "to_v"]
-    with pytest.raises(ValueError, match="no default LoRA targets for the server's family 'mochi'"):
-        trainer.parse_args([]).optim.targets("mochi")
+def test_a_run_without_a_server_starts_its_own_and_stops_it(tiny_flux_folder, tmp_path):
+    """Its server is a child process (python -m rollout_server) on a free port, logging to the run's
+    folder, stopped when the run ends."""
+    out = tmp_path / "train"
+    flags = ["--iterations", "1", "--prompts", "1", "--group-size", "2", "--steps", "2", "--size", "64"]
+    run_example("train_grpo", "--model", tiny_flux_folder, *flags, "--out", out)
+    assert len(read_metrics(out)) == 1
+    lines = (out / "server.log").read_text().splitlines()
+    host, port = next(filter(None, map(SERVING_LINE.search, lines)))["address"].rsplit(":", 1)
+    assert "shutting down" in lines[-1], lines[-5:]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=WAIT_SECONDS).close()
 
 
 def test_resume_needs_a_checkpoint(trainer, capsys, tmp_path):
@@ -725,46 +595,3 @@ def test_resume_needs_a_checkpoint(trainer, capsys, tmp_path):
         trainer.parse_args(["--out", str(tmp_path), "--resume"])
     assert refused.value.code == 2
     assert f"--resume: no checkpoint.pt in {tmp_path}" in capsys.readouterr().err
-
-
-def training_doc_block(section: str, language: str = "python") -> str:
-    """The first ``language`` code block under docs/training.md's heading ``section``."""
-    text = (ROOT / "docs" / "training.md").read_text()
-    body = re.split(r"\n##+ ", text.split(f"### {section}\n", 1)[1], maxsplit=1)[0]
-    return re.search(rf"```{language}\n(.*?)```", body, re.DOTALL)[1]
-
-
-def test_the_documented_algorithm_trains_with_its_own_advantages(train_client, tmp_path):
-    """docs/training.md's "Add an algorithm", run as written: it registers, --algorithm selects it,
-    two iterations train on policy, and its advantages are the formula it states (float64 here)."""
-    namespace = {}
-    exec(compile(training_doc_block("Add an algorithm"), "training.md", "exec"), namespace)
-    try:
-        rows = run_trainer(train_client.address, tmp_path / "train", "--algorithm", "flowgrpo-global-std")
-        assert len(rows) == 3 and all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)
-        algorithm = ALGORITHMS["flowgrpo-global-std"]
-        rewards = torch.tensor([0.1, 0.4, 0.2, 0.9, 0.5, 0.3])
-        trajectories = [type("Sample", (), {"prompt_index": p})() for p in (0, 0, 0, 1, 1, 1)]
-        advantages = algorithm.advantages(None, trajectories, rewards)
-        r = rewards.double()
-        means = torch.tensor([r[:3].mean()] * 3 + [r[3:].mean()] * 3)
-        expected = (r - means) / (r.std(correction=0) + 1e-4)
-        # fp32 means, std and one division against float64: a few u (6e-8) relative, within 1e-6.
-        torch.testing.assert_close(advantages.double(), expected, rtol=1e-6, atol=0)
-    finally:
-        ALGORITHMS.pop("flowgrpo-global-std", None)
-
-
-def test_the_documented_reward_is_summed_with_its_weights_and_logged(train_client, tmp_path, monkeypatch):
-    """docs/training.md's "Add a reward": a module of the user's with metadata, in a weighted sum with
-    JPEG compressibility; metrics.csv logs each term, and reward_mean is their weighted sum."""
-    (tmp_path / "my_rewards.py").write_text(training_doc_block("Add a reward"))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    flags = re.search(r'--reward "([^"]+)"', training_doc_block("Add a reward", "sh"))[1]
-    rows = run_trainer(train_client.address, tmp_path / "train", "--reward", flags)
-    for row in rows:
-        brightness = float(row["reward_mean/my_rewards:brightness"])
-        jpeg = float(row["reward_mean/rollout_client.rewards:jpeg_compressibility"])
-        assert 0 < brightness < 1 and jpeg < 0
-        # The mean of a weighted sum of 6 float32 values against the sum of the means: a few ulps.
-        assert float(row["reward_mean"]) == pytest.approx(0.5 * brightness + jpeg, rel=1e-5)

@@ -25,7 +25,7 @@ from rollout_core.transformer_call import (
     apply_guidance,
     call_transformer,
 )
-from rollout_server.families.z_image import ZImageAdapter
+from rollout_server.families.z_image.adapter import ZImageAdapter
 
 SEQUENCE = LatentConditioning(rollout_pb2.CONDITIONING_CONCAT_SEQUENCE, "image_latents")
 CHANNELS = LatentConditioning(rollout_pb2.CONDITIONING_CONCAT_CHANNELS, "condition")

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rollout.v1 import rollout_pb2
-from rollout_server.parallel import UPDATE, ParallelDims, SequenceParallel
+from rollout_server.parallel import ParallelDims, SequenceParallel
+from rollout_server.parallel.protocol import UPDATE
 from rollout_server.weights import ranks
 from rollout_server.weights.update import WeightUpdate
 

@@ -183,6 +183,22 @@ def test_full_update_matches_a_fresh_server_and_replays(
     assert_same_rollout(from_disk, reference)
 
 
+def test_the_default_lora_targets_the_server_lists_each_bind_modules_of_its_transformer(
+    updated, tiny_transformer
+):
+    """GetServerInfo's lora_targets (the trainer's default) name modules of the served transformer: an
+    adapter on them is taken, and binds the modules PEFT wraps for them, at least one a target."""
+    restore_base(updated, tiny_transformer)
+    targets = list(updated.server_info().lora_targets)
+    assert targets, "the server lists its default targets"
+    adapted, config = with_lora(tiny_transformer, trained=False, targets=targets)
+    updated.update_weights(get_peft_model_state_dict(adapted), next_version(updated), lora_config=config)
+    modules = list(updated.server_info().lora_adapter.modules)
+    wrapped = sorted(name for name, module in adapted.named_modules() if isinstance(module, BaseTunerLayer))
+    assert modules == wrapped
+    assert all(any(name == t or name.endswith("." + t) for name in modules) for t in targets)
+
+
 def test_lora_adapter_changes_rollouts_as_the_trainer_replays_them(
     updated, client, tiny_transformer, weights_root
 ):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GetServerInfo: model, family, defaults, limits and versions.
+# GetServerInfo: model, family, defaults, limits, versions, LoRA targets and what a sample decodes to.
 set -euo pipefail
 ADDRESS=${ADDRESS:-127.0.0.1:50051}
 

@@ -2,8 +2,7 @@
 trainer's helpers (``rollout_client.grpo``, ``rollout_client.rewards``).
 
 Imports torch, safetensors and grpc, never diffusers: a trainer can use it with any model code. The
-names below load on first use, so that the command line and the server's light modules (which
-import ``rollout_client.channel`` and ``rollout_client.credentials``) do not load torch.
+names below load on first use, so that the command line does not load torch.
 """
 
 import importlib

@@ -8,7 +8,7 @@ response message has arrived, so a rollout that started is never run twice.
 gRPC does not tell the application how many attempts a call took; servers return the count they
 received in the ``rollout-previous-attempts`` trailer.
 
-Imports grpc, the generated messages and ``failures`` only, so that command lines and the server's limits can
+Imports grpc, the generated messages, ``failures`` and ``rollout_core.transport`` only, so that command lines
 read these constants without loading torch.
 """
 
@@ -19,18 +19,13 @@ import grpc
 
 from rollout.v1 import rollout_pb2
 from rollout_client.failures import CHANNEL_RETRIES
+from rollout_core.transport import MAX_RECEIVE_BYTES, PREVIOUS_ATTEMPTS_TRAILER
 
-# Large enough for any message a server sends (its limit is reported by GetServerInfo).
-MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 # gRPC keeps a request it may have to send again until the call commits (a larger one is sent once,
 # never retried): enough for any request a server with the default limits takes (its
 # `limits.max_request_bytes`: 16 conditioning images of 4 MiB and 4 MiB for the rest), above gRPC's
 # own 256 KiB.
 RETRY_BUFFER_BYTES = 68 * 1024 * 1024
-# gRPC sends each retry with this header: the number of earlier attempts. A server reports it back in
-# the trailer (absent on a first attempt).
-PREVIOUS_ATTEMPTS_HEADER = "grpc-previous-rpc-attempts"
-PREVIOUS_ATTEMPTS_TRAILER = "rollout-previous-attempts"
 # gRPC ignores attempts above this many.
 MAX_ATTEMPTS_LIMIT = 5
 _SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name

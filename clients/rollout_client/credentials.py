@@ -5,7 +5,9 @@ from pathlib import Path
 
 import grpc
 
-AUTHORIZATION = "authorization"
+from rollout_core.transport import AUTHORIZATION, read_token
+
+__all__ = ["TLS", "bearer_metadata", "read_token"]  # read_token is the server's too (rollout_core.transport)
 
 
 @dataclass(frozen=True)
@@ -29,14 +31,6 @@ class TLS:
         return grpc.ssl_channel_credentials(
             root_certificates=read(self.ca), private_key=read(self.key), certificate_chain=read(self.cert)
         )
-
-
-def read_token(path: str | Path) -> str:
-    """A token file's content, surrounding whitespace stripped; ValueError if nothing is left."""
-    token = Path(path).read_text().strip()
-    if not token:
-        raise ValueError(f"token file {path} is empty")
-    return token
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -1,6 +1,6 @@
 """GenEval-style evaluation of a served policy on the shapes task.
 
-Each eval prompt (``rewards.scenes.eval_prompts()``) is sampled ``samples`` times with the
+Each eval prompt (``rollout_core.scenes.eval_prompts()``) is sampled ``samples`` times with the
 deterministic ODE sampler from fixed seeds (``seed`` + k for the k-th image), at the policy the server
 serves now, and every image is scored strictly: the right objects, counts, colours and relation, and
 nothing extra. The same call before and after training compares the same noise.
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout.v1 import rollout_pb2
-from rollout_client.rewards import scenes, shapes
-from rollout_core import noise
+from rollout_client.rewards import shapes
+from rollout_core import noise, scenes
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -23,6 +23,7 @@ from PIL import Image
 
 from rollout_core import solvers
 from rollout_core.transformer_call import BATCHED_CALL, NO_CONDITIONING, CallForm, LatentConditioning
+from rollout_server.families import registry
 from rollout_server.live_tensors import LiveTensorBytes
 
 if TYPE_CHECKING:
@@ -135,6 +136,9 @@ class FamilyAdapter(ABC):
     cfg_off_scale: ClassVar[float] = 1.0
     # Frames per sample: image families take 1 (the default of every request).
     max_frames: ClassVar[int] = 1
+    # Video families: the frame rate (frames per second) the pipeline generates for, where it states one
+    # (a pipeline that conditions on it); 0 for an image family, or a pipeline that states none.
+    frame_rate: ClassVar[float] = 0.0
     # The env entries concatenated along dim 0 to batch samples (the others are shared).
     batched_env_keys: ClassVar[tuple[str, ...]]
     # How conditioning latents enter the transformer's hidden states, and the env entry holding them:
@@ -157,6 +161,13 @@ class FamilyAdapter(ABC):
     # The transformer inputs that carry the generated (image or video) tokens, whose count
     # ``generated_tokens`` gives: the sequence-parallel split checks them when a request arrives.
     generated_inputs: ClassVar[tuple[str, ...]] = ("hidden_states",)
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The trainer's default LoRA targets (GetServerInfo's ``lora_targets``), as the family's spec
+        declares them: module names as PEFT matches them, layers of its published transformers
+        (tests/families/test_real_sizes.py checks them on the real module trees)."""
+        return registry.family_of(self.pipeline_type.__name__).lora_targets
 
     def __init__(
         self, pipe: DiffusionPipeline, device: torch.device, dtype: torch.dtype, folder: Path | None = None
@@ -436,6 +447,11 @@ class FamilyAdapter(ABC):
         ``decodes_audio``)."""
         raise NotImplementedError(f"{type(self).__name__} generates no sound")
 
+    def sound_format(self) -> tuple[int, int]:
+        """(samples per second, channels) of the sound ``decode_audio`` gives (families with
+        ``decodes_audio``)."""
+        raise NotImplementedError(f"{type(self).__name__} generates no sound")
+
     def frames_of(self, piece: torch.Tensor) -> list[Image.Image]:
         """A decoded piece's frames as images, the pipeline's own postprocessing."""
         return self.pipe.image_processor.postprocess(piece, output_type="pil")
@@ -448,7 +464,7 @@ class FamilyAdapter(ABC):
 
 class PackedLatentAdapter(FamilyAdapter):
     """Families whose pipeline packs 2x2 latent patches into tokens and shifts linspace sigmas by the
-    image token count (FluxPipeline, QwenImagePipeline)."""
+    image token count (FLUX.1's and Qwen-Image's pipelines)."""
 
     @property
     def side_multiple(self) -> int:

@@ -20,7 +20,7 @@ from rollout.v1 import rollout_pb2
 from rollout_core import buckets, checksum
 from rollout_core.dtypes import BY_SAFETENSORS
 from rollout_server.errors import InvalidRequest
-from rollout_server.parallel import WeightSync, WeightSyncOptions
+from rollout_server.parallel.sync_group import WeightSync, WeightSyncOptions
 from rollout_server.validation import quoted
 from rollout_server.weights.spec import check_finite
 from rollout_server.weights.update import LORA, WeightUpdate, from_header, reject

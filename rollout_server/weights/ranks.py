@@ -8,16 +8,20 @@ update exists anywhere.
 
 import json
 import struct
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.v1 import rollout_pb2
 from rollout_core import dtypes
-from rollout_server.parallel import UPDATE, SequenceParallel
+from rollout_server.parallel.protocol import UPDATE
 from rollout_server.weights.update import WeightUpdate, from_header, header_of
 
+if TYPE_CHECKING:
+    from rollout_server.parallel import SequenceParallel
 
-def send(parallel: SequenceParallel, update: WeightUpdate) -> None:
+
+def send(parallel: "SequenceParallel", update: WeightUpdate) -> None:
     """Rank 0: send ``update`` to the other ranks (they run ``receive`` on the command's payload)."""
     header = header_of(update).SerializeToString()
     manifest = [[name, dtypes.NAMES[t.dtype], list(t.shape)] for name, t in update.tensors.items()]
@@ -27,7 +31,7 @@ def send(parallel: SequenceParallel, update: WeightUpdate) -> None:
         parallel.broadcast_tensor(tensor.contiguous())
 
 
-def receive(parallel: SequenceParallel, payload: bytes) -> WeightUpdate:
+def receive(parallel: "SequenceParallel", payload: bytes) -> WeightUpdate:
     """Another rank: the update whose header and manifest rank 0 broadcast, its tensors received in
     the manifest's order (rank 0 checked their values)."""
     (size,) = struct.unpack("<Q", payload[:8])

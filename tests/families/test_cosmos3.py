@@ -20,7 +20,7 @@ from support.servers import http_url
 from rollout_core.transformer_call import TransformerCall
 from rollout_server.errors import ParallelismUnsupported
 from rollout_server.families.base import MediaShape
-from rollout_server.families.cosmos3 import TEXT_TOKENS
+from rollout_server.families.cosmos3.adapter import TEXT_TOKENS
 from rollout_server.parallel import ParallelDims, check_splittable
 from rollout_server.prompt_cache import PromptCache
 

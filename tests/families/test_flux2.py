@@ -28,11 +28,10 @@ from support.weights import next_version, with_lora
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient
-from rollout_client.train.lora import FLUX2_TARGETS
 from rollout_server import families
 from rollout_server.errors import InvalidRequest
 from rollout_server.families.base import MediaShape
-from rollout_server.families.flux2 import stacked_text_layers
+from rollout_server.families.flux2.adapter import stacked_text_layers
 from rollout_server.limits import Limits
 from rollout_server.validation import ServingContext, resolve
 
@@ -271,23 +270,24 @@ def test_a_shape_the_ranks_cannot_split_is_refused(sp2_client):
 def test_a_lora_on_flux2_modules_changes_the_rollouts_as_the_trainer_replays_them(
     family_client, family_transformer, sp2_client, family
 ):
-    """The trainer's FLUX2_TARGETS on every rank of the SP=2 server. The split gathers proj_out's
-    output, so an adapter on it is INVALID_ARGUMENT there; without it, the adapter binds to the
-    modules PEFT wraps in the trainer's copy (the single-stream blocks' fused projections among them)
-    and changes the rollouts, which replay through the adapted transformer and not the base; a full
-    update with the base's weights then drops it."""
+    """The server's default LoRA targets (GetServerInfo) on every rank of the SP=2 server. The split
+    gathers proj_out's output, so an adapter on it is INVALID_ARGUMENT there; without it, the adapter
+    binds to the modules PEFT wraps in the trainer's copy (the single-stream blocks' fused projections
+    among them) and changes the rollouts, which replay through the adapted transformer and not the
+    base; a full update with the base's weights then drops it."""
     client = sp2_client(family)
     request = family_request(family, "FLOW_SDE", cfg=family_cfg(family))
     base = family_client.rollout(request)
     version = next_version(client)
-    adapted, config = with_lora(family_transformer, trained=True, targets=list(FLUX2_TARGETS))
+    targets = list(client.server_info().lora_targets)
+    adapted, config = with_lora(family_transformer, trained=True, targets=targets)
     with pytest.raises(grpc.RpcError) as refused:
         client.update_weights(get_peft_model_state_dict(adapted), version, lora_config=config)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [violation.field for violation in field_violations(refused.value)] == ["header.lora_config_json"]
     assert "['proj_out']" in refused.value.details()
 
-    split_targets = [target for target in FLUX2_TARGETS if target != "proj_out"]
+    split_targets = [target for target in targets if target != "proj_out"]
     adapted, config = with_lora(family_transformer, trained=True, targets=split_targets)
     client.update_weights(get_peft_model_state_dict(adapted), version, lora_config=config)
     wrapped = sorted(name for name, module in adapted.named_modules() if isinstance(module, BaseTunerLayer))

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from rollout_core.transformer_call import apply_guidance
 from rollout_server.errors import ParallelismUnsupported, UnsupportedModel
 from rollout_server.families.base import MediaShape
-from rollout_server.families.hunyuan_video15 import HunyuanVideo15Adapter, UlyssesAttnProcessor
+from rollout_server.families.hunyuan_video15.adapter import HunyuanVideo15Adapter, UlyssesAttnProcessor
 from rollout_server.live_tensors import LiveTensorBytes
 from rollout_server.parallel import ParallelDims, check_splittable
 

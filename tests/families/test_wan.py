@@ -19,7 +19,7 @@ from support.requests import split_events
 
 from rollout_client.images import LABEL_HEIGHT
 from rollout_core import solvers
-from rollout_server.presets.wan import WAN22_BOUNDARY_RATIO
+from rollout_server.families.wan.preset import WAN22_BOUNDARY_RATIO
 
 BOTH = pytest.mark.parametrize("family", ["wan", "wan2.2"])
 

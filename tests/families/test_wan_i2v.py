@@ -23,7 +23,7 @@ from rollout_core.transformer_call import LatentConditioning
 from rollout_server import families
 from rollout_server.errors import UnsupportedModel
 from rollout_server.families.base import MediaShape
-from rollout_server.presets.wan import WAN_PRESET_CONFIGS, wan_transformer
+from rollout_server.families.wan.preset import WAN_PRESET_CONFIGS, wan_transformer
 
 SHAPE = MediaShape(frames=5, height=64, width=64)
 CONDITIONING = LatentConditioning(rollout_pb2.CONDITIONING_CONCAT_CHANNELS, "condition")

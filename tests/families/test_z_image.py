@@ -27,7 +27,7 @@ from rollout_client import replay_log_probs
 from rollout_core.transformer_call import call_transformer, stack_envs
 from rollout_server import families
 from rollout_server.families.base import MediaShape
-from rollout_server.families.z_image import SPLIT_STACKS, padded
+from rollout_server.families.z_image.adapter import SPLIT_STACKS, padded
 from rollout_server.parallel import ParallelDims, SequenceParallel
 
 SPEC = FAMILIES["z-image"]

@@ -7,7 +7,7 @@ from transformers.utils import is_torchvision_available
 
 from rollout.v1 import rollout_pb2
 from rollout_core import wire
-from rollout_server import families
+from rollout_server.families import registry
 from support.family_spec import Family, Sp2Row
 from support.parity import TOLERANCE
 from support.requests import SAMPLERS, condition_png, make_request
@@ -397,6 +397,8 @@ FAMILIES = {
             **{"defaults.height": 64, "defaults.width": 64, "defaults.num_frames": 9},
             **{"limits.side_multiple": 32, "limits.min_side": 64, "limits.frame_step": 8},
             "limits.max_frames": 241,
+            # Video at the rate the pipeline conditions on; the sound's format is checked against its WAVs.
+            **{"decode.media": rollout_pb2.MEDIA_KIND_VIDEO, "decode.frame_rate": 24.0},
         },
         features=frozenset({wire.FEATURE_LATENT_STREAMS, wire.FEATURE_AUDIO, wire.FEATURE_VIDEO}),
         refused_frames=(2, 5, 16, 249),
@@ -531,7 +533,7 @@ def family_request(family: str, sampler: str, cfg: bool, **fields) -> rollout_pb
     does it, and a conditioning image per prompt for an image-conditioned family; ``fields`` override
     (None leaves a field unset)."""
     spec = FAMILIES[family]
-    if families.ADAPTERS[spec.pipeline].takes_images:
+    if registry.adapter_class(spec.pipeline).takes_images:
         images = [rollout_pb2.ConditionImage(data=condition_png(p)) for p in range(len(spec.prompts))]
         fields = {"condition_images": images, **fields}
     base = {

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rollout_server.families import registry
+
 TRAINER = Path(__file__).resolve().parents[2] / "examples" / "train_grpo.py"
 # What a server and the trainer import before they read their arguments; the rest is imported in the
 # forked process.
@@ -25,6 +27,8 @@ PRELOAD = [
     "rollout_server.cli",
     "rollout_server.server",
     "rollout_server.families",
+    # Every family's adapter (torch and diffusers with it): the families package itself imports none.
+    *(f"{family.package}.adapter" for family in registry.specs()),
     "rollout_client.train",
 ]
 _CONTEXT = multiprocessing.get_context("forkserver")

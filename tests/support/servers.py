@@ -15,7 +15,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollout_client import RolloutClient
-from rollout_server.local import LocalServer
+from rollout_core.local_server import LocalServer
 from support.forked import ForkedProcess
 from support.requests import Rollout, split_events
 

@@ -1,5 +1,5 @@
 r"""The shapes task's GenEval-style detector and scores: an image against its prompt (the scenes, their
-grammar and split are ``rollout_client.rewards.scenes``).
+grammar and split are ``rollout_core.scenes``).
 
 **Detector** (``detect``). Each pixel takes the nearest palette colour if it lies within
 ``COLOR_CUTOFF`` (Euclidean RGB) of it, and no colour otherwise: the background, blends and
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from rollout_client.rewards.scenes import (
+from rollout_core.scenes import (
     MAX_SIDE,
     MIN_SIDE,
     PALETTE,

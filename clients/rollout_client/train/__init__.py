@@ -3,10 +3,14 @@
     from rollout_client.train import parse_args, run
     rows, seconds, ranks = run(parse_args(["--iterations", "10", "--server", "127.0.0.1:50051"]))
 
+    from rollout_client.train import ServerConfig, TrainConfig   # the same run, built in code
+    rows, seconds, ranks = run(TrainConfig(iterations=10, server=ServerConfig(address="127.0.0.1:50051")))
+
 ``examples/train_grpo.py`` is its command line. The modules:
 
-* ``config``: the flags, each config part's rules (checked on construction) and the rules between
-  them (``parse_args``);
+* ``options`` and ``config``: ``TrainConfig``, one dataclass per concern, each field a flag with its
+  help, default and rule; every rule between flags in ``TrainConfig.__post_init__``, so a config built
+  in code is refused as the command line refuses it (``parse_args``, generated from the fields);
 * ``prompts``: where an iteration's prompts come from;
 * ``rollouts``: an iteration's request, the stream with its stall watchdog, the retry policy;
 * ``algorithms``: one interface (``Algorithm``) and the registered algorithms: ``flowgrpo``,
@@ -14,6 +18,7 @@
 * ``policy``: the LoRA or full transformer, its push (gRPC or the weight-sync group, checksum
   checked) and its saving;
 * ``checkpoint``, ``metrics`` (metrics.csv's columns, plots, images, the shapes eval's outputs),
+  ``report`` (``--report-to tensorboard`` or ``wandb``, offline),
   ``distributed`` (data-parallel ranks), ``finite`` (the stop on a non-finite value);
 * ``trainer``: ``Trainer``, with ``train_step(i)``, ``train()`` and ``evaluate()``; and ``run``, which
   starts a server when none is given and runs a whole training.
@@ -45,7 +50,7 @@ the first and last iteration's images in samples/iter-NNNN/, the final LoRA in l
 adapter folder) and checkpoint.pt.
 
 ``--prompt-set shapes`` draws each iteration's P prompts from the shapes task's train prompts
-(``rollout_client.rewards.scenes.train_prompts()``); with ``--eval-every N`` the served policy is
+(``rollout_core.scenes.train_prompts()``); with ``--eval-every N`` the served policy is
 evaluated GenEval-style on the disjoint eval prompts (``rollout_client.shapes_eval``) before
 iterations 0, N, 2N ... and once more after the last: metrics.csv gains ``eval_accuracy``, and the
 run writes accuracy.png, eval.json (the tables before and after) and samples/eval-before.png and
@@ -77,8 +82,8 @@ step's log-prob enters it, so ``ratio_max_dev`` is empty; the rollouts still ask
 version, so every update starts from the policy that sampled its data.
 """
 
-from rollout_client.train.config import parse_args
+from rollout_client.train.config import ServerConfig, TrainConfig, parse_args
 from rollout_client.train.run import run
 from rollout_client.train.trainer import Trainer
 
-__all__ = ["Trainer", "parse_args", "run"]
+__all__ = ["ServerConfig", "TrainConfig", "Trainer", "parse_args", "run"]

@@ -17,7 +17,7 @@ def save_checkpoint(
     ``averages`` holds the weights the run keeps beside the trained ones (its EMA, the algorithm's
     state)."""
     state = {
-        "settings": config.settings,
+        "settings": config.settings(),
         "iterations_done": len(rows),
         "policy": {name: t.detach().cpu() for name, t in trainable_state(transformer, config).items()},
         "optimizer": optimizer.state_dict(),

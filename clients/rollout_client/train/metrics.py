@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from rollout_client.train.rollouts import retrying
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from rollout_client import RolloutClient, Trajectory
     from rollout_client.shapes_eval import ShapesEval
     from rollout_client.train.config import TrainConfig
@@ -98,7 +100,7 @@ def plot_accuracy(rows: list[dict], final: tuple[int, float, float], path: Path)
     plt.close(figure)
 
 
-def eval_grid(result: "ShapesEval", path: Path, columns: int = 8) -> None:
+def eval_sheet(result: "ShapesEval", columns: int = 8) -> "Image.Image":
     """The eval images in a contact sheet, each framed green where strictly right and red where wrong."""
     from PIL import ImageOps
 
@@ -108,8 +110,12 @@ def eval_grid(result: "ShapesEval", path: Path, columns: int = 8) -> None:
         ImageOps.expand(image, border=2, fill=(40, 170, 60) if correct else (220, 40, 40))
         for image, correct in zip(result.images, result.correct, strict=True)
     ]
+    return contact_sheet(framed, columns)
+
+
+def eval_grid(result: "ShapesEval", path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    contact_sheet(framed, columns).save(path)
+    eval_sheet(result).save(path)
 
 
 def evaluate(client: "RolloutClient", config: "TrainConfig") -> "ShapesEval":

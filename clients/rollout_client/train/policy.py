@@ -2,6 +2,7 @@
 weight-sync group with the checksum checked, and saved where LoadWeights and diffusers take it."""
 
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,21 +24,21 @@ if TYPE_CHECKING:
 
 
 def load_policy(
-    model_path: Path, config: "TrainConfig", family: str
+    model_path: Path, config: "TrainConfig", served_targets: Sequence[str]
 ) -> tuple[torch.nn.Module, LoraConfig | None]:
-    """The base transformer, frozen, with a trainable LoRA (on the targets of the server's ``family``
-    unless --lora-targets names them); or, with --train full, all trainable."""
+    """The base transformer, frozen, with a trainable LoRA on the modules --lora-targets names, or else
+    on the server's default targets (``served_targets``, GetServerInfo's ``lora_targets``); or, with
+    --train full, all trainable. ServerFailure when neither names a target."""
     from diffusers import AutoModel  # the trainer's side; the client library never imports diffusers
 
+    targets = config.optim.lora_targets.split(",") if config.optim.lora_targets else list(served_targets)
+    if config.optim.train == "lora" and not targets:
+        raise ServerFailure("the server names no default LoRA targets: pass --lora-targets")
     transformer = AutoModel.from_pretrained(str(model_path), subfolder="transformer").to(config.device)
     if config.optim.train == "full":
         return transformer, None
     transformer.requires_grad_(False)
-    config = LoraConfig(
-        r=config.optim.lora_rank,
-        lora_alpha=config.optim.lora_alpha,
-        target_modules=config.optim.targets(family),
-    )
+    config = LoraConfig(r=config.optim.lora_rank, lora_alpha=config.optim.lora_alpha, target_modules=targets)
     transformer.add_adapter(config)
     return transformer, config
 
@@ -94,7 +95,7 @@ class Pusher:
         kind = "full" if self.lora_config is None else "lora"
         with Watchdog("policy push", self.config.server.stall_timeout):
             version = client.server_info().policy_version + 1
-            if self.config.sync.weight_sync == "group":
+            if self.config.weight_sync == "group":
                 served = self._push_over_group(weights, version, kind, expected)
             else:
                 pushed = client.push(WeightsUpdate(weights, version, kind, self.lora_config), progress=False)

@@ -24,7 +24,7 @@ PROMPT_SETS = ("scenes", "shapes")  # PROMPTS above, or the shapes task's train 
 
 
 def shapes_train_prompts() -> tuple[str, ...]:
-    from rollout_client.rewards import scenes
+    from rollout_core import scenes
 
     return scenes.train_prompts()
 

@@ -13,6 +13,7 @@ from rollout_client.train.distributed import Ranks
 from rollout_client.train.rollouts import CHANNEL_OPTIONS, ServerFailure, retrying
 from rollout_client.train.trainer import Trainer
 from rollout_core import wire
+from rollout_core.local_server import LocalServer
 
 if TYPE_CHECKING:
     from rollout_client.train.config import TrainConfig
@@ -29,16 +30,15 @@ def run(config: "TrainConfig") -> tuple[list[dict], float, Ranks]:
     if torch.device(config.device).type == "cuda" and ranks.world > 1:
         config.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     config.checkpoint.out.mkdir(parents=True, exist_ok=True)
+    # The trainer's own server, on this machine: a child process, stopped however the run ends.
     server = None
     if config.server.address is None and ranks.leader:
-        from rollout_server.local import LocalServer  # the trainer's own server, on this machine
-
         server = LocalServer.start(
             config.checkpoint.out / "server.log", "--model", config.server.model, "--threads", "1"
         )
-    token = read_token(config.server.token_file) if config.server.token_file else None
-    address = ranks.agree(config.server.address or server.address if ranks.leader else None)
     try:
+        token = read_token(config.server.token_file) if config.server.token_file else None
+        address = ranks.agree(config.server.address or server.address if ranks.leader else None)
         with RolloutClient(
             address, timeout=config.server.stall_timeout, token=token, channel_options=CHANNEL_OPTIONS
         ) as client:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from rollout_client.train.algorithms import ALGORITHMS, algorithm_name
+from rollout_client.train.algorithms import ALGORITHMS
 from rollout_client.train.averages import WeightAverage
 from rollout_client.train.checkpoint import restore_checkpoint, save_checkpoint
 from rollout_client.train.config import CHECKPOINT
@@ -36,6 +36,7 @@ from rollout_client.train.metrics import (
 )
 from rollout_client.train.policy import Pusher, load_policy, save_policy
 from rollout_client.train.probe import VelocityProbe
+from rollout_client.train.report import Report, open_report
 from rollout_client.train.rewards import Rewards, SampleInfo
 from rollout_client.train.rollouts import (
     Prefetch,
@@ -60,7 +61,7 @@ class Trainer:
         self.config, self.client, self.model_path, self.ranks = config, client, model_path, ranks
         self.reward = Rewards(config.reward)
         info = client.server_info()
-        self.transformer, self.lora_config = load_policy(model_path, config, info.family)
+        self.transformer, self.lora_config = load_policy(model_path, config, info.lora_targets)
         self.pusher = Pusher(client, self.transformer, self.lora_config, config)
         self.named_parameters = [(n, p) for n, p in self.transformer.named_parameters() if p.requires_grad]
         self.parameters = [p for _, p in self.named_parameters]
@@ -72,7 +73,7 @@ class Trainer:
         )
         # --ema-decay: an average of the trained weights, which the evals and the run's end push.
         self.ema = WeightAverage(self.parameters) if config.ema_decay > 0 else None
-        self.algorithm = ALGORITHMS[algorithm_name(config.tree.points, config.algorithm)](self)
+        self.algorithm = ALGORITHMS[config.algorithm_name](self)
         self.checkpoint = config.checkpoint.out / CHECKPOINT
         self.rows: list[dict] = []
         if config.checkpoint.state is not None:
@@ -93,6 +94,7 @@ class Trainer:
         self.prefetch = Prefetch()  # --async: the next rollout, streaming while this one trains
         self.probe: VelocityProbe | None = None  # made from the first rollout this process trains on
         self.clock = time.perf_counter()  # --time-budget counts from here
+        self.report = Report()  # --report-to's, rank 0's, open while train() runs
 
     # The optimizer step every algorithm takes.
 
@@ -233,6 +235,7 @@ class Trainer:
             total=config.rollout.steps + 2,
             desc=f"iter {iteration:>4}",
             dynamic_ncols=True,
+            leave=False,
             disable=not ranks.leader,
         )
         rollout, version, push_seconds = self.rolled_out(iteration, bar)
@@ -252,6 +255,7 @@ class Trainer:
             if iteration == 0:
                 record_eval(config.checkpoint.out / "eval.json", "before", result)
                 eval_grid(result, config.checkpoint.out / "samples" / "eval-before.png")
+            self.report.eval_images(result, iteration)
 
         trajectories = rollout.trajectories
         samples = [SampleInfo(t.prompt_index, t.sample_index, t.seed, t.policy_version) for t in trajectories]
@@ -299,6 +303,10 @@ class Trainer:
         bar.close()
         if ranks.leader and iteration in (0, config.iterations - 1):
             save_images(trajectories, config.checkpoint.out / "samples" / f"iter-{iteration:04d}")
+        if iteration in (0, config.iterations - 1) or (
+            config.eval.every and iteration % config.eval.every == 0
+        ):
+            self.report.samples(trajectories, rewards, iteration)
         return row
 
     def push_evaluated_policy(self) -> int:
@@ -345,10 +353,22 @@ class Trainer:
 
     def train(self) -> list[dict]:
         config, ranks = self.config, self.ranks
+        if ranks.leader:
+            self.report = open_report(config.report.report_to, config.checkpoint.out, config.settings())
+        try:
+            return self.train_and_finish()
+        finally:
+            self.report.close()
+
+    def train_and_finish(self) -> list[dict]:
+        config, ranks = self.config, self.ranks
         metrics_path = (
             config.checkpoint.out / "metrics.csv" if ranks.leader else Path(os.devnull)
         )  # rank 0 writes the run
-        with open(metrics_path, "w", newline="") as metrics, self.prefetch:
+        progress = tqdm(
+            total=config.iterations, initial=len(self.rows), desc="run", unit="iter", disable=not ranks.leader
+        )
+        with open(metrics_path, "w", newline="") as metrics, self.prefetch, progress:
             writer = csv.DictWriter(
                 metrics, fieldnames=COLUMNS + self.reward.columns(), extrasaction="ignore"
             )
@@ -361,6 +381,9 @@ class Trainer:
                 row = self.train_step(iteration)
                 writer.writerow(row)
                 metrics.flush()
+                self.report.row(row)
+                progress.update(1)
+                progress.set_postfix(reward=f"{row['reward_mean']:.5f}")
                 self.rows.append(row)
                 if ranks.leader and (
                     len(self.rows) % config.checkpoint.every == 0 or len(self.rows) == config.iterations
@@ -394,6 +417,8 @@ class Trainer:
             paired = record_eval(out / "eval.json", "after", final)
             eval_grid(final, out / "samples" / "eval-after.png")
             done = len(self.rows)
+            self.report.accuracy(final.accuracy, final.standard_error, done)
+            self.report.eval_images(final, done)
             plot_accuracy(self.rows, (done, final.accuracy, final.standard_error), out / "accuracy.png")
             say(
                 f"eval accuracy after {done} iterations: {final.accuracy:.3f} +- {final.standard_error:.3f}"

@@ -1,7 +1,7 @@
 """The training algorithms, registered by name (see ``base``)."""
 
 from rollout_client.train.algorithms import awm, flowgrpo, nft, tree  # noqa: F401 - each registers itself
-from rollout_client.train.algorithms.base import ALGORITHMS, Algorithm, register
+from rollout_client.train.algorithms.base import ALGORITHMS, OPTIONS, Algorithm, register
 
 
 def algorithm_name(tree_points: str, algorithm: str) -> str:
@@ -10,4 +10,4 @@ def algorithm_name(tree_points: str, algorithm: str) -> str:
     return "tree" if tree_points else algorithm
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "algorithm_name", "register"]
+__all__ = ["ALGORITHMS", "OPTIONS", "Algorithm", "algorithm_name", "register"]

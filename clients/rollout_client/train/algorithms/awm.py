@@ -1,7 +1,8 @@
 """Advantage Weighted Matching (``rollout_client.awm``): the flow-matching loss on the final latents,
 each sample's term weighted by its advantage, with an optional KL to the EMA of the trained weights."""
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -10,12 +11,41 @@ from rollout_client.grpo import group_advantages, row_batches
 from rollout_client.nft import anchor_loss, velocities
 from rollout_client.train.algorithms.base import register
 from rollout_client.train.algorithms.nft import ForwardProcess
+from rollout_client.train.options import NOT_NEGATIVE, Options, option, positive
 
 if TYPE_CHECKING:
+    from rollout_client.train.config import TrainConfig
     from rollout_client.train.rollouts import Rollout
 
 
-@register("awm")
+@dataclasses.dataclass
+class AWMConfig(Options):
+    """AWM's options (``config.awm``)"""
+
+    KEY: ClassVar[str] = "awm"
+    FLAG_PREFIX: ClassVar[str] = "awm_"
+
+    power: float = option(
+        0.25,
+        "awm: the power p of the robust weighting (t / p) ((l + 1e-3)^p - 1e-3^p) of each "
+        "sample's flow-matching error l (1: the plain error, times t)",
+        rule=positive(),
+        algorithms=("awm",),
+    )
+    kl: float = option(
+        0.0,
+        "awm: weight of the squared velocity distance to the EMA of --ema-decay (0: none)",
+        rule=NOT_NEGATIVE,
+        algorithms=("awm",),
+    )
+
+    def conflict(self, config: "TrainConfig", world: int) -> str | None:
+        if self.kl and not config.ema_decay:
+            return "--awm-kl pulls towards the EMA of the trained weights: it needs --ema-decay"
+        return None
+
+
+@register("awm", options=AWMConfig)
 class AdvantageWeightedMatching(ForwardProcess):
     def update(self, rollout: "Rollout", rewards: torch.Tensor, iteration: int) -> float:
         """--nft-draws optimizer steps, each on every sample's final latent noised afresh: AWM's loss, plus

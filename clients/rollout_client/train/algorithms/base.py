@@ -13,10 +13,11 @@ An iteration of ``Trainer.train_step`` runs, for its algorithm:
 Every push of the policy the server rolls out with happens inside ``rollout_weights()`` (DiffusionNFT's
 old policy swaps itself in there), and ``state()`` is checkpointed with the run.
 
-``latents`` is what its requests ask the server to stream, and ``refusal(config, world)`` the flags it
-cannot train with (the command line refuses them). Register a new algorithm with
+``latents`` is what its requests ask the server to stream, and ``refusal(config, world)`` the configs it
+cannot train with (``TrainConfig`` refuses them). Register a new algorithm with
 ``@register("name")`` in a module of this package imported by its ``__init__``; ``--algorithm name``
-then selects it.
+then selects it. ``@register("name", options=SomeConfig)`` also registers the algorithm's options (an
+``Options`` dataclass, with its flags): every ``TrainConfig`` holds them as ``config.<SomeConfig.KEY>``.
 """
 
 import contextlib
@@ -29,18 +30,24 @@ from rollout.v1 import rollout_pb2
 
 if TYPE_CHECKING:
     from rollout_client import Step
+    from rollout_client.train.config import TrainConfig
+    from rollout_client.train.options import Options
     from rollout_client.train.rollouts import Rollout
     from rollout_client.train.trainer import Trainer
 
 ALGORITHMS: dict[str, type["Algorithm"]] = {}
+# The algorithms' options, by the name a TrainConfig holds them under (their KEY), in registration order.
+OPTIONS: dict[str, type["Options"]] = {}
 
 
-def register(name: str):
-    """Class decorator: the algorithm ``--algorithm name`` selects."""
+def register(name: str, options: type["Options"] | None = None):
+    """Class decorator: the algorithm ``--algorithm name`` selects, with its ``options``."""
 
     def add(cls: type["Algorithm"]) -> type["Algorithm"]:
         cls.name = name
         ALGORITHMS[name] = cls
+        if options is not None:
+            OPTIONS[options.KEY] = options
         return cls
 
     return add
@@ -52,9 +59,9 @@ class Algorithm:
     max_grad_norm: ClassVar[float | None] = None  # None: the gradients are not clipped
 
     @classmethod
-    def refusal(cls, args, world: int) -> str | None:
-        """Why the algorithm cannot train with these flags on ``world`` trainer ranks (the command
-        line's error), or None."""
+    def refusal(cls, config: "TrainConfig", world: int) -> str | None:
+        """Why the algorithm cannot train with ``config`` on ``world`` trainer ranks (the config's
+        error), or None."""
         return None
 
     def __init__(self, trainer: "Trainer"):

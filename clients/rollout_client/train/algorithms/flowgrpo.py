@@ -90,9 +90,7 @@ class PolicyUpdate:
         if self.config.optim.grpo_guard:
             loss = self._guarded_loss([trajectories[r] for r in rows], i, transition, old, piece_advantages)
         else:
-            loss = clipped_policy_loss(
-                transition.log_probs, old, piece_advantages, self.config.optim.clip_range
-            )
+            loss = clipped_policy_loss(transition.log_probs, old, piece_advantages, self.config.clip_range)
         if reference is not None:
             kl = kl_to_reference(transition.means, reference, transition.stds).mean()
             self.kl += kl.item() * len(rows) * self.weight
@@ -117,7 +115,7 @@ class PolicyUpdate:
             transition.stds,
             dts,
             piece_advantages,
-            self.config.optim.clip_range,
+            self.config.clip_range,
         )
 
 

@@ -2,7 +2,8 @@
 no step's log-prob: DiffusionNFT (``rollout_client.nft``) here, AWM (``rollout_client.awm``) in ``awm``."""
 
 import contextlib
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -20,10 +21,65 @@ from rollout_client.nft import (
 )
 from rollout_client.train.algorithms.base import Algorithm, register
 from rollout_client.train.averages import WeightAverage, base_model, ramped_decay
+from rollout_client.train.options import FRACTION, NOT_NEGATIVE, Options, at_least, option, positive
 
 if TYPE_CHECKING:
     from rollout_client import Trajectory
+    from rollout_client.train.config import TrainConfig
     from rollout_client.train.rollouts import Rollout
+
+
+@dataclasses.dataclass
+class NFTConfig(Options):
+    """DiffusionNFT's options (AWM's draws too).
+
+    ``config.nft``; AWM draws its noises and levels by ``draws`` and ``min_level``."""
+
+    KEY: ClassVar[str] = "nft"
+    FLAG_PREFIX: ClassVar[str] = "nft_"
+
+    beta: float = option(1.0, "nft: the implicit policies' step beta", rule=positive())
+    loss: str = option(
+        "velocity",
+        "nft: the loss on the velocities (rollout_client.nft.nft_loss), or the official scripts' on "
+        "the predicted clean sample, each sample divided by its own mean absolute error (nft_x0_loss)",
+        choices=("velocity", "x0"),
+    )
+    anchor: float = option(
+        0.0,
+        "nft: weight of the squared velocity distance to the base model "
+        "(rollout_client.nft.anchor_loss); its gradient norm and the policy term's are logged",
+        rule=NOT_NEGATIVE,
+    )
+    old_decay: float = option(
+        0.0,
+        "nft: roll out with an old policy that follows the trained one, old <- eta old + "
+        "(1 - eta) theta after each iteration, eta ramping up to this (0: roll out with the trained one)",
+        rule=FRACTION,
+        algorithms=("nft",),
+    )
+    old_ramp: int = option(
+        20,
+        "nft: the iterations over which the old policy's eta ramps from 0 to --nft-old-decay",
+        rule=at_least(0),
+        algorithms=("nft",),
+    )
+    draws: int = option(
+        4,
+        "nft and awm: optimizer steps per iteration, each on a fresh noise and level of every sample",
+        rule=at_least(1),
+    )
+    min_level: float = option(
+        0.0,
+        "nft and awm: draw the noise levels in [this, 1) only (0.5: the high-noise half)",
+        rule=FRACTION,
+        algorithms=("nft", "awm"),
+    )
+
+    def conflict(self, config: "TrainConfig", world: int) -> str | None:
+        if config.optim.train == "full" and self.anchor:
+            return "--nft-anchor compares with the base model through the LoRA: it needs --train lora"
+        return None
 
 
 class ForwardProcess(Algorithm):
@@ -35,18 +91,17 @@ class ForwardProcess(Algorithm):
     max_grad_norm = 1.0
 
     @classmethod
-    def refusal(cls, args, world: int) -> str | None:
+    def refusal(cls, config: "TrainConfig", world: int) -> str | None:
         if world > 1:
             return f"--algorithm {cls.name} runs on one trainer rank, not {world}"
         # It scores no step: nothing to window or to score early, no step Gaussians for the KL, and its
         # loss compares with the rollout policy, which a stale rollout is not.
-        for flag in ("window", "kl_beta", "grpo_guard", "async_", "score_while_streaming"):
-            if getattr(args, flag):
-                return (
-                    f"--{flag.rstrip('_').replace('_', '-')} is for FlowGRPO: --algorithm {cls.name} "
-                    "scores no step"
-                )
-        return None
+        flags = [
+            *config.rollout.flags_set("window"),
+            *config.optim.flags_set("kl_beta", "grpo_guard"),
+            *config.rollout.flags_set("async_", "score_while_streaming"),
+        ]
+        return f"{flags[0]} is for FlowGRPO: --algorithm {cls.name} scores no step" if flags else None
 
     def draws(self, trajectories: list["Trajectory"], iteration: int):
         """The iteration's samples x [B, ...] and --nft-draws (x_s, v*, levels) of them, seeded by the
@@ -72,7 +127,7 @@ class ForwardProcess(Algorithm):
         return out
 
 
-@register("nft")
+@register("nft", options=NFTConfig)
 class DiffusionNFT(ForwardProcess):
     def __init__(self, trainer):
         super().__init__(trainer)

@@ -11,6 +11,7 @@ from PIL import Image as PILImage
 from rollout_client.grpo import backed_up_advantages, branch_advantages
 from rollout_client.train.algorithms.base import register
 from rollout_client.train.algorithms.flowgrpo import FlowGRPO
+from rollout_client.train.algorithms.tree_options import TreeConfig
 from rollout_client.train.rollouts import Rollout, say
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class EarlyTermination:
             client,
             reward,
             config.tree.prune_at,
-            config.tree.prune_keep,
+            config.tree.keep,
         )
 
     def prune(self, rollout: Rollout, step: "Step") -> None:
@@ -84,18 +85,18 @@ class EarlyTermination:
             say(f"rollout {step.request_id}: the prune at step {self.step} landed at step {answer.step}")
 
 
-@register("tree")
+@register("tree", options=TreeConfig)
 class TreeGRPO(FlowGRPO):
     """FlowGRPO's clipped loss on the edges of tree rollouts (``--tree``)."""
 
     @classmethod
-    def refusal(cls, args, world: int) -> str | None:
+    def refusal(cls, config: "TrainConfig", world: int) -> str | None:
         # Edges are trained once each with their node's advantage: FlowGRPO's clipped loss only, on
         # the whole tree once it has arrived, with every step stochastic.
-        for flag in ("window", "score_while_streaming"):
-            if getattr(args, flag):
-                return f"--{flag.replace('_', '-')} does not go with --tree"
-        if args.algorithm == "nft":
+        flags = config.rollout.flags_set("window", "score_while_streaming")
+        if flags:
+            return f"{flags[0]} does not go with --tree"
+        if config.algorithm == "nft":
             return "--tree trains edges with FlowGRPO's loss: it does not go with --algorithm nft"
         return None
 
@@ -113,7 +114,8 @@ class TreeGRPO(FlowGRPO):
     def update(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> float:
         leaves = rollout.trajectories
         self.trainer.zero_grad()
-        self.policy_update.finish_tree(leaves, tree_advantages(leaves, rewards, self.config.tree.advantages))
+        advantages = tree_advantages(leaves, rewards, self.config.tree.advantage_rule)
+        self.policy_update.finish_tree(leaves, advantages)
         self.trainer.optimizer_step(self.policy_update.loss)
         return self.policy_update.loss
 
