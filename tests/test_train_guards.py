@@ -163,6 +163,20 @@ def test_arguments_that_cannot_train_are_refused(capsys, flag, value, message):
         (["--tree", "1:2", "--prune-at", "1", "--prune-keep", "1000"], "--prune-keep 1000 prunes nothing"),
         (["--tree", "1:2", "--prune-keep", "4"], "--prune-keep is what --prune-at keeps: it needs"),
         (["--tree-advantages", "backed-up"], "--tree-advantages scores the nodes of a tree: it needs --tree"),
+        (
+            ["--algorithm", "step-grpo"],
+            "--algorithm step-grpo compares the siblings of a fork: it needs --tree",
+        ),
+        (["--algorithm", "step-grpo", "--tree", "1:1"], "step-grpo compares the siblings of a fork"),
+        (["--algorithm", "step-grpo", "--tree", "1:2", "--window", "2"], "--window does not go with --tree"),
+        (
+            ["--algorithm", "step-grpo", "--tree", "1:2", "--tree-advantages", "backed-up"],
+            "--tree-advantages is --tree's rule: --algorithm step-grpo standardises",
+        ),
+        (
+            ["--algorithm", "step-grpo", "--tree", "1:2", "--prune-at", "1"],
+            "--prune-at does not go with --algorithm step-grpo",
+        ),
     ],
 )
 def test_tree_flags_that_cannot_train_are_refused(capsys, flags, message):
@@ -243,6 +257,13 @@ BUILT_IN_CODE = [
         lambda: TrainConfig(options={"tree": TreeConfig(points="1:2", prune_at=1, prune_keep=1000)}),
     ),
     (["--tree-sde", "forks"], lambda: TreeConfig(sde="forks")),
+    (["--algorithm", "step-grpo"], lambda: TrainConfig(algorithm="step-grpo")),
+    (
+        ["--algorithm", "step-grpo", "--tree", "1:2", "--tree-advantages", "branch-mean"],
+        lambda: TrainConfig(
+            algorithm="step-grpo", options={"tree": TreeConfig(points="1:2", advantages="branch-mean")}
+        ),
+    ),
 ]
 
 

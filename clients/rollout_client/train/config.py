@@ -251,8 +251,8 @@ class TrainConfig(Options):
 
     algorithm: str = option(
         "flowgrpo",
-        "FlowGRPO's clipped policy loss on the stochastic steps, or DiffusionNFT's or AWM's on the "
-        "final latents",
+        "FlowGRPO's clipped policy loss on the stochastic steps, DiffusionNFT's or AWM's on the "
+        "final latents, or Step-GRPO's on --tree's edges, each with its own step's advantage",
         choices=lambda: [name for name in ALGORITHMS if name != "tree"],  # --tree selects that one
     )
     iterations: int = option(70, rule=at_least(1))

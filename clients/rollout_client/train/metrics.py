@@ -44,6 +44,12 @@ COLUMNS = [
 ]
 
 
+def step_reward_column(step: int) -> str:
+    """The column of the mean reward of step ``step``'s previews (an algorithm's ``columns()``: Step-GRPO's
+    intermediate rewards, one column per preview step of its run)."""
+    return f"step_reward_mean/step{step}"
+
+
 def save_images(trajectories: list["Trajectory"], folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for trajectory in trajectories:

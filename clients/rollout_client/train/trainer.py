@@ -147,7 +147,10 @@ class Trainer:
     # The server's part of an iteration.
 
     def request(self, iteration: int, version: int):
-        return rollout_request(self.config, iteration, version, self.algorithm.latents)
+        algorithm = self.algorithm
+        return rollout_request(
+            self.config, iteration, version, algorithm.latents, algorithm.preview_steps(self.config)
+        )
 
     def roll_out(self, iteration: int, bar: tqdm, pushed: int | None) -> tuple[Rollout, int, float]:
         """Push the trainer's policy (unless rank 0 ``pushed`` it), and roll out this rank's share
@@ -370,7 +373,9 @@ class Trainer:
         )
         with open(metrics_path, "w", newline="") as metrics, self.prefetch, progress:
             writer = csv.DictWriter(
-                metrics, fieldnames=COLUMNS + self.reward.columns(), extrasaction="ignore"
+                metrics,
+                fieldnames=COLUMNS + self.algorithm.columns() + self.reward.columns(),
+                extrasaction="ignore",
             )
             writer.writeheader()
             writer.writerows(self.rows)
