@@ -56,6 +56,11 @@ def run(config: "TrainConfig") -> tuple[list[dict], float, Ranks]:
                 raise ServerFailure(
                     f"the server at {address} sends no previews: --algorithm {config.algorithm} scores them"
                 )
+            needed = (wire.FEATURE_PREVIEWS, wire.FEATURE_PRUNE_POINTS)
+            if config.eval.search and not all(feature in info.features for feature in needed):
+                raise ServerFailure(
+                    f"the server at {address} sends no previews or holds no rollout: --search needs both"
+                )
             if config.server.colocate and wire.FEATURE_RELEASE_MEMORY not in info.features:
                 raise ServerFailure(f"the server at {address} cannot release its memory: --colocate needs it")
             model_path = config.server.model_path or Path(info.model_path)
