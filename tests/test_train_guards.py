@@ -209,6 +209,13 @@ def test_tree_flags_that_cannot_train_are_refused(capsys, flags, message):
         (["--nft-min-level", "0.5"], "--nft-min-level is for --algorithm nft or awm"),
         (["--algorithm", "awm", "--window", "2"], "--window is for FlowGRPO: --algorithm awm scores no step"),
         (["--tree-sde", "forks"], "--tree-sde picks a tree's stochastic steps: it needs --tree"),
+        (["--search", "2"], "--search evaluates with step-wise search: it needs --eval-every"),
+        (["--search", "1"], "argument --search: must be 0 or at least 2, got 1"),
+        (["--search-steps", "2,1"], "argument --search-steps: must be at least 0 and strictly increasing"),
+        (
+            ["--prompt-set", "shapes", "--eval-every", "1", "--search", "2", "--search-steps", "0,6"],
+            "--search-steps must be below --steps (6)",
+        ),
         (
             ["--algorithm", "nft", "--nft-anchor", "nan"],
             "argument --nft-anchor: must be finite and at least 0",

@@ -223,6 +223,11 @@ class EvalConfig(Options):
         "the eval's first seed, the same for every run and checkpoint (its evals are paired)",
         rule=SEED,
     )
+    prompts: int = option(
+        0,
+        "with --eval-every: evaluate on the first this many eval prompts only (0: all of them)",
+        rule=at_least(0),
+    )
     search: int = option(
         0,
         "with --eval-every: also evaluate with step-wise search, the best of K children by --reward on "
