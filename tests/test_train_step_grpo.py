@@ -6,12 +6,14 @@ step's mean reward in metrics.csv."""
 import io
 import math
 
+import numpy
 import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
 from support.parity import TOLERANCE
 from support.train_runs import run_trainer, trainer_args, training_server
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tqdm import tqdm
 
 from rollout_client import RolloutClient
@@ -79,13 +81,23 @@ def test_each_edge_trains_with_its_nodes_step_advantage_from_the_streamed_previe
 
 
 def test_a_step_grpo_run_trains_and_reports_each_preview_steps_reward(step_client, tmp_path):
-    """Two iterations from the command line: on policy, the adapter moves, and metrics.csv has the mean
-    preview reward of each branch step beside the final images' (``reward_mean``)."""
-    rows = run_trainer(step_client.address, tmp_path / "run", *STEP_GRPO, "--iterations", "2")
+    """Two iterations from the command line: on policy, the adapter moves, and metrics.csv and
+    TensorBoard have the mean preview reward of each branch step beside the final images'
+    (``reward_mean``)."""
+    flags = (*STEP_GRPO, "--iterations", "2", "--report-to", "tensorboard")
+    rows = run_trainer(step_client.address, tmp_path / "run", *flags)
     assert len(rows) == 2
+    board = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
     for row in rows:
         assert float(row["ratio_max_dev"]) <= TOLERANCE and math.isfinite(float(row["loss"]))
         assert row["scored_steps"] == "0 1 2"
         assert all(math.isfinite(float(row[step_reward_column(step)])) for step in (1, 2))
+    for step in (1, 2):
+        # An event holds a float32: the csv's float64 rounded once, so equal to that rounding.
+        scalars = board.Scalars(f"train/{step_reward_column(step)}")
+        assert [event.value for event in scalars] == [
+            float(numpy.float32(row[step_reward_column(step)])) for row in rows
+        ]
     adapter = load_file(tmp_path / "run" / "lora" / "adapter_model.safetensors")
     assert any(tensor.abs().max() > 0 for name, tensor in adapter.items() if "lora_B" in name)

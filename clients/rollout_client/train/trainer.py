@@ -430,6 +430,9 @@ class Trainer:
             plot_accuracy(self.rows, (done, final.accuracy, final.standard_error), out / "accuracy.png")
             for name, result in finals.items():
                 paired = pairings.get(name)
+                if name != TRAINING:  # the training settings' went in as eval/accuracy
+                    scalars = {"accuracy": result.accuracy, "accuracy_stderr": result.standard_error}
+                    self.report.scalars({f"eval/{key}_{name}": value for key, value in scalars.items()}, done)
                 say(
                     f"eval accuracy after {done} iterations {EVAL_LABELS[name]}: "
                     f"{result.accuracy:.3f} +- {result.standard_error:.3f}"
