@@ -88,14 +88,16 @@ def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lor
     training_server, tmp_path, capsys
 ):
     """`make train-shapes` in miniature: on policy every iteration, the eval tables and grids before
-    and after, and the final adapter pushed by eval_shapes.py scores exactly as the trainer's own
-    final eval did (the same request on the same weights)."""
+    and after, at the training's settings and at the server's defaults, and the final adapter pushed
+    by eval_shapes.py scores exactly as the trainer's own final evals did (the same requests on the
+    same weights)."""
     out = tmp_path / "train"
     rows = run_trainer(training_server, TRAINING, out)
     assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)
     assert [row["eval_accuracy"] != "nan" for row in rows] == [True, False]
     tables = json.loads((out / "eval.json").read_text())
-    assert set(tables) == {"before", "after", "images", "paired"}
+    assert set(tables) == {"before", "after", "images", "paired", "defaults"}
+    assert set(tables["defaults"]) == {"before", "after", "images", "paired"}
     assert tables["before"]["overall"]["total"] == len(scenes.eval_prompts())
     assert float(rows[0]["eval_accuracy"]) == pytest.approx(tables["before"]["overall"]["correct"] / 64)
     # The pairing compares the same images: its difference is that of the two accuracies.
@@ -111,8 +113,14 @@ def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lor
     table_path = tmp_path / "eval.json"
     flags = ["--lora", out / "lora", "--samples", "1", "--steps", "4", "--seed", "2024", "--json", table_path]
     run_example("eval_shapes", "--server", training_server.address, *flags)
-    assert "| overall |" in capsys.readouterr().out
-    assert json.loads(table_path.read_text()) == tables["after"]
+    printed = capsys.readouterr().out
+    assert "| overall |" in printed and "at the server's defaults (its steps and CFG):" in printed
+    # Both accuracies, at the training's settings and at the server's defaults, as the trainer's.
+    assert json.loads(table_path.read_text()) == {
+        "settings": tables["after"],
+        "defaults": tables["defaults"]["after"],
+    }
+    assert float(rows[0]["eval_accuracy_defaults"]) == tables["defaults"]["before"]["accuracy"]["mean"]
 
 
 @pytest.mark.parametrize(

@@ -163,6 +163,20 @@ def test_arguments_that_cannot_train_are_refused(capsys, flag, value, message):
         (["--tree", "1:2", "--prune-at", "1", "--prune-keep", "1000"], "--prune-keep 1000 prunes nothing"),
         (["--tree", "1:2", "--prune-keep", "4"], "--prune-keep is what --prune-at keeps: it needs"),
         (["--tree-advantages", "backed-up"], "--tree-advantages scores the nodes of a tree: it needs --tree"),
+        (
+            ["--algorithm", "step-grpo"],
+            "--algorithm step-grpo compares the siblings of a fork: it needs --tree",
+        ),
+        (["--algorithm", "step-grpo", "--tree", "1:1"], "step-grpo compares the siblings of a fork"),
+        (["--algorithm", "step-grpo", "--tree", "1:2", "--window", "2"], "--window does not go with --tree"),
+        (
+            ["--algorithm", "step-grpo", "--tree", "1:2", "--tree-advantages", "backed-up"],
+            "--tree-advantages is --tree's rule: --algorithm step-grpo standardises",
+        ),
+        (
+            ["--algorithm", "step-grpo", "--tree", "1:2", "--prune-at", "1"],
+            "--prune-at does not go with --algorithm step-grpo",
+        ),
     ],
 )
 def test_tree_flags_that_cannot_train_are_refused(capsys, flags, message):
@@ -195,6 +209,13 @@ def test_tree_flags_that_cannot_train_are_refused(capsys, flags, message):
         (["--nft-min-level", "0.5"], "--nft-min-level is for --algorithm nft or awm"),
         (["--algorithm", "awm", "--window", "2"], "--window is for FlowGRPO: --algorithm awm scores no step"),
         (["--tree-sde", "forks"], "--tree-sde picks a tree's stochastic steps: it needs --tree"),
+        (["--search", "2"], "--search evaluates with step-wise search: it needs --eval-every"),
+        (["--search", "1"], "argument --search: must be 0 or at least 2, got 1"),
+        (["--search-steps", "2,1"], "argument --search-steps: must be at least 0 and strictly increasing"),
+        (
+            ["--prompt-set", "shapes", "--eval-every", "1", "--search", "2", "--search-steps", "0,6"],
+            "--search-steps must be below --steps (6)",
+        ),
         (
             ["--algorithm", "nft", "--nft-anchor", "nan"],
             "argument --nft-anchor: must be finite and at least 0",
@@ -243,6 +264,13 @@ BUILT_IN_CODE = [
         lambda: TrainConfig(options={"tree": TreeConfig(points="1:2", prune_at=1, prune_keep=1000)}),
     ),
     (["--tree-sde", "forks"], lambda: TreeConfig(sde="forks")),
+    (["--algorithm", "step-grpo"], lambda: TrainConfig(algorithm="step-grpo")),
+    (
+        ["--algorithm", "step-grpo", "--tree", "1:2", "--tree-advantages", "branch-mean"],
+        lambda: TrainConfig(
+            algorithm="step-grpo", options={"tree": TreeConfig(points="1:2", advantages="branch-mean")}
+        ),
+    ),
 ]
 
 

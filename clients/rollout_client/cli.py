@@ -2,11 +2,17 @@
 
     rollout-client info [--address HOST:PORT] [--tls-ca CA.pem] [--token-file FILE]
     rollout-client rollout "a red fox" "a blue bird" --samples-per-prompt 4 --seed 7 --out rollouts/
+    rollout-client rollout "a red circle" --search 4 --reward MODULE:CALLABLE --out searched/
     rollout-client conformance HOST:PORT [--model FOLDER]
 
 The rollout command writes, per sample k, sample-<k>.png and sample-<k>.safetensors (a Trajectory),
 plus contact-sheet.png (one row per prompt) and rollout.json (seeds, schedule, log-probs, timings).
 Options left out are left unset in the request, so the server's defaults apply.
+
+With --search K the rollout is a step-wise search (rollout_client.search): at each of --search-steps
+it branches K ways, scores each child's preview (its decoded x0_hat) with --reward and prunes all but
+the best of each sample, so one path a sample continues; it saves the kept samples and prints the
+transformer forwards it spent beside plain sampling's (rollout.json's "search" has its decisions).
 
 The conformance command sends the conformance kit's rollouts (each sampler x CFG mode x solver window)
 and checks every stream: the noise against the seed rule, the log-probs and the deterministic steps
@@ -157,6 +163,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="which latents to stream",
     )
     r.add_argument("--latent-dtype", choices=LATENT_DTYPES, help="streamed latent dtype")
+    r.add_argument(
+        "--search",
+        type=_unsigned(32),
+        metavar="K",
+        help="step-wise search: branch K ways at each --search-steps step and keep, per sample, the child "
+        "whose preview --reward scores best (the others are pruned); needs --reward",
+    )
+    r.add_argument(
+        "--search-steps",
+        type=_step_list,
+        metavar="I,J,...",
+        help="the steps --search branches at, stochastic ones (default: the earliest steps whose tree fits "
+        "the server's limits)",
+    )
+    r.add_argument(
+        "--reward",
+        metavar="SPEC",
+        help="--search's reward: module:callable[*weight] terms, comma-separated, as the trainer's --reward "
+        "(e.g. rollout_client.rewards.shapes:geneval_reward)",
+    )
 
     c = commands.add_parser(
         "conformance", parents=[common], help="check a server's rollouts against the protocol's formulas"
@@ -191,6 +217,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if getattr(args, "server", None):
         args.address = args.server
+    if args.command == "rollout":
+        if args.search is None and (args.search_steps is not None or args.reward is not None):
+            r.error("--search-steps and --reward go with --search")
+        if args.search is not None and (args.search < 1 or not args.reward):
+            r.error("--search K needs K >= 1 and a --reward")
     return args
 
 
@@ -226,7 +257,13 @@ def describe_error(error: grpc.RpcError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from rollout_client.commands import connect, run_conformance, save_rollout, stream_with_progress
+    from rollout_client.commands import (
+        connect,
+        run_conformance,
+        run_search,
+        save_rollout,
+        stream_with_progress,
+    )
 
     try:
         client = connect(args)
@@ -243,14 +280,26 @@ def main(argv: list[str] | None = None) -> int:
                 print(table)
                 return 0 if passed else EXIT_NONCONFORMANT
             request = build_request(args)
-            events = stream_with_progress(client, request)
+            search = run_search(client, request, args) if args.search is not None else None
+            events = search.events if search else stream_with_progress(client, request)
         except (ValueError, OSError) as error:
             print(f"rollout-client: {error}", file=sys.stderr)
             return EXIT_USAGE
         except grpc.RpcError as error:
             print(f"rollout-client: {describe_error(error)}", file=sys.stderr)
             return EXIT_RPC_ERROR
-    trajectories = save_rollout(args.out, events, [image.data for image in request.condition_images])
+    condition_images = [image.data for image in request.condition_images]
+    if search is None:
+        trajectories = save_rollout(args.out, events, condition_images)
+    else:
+        summary = search.summary()
+        trajectories = save_rollout(
+            args.out, events, condition_images, search.trajectories, {"search": summary}
+        )
+        print(
+            f"search: {summary['forwards']} transformer forwards, plain sampling {summary['plain_forwards']} "
+            f"({summary['forwards'] / summary['plain_forwards']:.2f} x)"
+        )
     print(f"wrote {len(trajectories)} samples to {args.out}")
     return 0
 

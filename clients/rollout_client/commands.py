@@ -100,12 +100,33 @@ def summary(started: Started, finished: Finished, trajectories: list[Trajectory]
     }
 
 
-def save_rollout(out: Path, events: list[Event], condition_images: Sequence[bytes] = ()) -> list[Trajectory]:
+def run_search(client: RolloutClient, request: rollout_pb2.RolloutRequest, args: argparse.Namespace):
+    """``--search``: the step-wise search of ``request`` (``rollout_client.search.step_search``) with
+    ``--reward``'s reward; ValueError for a reward spec that does not load."""
+    from rollout_client.search import step_search
+    from rollout_client.train.rewards import Rewards
+
+    try:
+        reward = Rewards(args.reward)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--reward {args.reward}: {error}") from None
+    return step_search(client, request, reward, args.search, args.search_steps)
+
+
+def save_rollout(
+    out: Path,
+    events: list[Event],
+    condition_images: Sequence[bytes] = (),
+    trajectories: list[Trajectory] | None = None,
+    notes: dict[str, Any] | None = None,
+) -> list[Trajectory]:
     """Write images (a video's first frame), animated previews of videos, each sample's sound (a WAV,
     for families that generate it), trajectories, the contact sheet (a row per prompt, labelled with
     it; the prompt's conditioning image first when the request had ``condition_images``) and
-    rollout.json into ``out``."""
-    trajectories = collect(events, condition_images)
+    rollout.json into ``out``: of every sample of ``events``, or of ``trajectories`` of them (a search's
+    kept leaves), with ``notes``' entries added to rollout.json."""
+    if trajectories is None:
+        trajectories = collect(events, condition_images)
     started = next(e for e in events if isinstance(e, Started))
     finished = next(e for e in events if isinstance(e, Finished))
     out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +157,7 @@ def save_rollout(out: Path, events: list[Event], condition_images: Sequence[byte
             columns += 1
         sheet = contact_sheet(images, columns=columns, row_labels=resolved.prompts)
         sheet.save(out / "contact-sheet.png")
-    document = summary(started, finished, trajectories)
+    document = {**summary(started, finished, trajectories), **(notes or {})}
     (out / "rollout.json").write_text(json.dumps(document, indent=2) + "\n")
     return trajectories
 

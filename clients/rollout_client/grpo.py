@@ -41,6 +41,28 @@ advantages, the clipped policy loss, the KL penalty and the Flow-GRPO-Fast step 
   Both take ``leaf_rewards`` as a mapping leaf id -> reward (a leaf left out is pruned), compute in
   float64 and return float32 [len(tree)] by node id, NaN at the nodes with no rewarded leaf below.
   (Checked against the papers' abstracts only, not their method sections: those are the rules above.)
+* ``step_grpo_advantages(tree, preview_rewards, leaf_rewards)``: Step-GRPO's (DRM, arXiv 2605.25661)
+  advantages per node. A node n spans the transitions ``start(n) <= i < end(n)``: a child starts at
+  its parent's branch step, where it draws its own eps, and ends at its own next branch step (a leaf
+  at T), so its first state of its own is x_{start(n)+1}. With ``preview_rewards[p][row]`` the reward
+  of the preview (decoded x0_hat) of step p of the row that took it
+  (``rollout_client.preview_rewards.score_previews``) and ``leaf_rewards`` the final images'::
+
+      R(n) = the preview reward at the first preview step p with start(n) < p <= end(n)
+             (p < end(n): n's own row; p = end(n), a branch step: its children's rows, which carry
+             n's x_p and v_p), or, with none there, n's leaf reward (``step_rewards``)
+      A(n) = (R(n) - mean_{S(n)}(R)) / (std_{S(n)}(R) + eps)         (``sibling_advantages``)
+
+  with S(n) n and its siblings: the children of its parent, or for a root the roots of its prompt
+  (a flat rollout's group), the population std over those with a reward. A tied group (std 0) gives
+  each member 0, and a tree without branches gives ``group_advantages`` of the leaf rewards. Each
+  edge (n, i) trains with A(n) (``edge_advantages``); the loss is ``clipped_policy_loss`` over the
+  edges, which ``PolicyUpdate.finish_tree`` of the trainer computes edge by edge::
+
+      loss = mean_{(n, i)} max(-A(n) rho_{n,i}, -A(n) clip(rho_{n,i}, 1 - clip_range, 1 + clip_range))
+
+  Float64 inside, float32 [len(tree)] by node id out; NaN at a node with no transition of its own (a
+  root of a tree that forks at step 0) or no reward (pruned before its state was scored).
 * ``clipped_policy_loss(log_probs, old_log_probs, advantages, clip_range)``: PPO's clipped surrogate
   as FlowGRPO writes it, with ``rho = exp(log_probs - old_log_probs)`` and ``A`` clipped to
   [-adv_clip_max, adv_clip_max] (FlowGRPO: 5)::
@@ -84,7 +106,7 @@ from rollout_core.transformer_call import apply_guidance, call_transformer, stac
 
 if TYPE_CHECKING:
     from rollout_client.trajectory import Trajectory
-    from rollout_core.tree import Tree
+    from rollout_core.tree import Node, Tree
 
 
 def _on(value, device: torch.device):
@@ -427,3 +449,63 @@ def backed_up_advantages(tree: "Tree", leaf_rewards: Mapping[int, float], eps: f
         if len(children):
             advantages[node.id] = children.mean()
     return advantages.float()
+
+
+NO_REWARD = float("nan")
+
+
+def _reward_of(node: "Node", preview_rewards: Mapping[int, Mapping[int, float]], leaf: float) -> float:
+    """R(node) by the module docstring's rule; NaN when its state has no reward (pruned before it)."""
+    previewed = sorted(p for p in preview_rewards if node.start_step < p <= node.end_step)
+    if not previewed:
+        if not node.is_leaf:
+            raise ValueError(
+                f"node {node.id} spans steps {node.start_step} to {node.end_step} with no preview step in "
+                f"({node.start_step}, {node.end_step}]: ask for one there (preview_steps)"
+            )
+        return leaf
+    p = previewed[0]
+    rows = [node.id] if p < node.end_step else list(node.children)
+    return next((float(preview_rewards[p][row]) for row in rows if row in preview_rewards[p]), NO_REWARD)
+
+
+def step_rewards(
+    tree: "Tree", preview_rewards: Mapping[int, Mapping[int, float]], leaf_rewards: Mapping[int, float]
+) -> torch.Tensor:
+    """float64 [len(tree)]: each node's step reward R(n) (see the module docstring), NaN at a node with no
+    transition of its own (a root whose tree forks at step 0) or whose state was not rewarded (a pruned
+    node, whose preview or leaf reward is left out). ValueError when a node that has transitions and
+    is not a leaf has no preview step in its span."""
+    leaves = _leaf_reward_vector(tree, leaf_rewards)
+    rewards = torch.full((len(tree),), NO_REWARD, dtype=torch.float64)
+    for node in tree.nodes:
+        if node.end_step > node.start_step:
+            rewards[node.id] = _reward_of(node, preview_rewards, float(leaves[node.id]))
+    return rewards
+
+
+def sibling_advantages(tree: "Tree", rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """float32 [len(tree)]: each node's reward (float64 [len(tree)], NaN: none) standardised among its
+    siblings (the children of its parent; roots: the roots of its prompt), population std; NaN stays
+    NaN."""
+    keys = [
+        ("prompt", node.prompt_index) if node.depth == 0 else ("parent", node.parent) for node in tree.nodes
+    ]
+    return _standardised_by(rewards.double(), keys, eps).float()
+
+
+def step_grpo_advantages(
+    tree: "Tree",
+    preview_rewards: Mapping[int, Mapping[int, float]],
+    leaf_rewards: Mapping[int, float],
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Step-GRPO's advantage A(n) of every node, float32 [len(tree)] by node id (see the module docstring):
+    ``sibling_advantages`` of ``step_rewards``."""
+    return sibling_advantages(tree, step_rewards(tree, preview_rewards, leaf_rewards), eps)
+
+
+def edge_advantages(tree: "Tree", node_advantages: torch.Tensor) -> torch.Tensor:
+    """[len(tree.edges())]: the advantage each edge (node, step) of ``tree.edges()`` trains with, its
+    node's."""
+    return node_advantages[[node for node, _ in tree.edges()]]

@@ -103,6 +103,9 @@ class Trajectory:
     # WAV where it has one. Not saved.
     previews: dict[int, list[bytes]] = field(default_factory=dict)
     preview_audio: dict[int, bytes] = field(default_factory=dict)
+    # step i -> the reward of ``previews[i]``, for the steps ``preview_rewards.score_previews`` scored
+    # before ``Collector.trajectories()`` built this trajectory. Not saved.
+    step_rewards: dict[int, float] = field(default_factory=dict)
 
     @property
     def streams(self) -> tuple[latent_streams.LatentStream, ...]:
@@ -233,7 +236,9 @@ class Collector:
     ``condition_images``: the request's conditioning image files, one per prompt, which the
     trajectories carry (the stream does not send them back). ``previews[i][node]`` holds the frames'
     PNGs of the preview of step i of each sample or tree node (by frame index), ``preview_audio[i][node]``
-    its WAV, as they arrive.
+    its WAV, as they arrive; ``previewed`` the steps whose previews have all arrived (the last said so).
+    ``step_rewards[i][node]`` holds the reward of each preview of step i, once
+    ``rollout_client.preview_rewards.score_previews`` has scored it.
     """
 
     def __init__(self, condition_images: Sequence[bytes] = ()):
@@ -252,6 +257,8 @@ class Collector:
         self.stream_log_probs: dict[str, torch.Tensor] = {}  # stream -> [B, T]
         self.previews: dict[int, dict[int, dict[int, bytes]]] = {}  # step -> node -> frame -> PNG
         self.preview_audio: dict[int, dict[int, bytes]] = {}  # step -> node -> WAV
+        self.previewed: set[int] = set()
+        self.step_rewards: dict[int, dict[int, float]] = {}  # step -> node -> reward of its preview
 
     def add(self, event: Event) -> None:
         if isinstance(event, Started):
@@ -294,6 +301,8 @@ class Collector:
             else:
                 by_node = self.previews.setdefault(event.step, {})
                 by_node.setdefault(media.sample_index, {})[media.frame_index] = media.png
+            if event.last:
+                self.previewed.add(event.step)
         elif isinstance(event, Finished):
             self.finished = event
 
@@ -448,6 +457,11 @@ def _trajectories(collector: Collector, latents, rows, leaves) -> list[Trajector
                 preview_audio={
                     i: by_node[took(k, i)]
                     for i, by_node in collector.preview_audio.items()
+                    if took(k, i) in by_node
+                },
+                step_rewards={
+                    i: by_node[took(k, i)]
+                    for i, by_node in collector.step_rewards.items()
                     if took(k, i) in by_node
                 },
             )

@@ -191,6 +191,17 @@ class CheckpointConfig(Options):
     state: dict | None = None  # the checkpoint a resumed run goes on from (TrainConfig loads it)
 
 
+def parse_search_steps(text: str) -> list[int]:
+    """--search-steps' steps; ValueError unless they are integers at least 0, strictly increasing."""
+    try:
+        steps = [int(item) for item in text.split(",")]
+    except ValueError:
+        raise ValueError(f"not integers separated by commas: {text!r}") from None
+    if steps[0] < 0 or any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+        raise ValueError(f"must be at least 0 and strictly increasing, got {text!r}")
+    return steps
+
+
 @dataclasses.dataclass
 class EvalConfig(Options):
     """The shapes task's eval of the policy."""
@@ -212,6 +223,28 @@ class EvalConfig(Options):
         "the eval's first seed, the same for every run and checkpoint (its evals are paired)",
         rule=SEED,
     )
+    prompts: int = option(
+        0,
+        "with --eval-every: evaluate on the first this many eval prompts only (0: all of them)",
+        rule=at_least(0),
+    )
+    search: int = option(
+        0,
+        "with --eval-every: also evaluate with step-wise search, the best of K children by --reward on "
+        "their previews at each --search-steps step, its forwards beside plain sampling's (0: none)",
+        flag="--search",
+        rule=number("0 or at least 2", lambda value: value == 0 or value >= 2, integer=True),
+    )
+    search_steps: str = option(
+        "0,2,4",
+        "with --search: the steps it branches at, strictly increasing, comma-separated",
+        flag="--search-steps",
+        rule=parses(parse_search_steps),
+    )
+
+    @property
+    def searched_steps(self) -> list[int]:
+        return parse_search_steps(self.search_steps)
 
 
 @dataclasses.dataclass
@@ -251,8 +284,8 @@ class TrainConfig(Options):
 
     algorithm: str = option(
         "flowgrpo",
-        "FlowGRPO's clipped policy loss on the stochastic steps, or DiffusionNFT's or AWM's on the "
-        "final latents",
+        "FlowGRPO's clipped policy loss on the stochastic steps, DiffusionNFT's or AWM's on the "
+        "final latents, or Step-GRPO's on --tree's edges, each with its own step's advantage",
         choices=lambda: [name for name in ALGORITHMS if name != "tree"],  # --tree selects that one
     )
     iterations: int = option(70, rule=at_least(1))
@@ -331,6 +364,10 @@ class TrainConfig(Options):
             yield "--colocate releases the server's memory while the policy trains: it needs sync mode"
         if self.eval.every and rollout.prompt_set != "shapes":
             yield "--eval-every is for the shapes task: it needs --prompt-set shapes"
+        if self.eval.search and not self.eval.every:
+            yield "--search evaluates with step-wise search: it needs --eval-every"
+        if self.eval.search and self.eval.searched_steps[-1] >= rollout.steps:
+            yield f"--search-steps must be below --steps ({rollout.steps})"
         if rollout.group_size * self.tree.leaves_per_root() < 2:
             yield (
                 "argument --group-size: must be at least 2 (advantages are standardised within a prompt's "

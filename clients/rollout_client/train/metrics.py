@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from rollout_client import RolloutClient, Trajectory
+    from rollout_client.rewards import Reward
     from rollout_client.shapes_eval import ShapesEval
     from rollout_client.train.config import TrainConfig
 
@@ -41,7 +42,33 @@ COLUMNS = [
     "policy_grad_norm",
     "anchor_grad_norm",
     "velocity_norm_ratio",
+    "eval_accuracy_defaults",
+    "eval_se_defaults",
+    "eval_accuracy_search",
+    "eval_se_search",
+    "eval_forwards_search",
+    "eval_plain_forwards_search",
+    "eval_accuracy_search_defaults",
+    "eval_se_search_defaults",
+    "eval_forwards_search_defaults",
+    "eval_plain_forwards_search_defaults",
 ]
+# A policy's evals, by name: at the training's sampling settings (``eval_accuracy``, ``eval_se``), at the
+# server's defaults, and with --search each of those with step-wise search (``eval_accuracy_<name>``,
+# ``eval_se_<name>``, and a search's ``eval_forwards_<name>`` beside ``eval_plain_forwards_<name>``).
+TRAINING, DEFAULTS, SEARCH, SEARCH_DEFAULTS = "training", "defaults", "search", "search_defaults"
+EVAL_LABELS = {
+    TRAINING: "at the training's settings",
+    DEFAULTS: "at the server's defaults",
+    SEARCH: "with step-wise search, at the training's settings",
+    SEARCH_DEFAULTS: "with step-wise search, at the server's defaults",
+}
+
+
+def step_reward_column(step: int) -> str:
+    """The column of the mean reward of step ``step``'s previews (an algorithm's ``columns()``: Step-GRPO's
+    intermediate rewards, one column per preview step of its run)."""
+    return f"step_reward_mean/step{step}"
 
 
 def save_images(trajectories: list["Trajectory"], folder: Path) -> None:
@@ -118,9 +145,11 @@ def eval_grid(result: "ShapesEval", path: Path) -> None:
     eval_sheet(result).save(path)
 
 
-def evaluate(client: "RolloutClient", config: "TrainConfig") -> "ShapesEval":
-    """The served policy's eval on the shapes task, at the training size and steps, ODE, with --cfg."""
-    from rollout_client.shapes_eval import eval_request, evaluate_policy
+def evaluate(client: "RolloutClient", config: "TrainConfig", reward: "Reward") -> dict[str, "ShapesEval"]:
+    """The served policy's evals on the shapes task, by name (``TRAINING`` ...): ODE at the training
+    size, at its steps and --cfg and at the server's defaults; with --search also step-wise search at
+    each, scored by ``reward`` (the run's) on previews."""
+    from rollout_client.shapes_eval import at_server_defaults, eval_request, evaluate_policy, evaluate_search
 
     request = eval_request(
         samples=config.eval.samples,
@@ -129,24 +158,53 @@ def evaluate(client: "RolloutClient", config: "TrainConfig") -> "ShapesEval":
         seed=config.eval.seed,
         true_cfg_scale=config.rollout.cfg,
     )
-    return retrying(
-        "eval", functools.partial(evaluate_policy, client, request), config.server.retries, client.address
-    )
+    if config.eval.prompts:
+        request.prompts[:] = request.prompts[: config.eval.prompts]
+    requests = {TRAINING: request, DEFAULTS: at_server_defaults(request)}
+    evals = {name: functools.partial(evaluate_policy, client, r) for name, r in requests.items()}
+    if config.eval.search:
+        steps = config.eval.searched_steps
+        evals[SEARCH] = functools.partial(evaluate_search, client, request, reward, config.eval.search, steps)
+        evals[SEARCH_DEFAULTS] = functools.partial(
+            evaluate_search, client, requests[DEFAULTS], reward, config.eval.search, steps
+        )
+    retries, address = config.server.retries, client.address
+    return {name: retrying(f"eval ({name})", run, retries, address) for name, run in evals.items()}
 
 
-def record_eval(path: Path, when: str, result: "ShapesEval") -> dict | None:
-    """Writes ``result``'s table, its accuracy +- standard error and every image's score into eval.json
+def eval_columns(results: dict[str, "ShapesEval"] | None) -> dict[str, float]:
+    """The metrics columns of an iteration's evals (NaN where none ran)."""
+    row = {}
+    for name in (TRAINING, DEFAULTS, SEARCH, SEARCH_DEFAULTS):
+        result = (results or {}).get(name)
+        suffix = "" if name == TRAINING else f"_{name}"
+        row[f"eval_accuracy{suffix}"] = math.nan if result is None else result.accuracy
+        row[f"eval_se{suffix}"] = math.nan if result is None else result.standard_error
+        if name in (SEARCH, SEARCH_DEFAULTS):
+            row[f"eval_forwards{suffix}"] = math.nan if result is None else result.forwards
+            row[f"eval_plain_forwards{suffix}"] = math.nan if result is None else result.plain_forwards
+    return row
+
+
+def record_eval(path: Path, when: str, results: dict[str, "ShapesEval"]) -> dict[str, dict]:
+    """Writes each eval's table, its accuracy +- standard error and every image's score into eval.json
     as ``when``: "before" starts the file afresh, "after" is added to what a run (resumed or not) wrote
-    before, with the paired difference to "before" (same prompts and seeds); returns that pairing."""
+    before, with the paired difference to "before" (same prompts and seeds). The training settings'
+    are at the top (``before``, ``after``, ``images``, ``paired``), each other eval's the same under its
+    name (``defaults`` ...). Returns the pairings by eval name."""
     from rollout_client.shapes_eval import paired_difference
 
-    tables = json.loads(path.read_text()) if when != "before" and path.exists() else {}
-    tables[when] = result.summary()
-    tables.setdefault("images", {})[when] = {"prompts": result.prompts, "correct": result.correct}
-    paired = None
-    if when == "after" and "before" in tables["images"]:
-        before = tables["images"]["before"]
-        paired = paired_difference(before["correct"], result.correct, result.prompts, before["prompts"])
-        tables["paired"] = paired
-    path.write_text(json.dumps(tables, indent=2) + "\n")
-    return paired
+    document = json.loads(path.read_text()) if when != "before" and path.exists() else {}
+    pairings = {}
+    for name, result in results.items():
+        tables = document if name == TRAINING else document.setdefault(name, {})
+        tables[when] = result.summary()
+        tables.setdefault("images", {})[when] = {"prompts": result.prompts, "correct": result.correct}
+        if when == "after" and "before" in tables["images"]:
+            before = tables["images"]["before"]
+            tables["paired"] = paired_difference(
+                before["correct"], result.correct, result.prompts, before["prompts"]
+            )
+            pairings[name] = tables["paired"]
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    return pairings

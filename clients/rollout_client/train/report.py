@@ -3,7 +3,9 @@
 Per iteration, every numeric column of the metrics row as a scalar (``train/<column>``, the step the
 iteration); at each eval, ``eval/accuracy`` and its standard error ``eval/accuracy_stderr`` (with
 TensorBoard, a custom scalar chart draws the accuracy between ``eval/accuracy_lower`` and
-``eval/accuracy_upper``, one standard error either side) and the eval's framed grid; at the first and
+``eval/accuracy_upper``, one standard error either side) and the eval's framed grid (the other evals,
+at the server's defaults and with --search, as ``train/eval_accuracy_<name>`` columns, and after the
+last iteration as ``eval/accuracy_<name>``); at the first and
 last iteration and every --eval-every, a grid of the iteration's samples (a row per prompt, labelled
 with its mean reward) and each prompt's mean reward (``reward_per_prompt/p<index>``). W&B runs offline
 only: it writes its run under --out/wandb and sends nothing.

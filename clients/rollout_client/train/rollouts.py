@@ -62,11 +62,11 @@ def stochastic_steps(collector: Collector) -> list[int]:
 
 
 def rollout_request(
-    config: "TrainConfig", iteration: int, min_version: int, latents: int
+    config: "TrainConfig", iteration: int, min_version: int, latents: int, preview_steps: list[int] = ()
 ) -> rollout_pb2.RolloutRequest:
     """Iteration ``iteration``'s request: its prompts, seeds never repeated across iterations, the
     --window's stochastic steps (with --tree-sde forks, the tree's branch steps), the algorithm's
-    ``latents`` selection, and the policy it needs."""
+    ``latents`` selection and ``preview_steps``, and the policy it needs."""
     generator = torch.Generator().manual_seed(config.seed + iteration)
     window = (
         sde_window(config.rollout.steps, config.rollout.window, generator) if config.rollout.window else []
@@ -92,7 +92,7 @@ def rollout_request(
         branches=branches,
         # The early-termination rule scores each node's preview (its decoded x0_hat) at that step; the
         # server waits for its prune after it.
-        preview_steps=[] if config.tree.prune_at is None else [config.tree.prune_at],
+        preview_steps=sorted(set(preview_steps) | ({config.tree.prune_at} - {None})),
         prune_points=[] if config.tree.prune_at is None else [config.tree.prune_at],
     )
 

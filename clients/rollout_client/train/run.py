@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout_client import RolloutClient, read_token
+from rollout_client.train.algorithms import ALGORITHMS
 from rollout_client.train.distributed import Ranks
 from rollout_client.train.rollouts import CHANNEL_OPTIONS, ServerFailure, retrying
 from rollout_client.train.trainer import Trainer
@@ -49,6 +50,17 @@ def run(config: "TrainConfig") -> tuple[list[dict], float, Ranks]:
                 )
             if config.tree.prune_at is not None and wire.FEATURE_PREVIEWS not in info.features:
                 raise ServerFailure(f"the server at {address} sends no previews: --prune-at scores them")
+            if ALGORITHMS[config.algorithm_name].preview_steps(config) and (
+                wire.FEATURE_PREVIEWS not in info.features
+            ):
+                raise ServerFailure(
+                    f"the server at {address} sends no previews: --algorithm {config.algorithm} scores them"
+                )
+            needed = (wire.FEATURE_PREVIEWS, wire.FEATURE_PRUNE_POINTS)
+            if config.eval.search and not all(feature in info.features for feature in needed):
+                raise ServerFailure(
+                    f"the server at {address} sends no previews or holds no rollout: --search needs both"
+                )
             if config.server.colocate and wire.FEATURE_RELEASE_MEMORY not in info.features:
                 raise ServerFailure(f"the server at {address} cannot release its memory: --colocate needs it")
             model_path = config.server.model_path or Path(info.model_path)

@@ -27,6 +27,9 @@ from rollout_client.train.config import CHECKPOINT
 from rollout_client.train.finite import NonFinite, non_finite_tensor
 from rollout_client.train.metrics import (
     COLUMNS,
+    EVAL_LABELS,
+    TRAINING,
+    eval_columns,
     eval_grid,
     evaluate,
     plot_accuracy,
@@ -147,7 +150,10 @@ class Trainer:
     # The server's part of an iteration.
 
     def request(self, iteration: int, version: int):
-        return rollout_request(self.config, iteration, version, self.algorithm.latents)
+        algorithm = self.algorithm
+        return rollout_request(
+            self.config, iteration, version, algorithm.latents, algorithm.preview_steps(self.config)
+        )
 
     def roll_out(self, iteration: int, bar: tqdm, pushed: int | None) -> tuple[Rollout, int, float]:
         """Push the trainer's policy (unless rank 0 ``pushed`` it), and roll out this rank's share
@@ -247,15 +253,15 @@ class Trainer:
         if not 0 <= version - rollout.policy_version <= self.staleness:
             raise RuntimeError(f"iteration {iteration} ran on policy {rollout.policy_version}, not {version}")
 
-        result, eval_seconds = None, math.nan
+        result, eval_seconds = None, math.nan  # the evals by name (metrics.TRAINING ...), where one ran
         if config.eval.every and iteration % config.eval.every == 0 and ranks.leader:
             eval_start = time.perf_counter()
             result = self.evaluate()  # the policy before this iteration's update
             eval_seconds = time.perf_counter() - eval_start
             if iteration == 0:
                 record_eval(config.checkpoint.out / "eval.json", "before", result)
-                eval_grid(result, config.checkpoint.out / "samples" / "eval-before.png")
-            self.report.eval_images(result, iteration)
+                eval_grid(result[TRAINING], config.checkpoint.out / "samples" / "eval-before.png")
+            self.report.eval_images(result[TRAINING], iteration)
 
         trajectories = rollout.trajectories
         samples = [SampleInfo(t.prompt_index, t.sample_index, t.seed, t.policy_version) for t in trajectories]
@@ -290,8 +296,7 @@ class Trainer:
             "train_seconds": time.perf_counter() - train_start,
             "update_seconds": push_seconds,
             "iteration_seconds": time.perf_counter() - start,
-            "eval_accuracy": math.nan if result is None else result.accuracy,
-            "eval_se": math.nan if result is None else result.standard_error,
+            **eval_columns(result),
             "velocity_norm_ratio": math.nan if self.probe is None else self.probe.ratio(self.transformer),
             "transformer_rows": rollout.collector.finished.message.transformer_rows,
             "prune_asked": rollout.prune_asked,
@@ -313,13 +318,13 @@ class Trainer:
         with self.evaluated_weights():
             return self.pusher.push()
 
-    def evaluate(self) -> "ShapesEval":
+    def evaluate(self) -> dict[str, "ShapesEval"]:
         """Evaluate the evaluated weights (the EMA, or the trained ones), pushed first where the server
-        rolls out with others."""
+        rolls out with others: the evals by name (``metrics.evaluate``)."""
         if self.ema is not None or self.algorithm.own_rollout_policy:
             what = "the eval's push"
             retrying(what, self.push_evaluated_policy, self.config.server.retries, self.client.address)
-        return evaluate(self.client, self.config)
+        return evaluate(self.client, self.config, self.reward)
 
     def save_checkpoint(self) -> None:
         """Write the checkpoint of ``self.rows``' iterations over the last one, unless a trained weight
@@ -370,7 +375,9 @@ class Trainer:
         )
         with open(metrics_path, "w", newline="") as metrics, self.prefetch, progress:
             writer = csv.DictWriter(
-                metrics, fieldnames=COLUMNS + self.reward.columns(), extrasaction="ignore"
+                metrics,
+                fieldnames=COLUMNS + self.algorithm.columns() + self.reward.columns(),
+                extrasaction="ignore",
             )
             writer.writeheader()
             writer.writerows(self.rows)
@@ -408,22 +415,38 @@ class Trainer:
         try:
             retrying("the final push", self.push_evaluated_policy, config.server.retries, self.client.address)
             if config.eval.every:
-                final = evaluate(self.client, config)
+                finals = evaluate(self.client, config, self.reward)
         except ServerFailure as failure:
             raise ServerFailure(f"{failure}; the run is complete, its policy in {saved_policy}") from failure
         finally:
             self.pusher.close()
         if config.eval.every:
-            paired = record_eval(out / "eval.json", "after", final)
+            pairings = record_eval(out / "eval.json", "after", finals)
+            final = finals[TRAINING]
             eval_grid(final, out / "samples" / "eval-after.png")
             done = len(self.rows)
             self.report.accuracy(final.accuracy, final.standard_error, done)
             self.report.eval_images(final, done)
             plot_accuracy(self.rows, (done, final.accuracy, final.standard_error), out / "accuracy.png")
-            say(
-                f"eval accuracy after {done} iterations: {final.accuracy:.3f} +- {final.standard_error:.3f}"
-                + ("" if paired is None else f" ({paired['difference']:+.3f} +- {paired['se']:.3f} paired)")
-            )
+            for name, result in finals.items():
+                paired = pairings.get(name)
+                if name != TRAINING:  # the training settings' went in as eval/accuracy
+                    scalars = {"accuracy": result.accuracy, "accuracy_stderr": result.standard_error}
+                    self.report.scalars({f"eval/{key}_{name}": value for key, value in scalars.items()}, done)
+                say(
+                    f"eval accuracy after {done} iterations {EVAL_LABELS[name]}: "
+                    f"{result.accuracy:.3f} +- {result.standard_error:.3f}"
+                    + (
+                        ""
+                        if paired is None
+                        else f" ({paired['difference']:+.3f} +- {paired['se']:.3f} paired)"
+                    )
+                    + (
+                        ""
+                        if result.forwards is None
+                        else f", {result.forwards} forwards ({result.plain_forwards} plain)"
+                    )
+                )
 
 
 def _or_zero(seconds: float) -> float:

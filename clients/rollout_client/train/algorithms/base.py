@@ -13,11 +13,13 @@ An iteration of ``Trainer.train_step`` runs, for its algorithm:
 Every push of the policy the server rolls out with happens inside ``rollout_weights()`` (DiffusionNFT's
 old policy swaps itself in there), and ``state()`` is checkpointed with the run.
 
-``latents`` is what its requests ask the server to stream, and ``refusal(config, world)`` the configs it
-cannot train with (``TrainConfig`` refuses them). Register a new algorithm with
-``@register("name")`` in a module of this package imported by its ``__init__``; ``--algorithm name``
-then selects it. ``@register("name", options=SomeConfig)`` also registers the algorithm's options (an
-``Options`` dataclass, with its flags): every ``TrainConfig`` holds them as ``config.<SomeConfig.KEY>``.
+``latents`` is what its requests ask the server to stream, ``preview_steps(config)`` the steps whose
+previews (decoded x0_hat) they ask for, ``refusal(config, world)`` the configs it cannot train with
+(``TrainConfig`` refuses them), and ``columns()`` the metrics columns it adds to ``metrics.COLUMNS``.
+Register a new algorithm with ``@register("name")`` in a module of this package imported by its
+``__init__``; ``--algorithm name`` then selects it. ``@register("name", options=SomeConfig)`` also
+registers the algorithm's options (an ``Options`` dataclass, with its flags): every ``TrainConfig``
+holds them as ``config.<SomeConfig.KEY>``.
 """
 
 import contextlib
@@ -64,6 +66,12 @@ class Algorithm:
         error), or None."""
         return None
 
+    @classmethod
+    def preview_steps(cls, config: "TrainConfig") -> list[int]:
+        """The steps whose previews its rollouts need (``RolloutRequest.preview_steps``), beside
+        --prune-at's."""
+        return []
+
     def __init__(self, trainer: "Trainer"):
         self.trainer = trainer
         self.config = trainer.config
@@ -98,6 +106,10 @@ class Algorithm:
     def ratio_max_dev(self) -> float:
         """The largest |exp(logp_new - logp_old) - 1| of the update (NaN where no step is scored)."""
         return math.nan
+
+    def columns(self) -> list[str]:
+        """The metrics columns its rows add to ``metrics.COLUMNS`` (the run's, the same every row)."""
+        return []
 
     def metrics(self, rollout: "Rollout") -> dict:
         """The algorithm's columns of the metrics row: ``kl``, ``scored_steps``, ``pruned_leaves``,
