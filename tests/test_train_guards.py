@@ -151,6 +151,7 @@ def test_arguments_that_cannot_train_are_refused(capsys, flag, value, message):
     [
         (["--tree", "1:2", "--window", "2"], "--window does not go with --tree"),
         (["--tree", "1:2", "--algorithm", "nft"], "--tree trains edges with FlowGRPO's loss"),
+        (["--tree", "1:2", "--algorithm", "awm"], "it does not go with --algorithm awm"),
         (["--tree", "9:2", "--steps", "6"], "--tree: every branch step must be in [0, --steps)"),
         (["--tree", "1-2"], "--tree: not step:factor[:noise_level]: '1-2'"),
         (["--tree", "1:1", "--group-size", "1"], "argument --group-size: must be at least 2"),

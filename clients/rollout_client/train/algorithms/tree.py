@@ -96,8 +96,9 @@ class TreeGRPO(FlowGRPO):
         flags = config.rollout.flags_set("window", "score_while_streaming")
         if flags:
             return f"{flags[0]} does not go with --tree"
-        if config.algorithm == "nft":
-            return "--tree trains edges with FlowGRPO's loss: it does not go with --algorithm nft"
+        if config.algorithm in ("nft", "awm"):
+            algorithm = config.algorithm
+            return f"--tree trains edges with FlowGRPO's loss: it does not go with --algorithm {algorithm}"
         return None
 
     def __init__(self, trainer):
