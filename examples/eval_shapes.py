@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default="shapes", help="preset or folder for the server we start")
     parser.add_argument("--lora", type=Path, help="a PEFT adapter folder to evaluate")
     parser.add_argument("--samples", type=int, default=4, help="images per prompt")
+    parser.add_argument(
+        "--prompts", type=int, default=0, help="evaluate on the first this many eval prompts only (0: all)"
+    )
     parser.add_argument("--steps", type=int, help="denoising steps (default: the server's)")
     parser.add_argument("--size", type=int, default=64, help="image height and width")
     parser.add_argument("--seed", type=int, default=0)
@@ -66,7 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--json", type=Path, help="also write the tables here, by settings (settings, defaults, search ...)"
     )
     parser.add_argument("--out", type=Path, default=Path("eval-shapes-output"), help="server log folder")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.prompts < 0:
+        parser.error("--prompts must be 0 (every eval prompt) or more")
+    return args
 
 
 def evaluate(client: RolloutClient, args: argparse.Namespace) -> dict[str, ShapesEval]:
@@ -74,7 +80,12 @@ def evaluate(client: RolloutClient, args: argparse.Namespace) -> dict[str, Shape
     --cfg) and ``defaults`` (the server's; the same eval where nothing is set), and with --search each
     with step-wise search (``search``, ``search_defaults``)."""
     request = eval_request(
-        samples=args.samples, steps=args.steps, size=args.size, seed=args.seed, true_cfg_scale=args.cfg
+        samples=args.samples,
+        steps=args.steps,
+        size=args.size,
+        seed=args.seed,
+        true_cfg_scale=args.cfg,
+        prompts=args.prompts,
     )
     requests = {"settings": request, "defaults": at_server_defaults(request)}
     results = {"settings": evaluate_policy(client, request)}

@@ -24,11 +24,13 @@ from rollout_core import scenes
 # stay in this band (the full 20-step table is in docs/training.md).
 BASE_ACCURACY = (0.2, 0.6)
 EVAL_STEPS = 10
+# The training run evaluates on the first this many eval prompts (single objects and counts).
+EVAL_PROMPTS = 16
 TRAINING = [
     "--prompt-set", "shapes",
     "--reward", "rollout_client.rewards.shapes:geneval_reward",
     "--iterations", "2", "--prompts", "2", "--group-size", "4", "--steps", "4", "--size", "64",
-    "--window", "2", "--eval-every", "2", "--eval-samples", "1",
+    "--window", "2", "--eval-every", "2", "--eval-samples", "1", "--eval-prompts", str(EVAL_PROMPTS),
 ]  # fmt: skip
 # Four train prompts the base model draws right only sometimes (a single shape it often draws twice,
 # a count, a pair), anchored DiffusionNFT's fix of them, and the held fixed rollout that measures the
@@ -88,9 +90,9 @@ def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lor
     training_server, tmp_path, capsys
 ):
     """`make train-shapes` in miniature: on policy every iteration, the eval tables and grids before
-    and after, at the training's settings and at the server's defaults, and the final adapter pushed
-    by eval_shapes.py scores exactly as the trainer's own final evals did (the same requests on the
-    same weights)."""
+    and after (on the first EVAL_PROMPTS eval prompts), at the training's settings and at the server's
+    defaults, and the final adapter pushed by eval_shapes.py scores exactly as the trainer's own final
+    evals did (the same requests on the same weights)."""
     out = tmp_path / "train"
     rows = run_trainer(training_server, TRAINING, out)
     assert all(float(row["ratio_max_dev"]) <= TOLERANCE for row in rows)
@@ -98,20 +100,25 @@ def test_a_training_run_evaluates_before_and_after_and_eval_shapes_reads_its_lor
     tables = json.loads((out / "eval.json").read_text())
     assert set(tables) == {"before", "after", "images", "paired", "defaults"}
     assert set(tables["defaults"]) == {"before", "after", "images", "paired"}
-    assert tables["before"]["overall"]["total"] == len(scenes.eval_prompts())
-    assert float(rows[0]["eval_accuracy"]) == pytest.approx(tables["before"]["overall"]["correct"] / 64)
+    prompts = list(scenes.eval_prompts())[:EVAL_PROMPTS]
+    assert tables["before"]["overall"]["total"] == EVAL_PROMPTS
+    assert float(rows[0]["eval_accuracy"]) == pytest.approx(
+        tables["before"]["overall"]["correct"] / EVAL_PROMPTS
+    )
     # The pairing compares the same images: its difference is that of the two accuracies.
     paired, images = tables["paired"], tables["images"]
-    assert images["before"]["prompts"] == images["after"]["prompts"] == list(scenes.eval_prompts())
+    assert images["before"]["prompts"] == images["after"]["prompts"] == prompts
     assert paired["difference"] == pytest.approx(
         tables["after"]["accuracy"]["mean"] - tables["before"]["accuracy"]["mean"]
     )
-    assert paired["images"] == 64 and float(rows[0]["eval_se"]) == tables["before"]["accuracy"]["se"] > 0
+    assert paired["images"] == EVAL_PROMPTS
+    assert float(rows[0]["eval_se"]) == tables["before"]["accuracy"]["se"] > 0
     for name in ("accuracy.png", "reward.png", "samples/eval-before.png", "samples/eval-after.png"):
         assert Image.open(out / name).format == "PNG"
 
     table_path = tmp_path / "eval.json"
-    flags = ["--lora", out / "lora", "--samples", "1", "--steps", "4", "--seed", "2024", "--json", table_path]
+    flags = ["--lora", out / "lora", "--samples", "1", "--prompts", str(EVAL_PROMPTS), "--steps", "4"]
+    flags += ["--seed", "2024", "--json", table_path]
     run_example("eval_shapes", "--server", training_server.address, *flags)
     printed = capsys.readouterr().out
     assert "| overall |" in printed and "at the server's defaults (its steps and CFG):" in printed
@@ -140,6 +147,16 @@ def test_the_shapes_flags_need_the_shapes_prompt_set(flag, capsys):
         example_module("train_grpo").parse_args([flag, "2"])
     assert refused.value.code == 2
     assert f"{flag} is for the shapes task: it needs --prompt-set shapes" in capsys.readouterr().err
+
+
+def test_eval_shapes_takes_the_first_prompts_and_refuses_a_negative_count(capsys):
+    parse_args = example_module("eval_shapes").parse_args
+    request = eval_request(prompts=parse_args(["--prompts", "3"]).prompts)
+    assert list(request.prompts) == list(scenes.eval_prompts()[:3])
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--prompts", "-1"])
+    assert refused.value.code == 2
+    assert "--prompts must be 0 (every eval prompt) or more" in capsys.readouterr().err
 
 
 def mean_dense_reward(client) -> float:

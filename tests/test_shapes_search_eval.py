@@ -52,8 +52,9 @@ def test_the_trainers_evals_are_at_its_settings_at_the_servers_defaults_and_with
     info = shapes_client.server_info()
     defaults = info.defaults
     cfg = defaults.true_cfg_scale if defaults.HasField("true_cfg_scale") else None
-    explicit = eval_request(samples=1, steps=defaults.num_steps, size=64, seed=2024, true_cfg_scale=cfg)
-    explicit.prompts[:] = explicit.prompts[:PROMPTS]
+    explicit = eval_request(
+        samples=1, steps=defaults.num_steps, size=64, seed=2024, true_cfg_scale=cfg, prompts=PROMPTS
+    )
     written_out = evaluate_policy(shapes_client, explicit)
     assert [png(i) for i in written_out.images] == [png(i) for i in results[DEFAULTS].images]
     assert defaults.num_steps != STEPS  # so the two settings differ
@@ -76,8 +77,7 @@ def test_best_of_n_keeps_each_images_best_candidate_by_the_reward(shapes_client)
     """Best-of-1 is plain sampling (the same request: bitwise); best-of-2 keeps, image by image, the
     candidate the reward scores higher (the first on a tie) of the plain image and the one from the
     documented second seed, each recomputed here."""
-    request = eval_request(samples=2, steps=STEPS, size=64, seed=7)
-    request.prompts[:] = list(scenes.eval_prompts())[:6]
+    request = eval_request(samples=2, steps=STEPS, size=64, seed=7, prompts=PROMPTS)
     plain = evaluate_policy(shapes_client, request)
     reward = shapes.geneval_reward
     one = evaluate_best_of(shapes_client, request, reward, 1, plain_forwards=100)

@@ -100,14 +100,23 @@ def paired_difference(
 
 
 def eval_request(
-    *, samples: int = 1, steps: int = 20, size: int = 64, seed: int = 0, true_cfg_scale: float | None = None
+    *,
+    samples: int = 1,
+    steps: int = 20,
+    size: int = 64,
+    seed: int = 0,
+    true_cfg_scale: float | None = None,
+    prompts: int = 0,
 ) -> rollout_pb2.RolloutRequest:
-    """The eval rollout: every eval prompt, ``samples`` ODE images each, without latents. CFG is the
-    server's default unless ``true_cfg_scale`` is given (the shapes preset's: 3, against the empty
-    prompt)."""
+    """The eval rollout: every eval prompt (the first ``prompts`` only, unless 0), ``samples`` ODE
+    images each, without latents. CFG is the server's default unless ``true_cfg_scale`` is given (the
+    shapes preset's: 3, against the empty prompt)."""
+    if prompts < 0:
+        raise ValueError(f"prompts must be 0 (every eval prompt) or more, not {prompts}")
+    every = scenes.eval_prompts()
     return rollout_pb2.RolloutRequest(
         request_id="eval-shapes",
-        prompts=scenes.eval_prompts(),
+        prompts=every[:prompts] if prompts else every,
         samples_per_prompt=samples,
         base_seed=seed,
         num_steps=steps,

@@ -157,9 +157,8 @@ def evaluate(client: "RolloutClient", config: "TrainConfig", reward: "Reward") -
         size=config.rollout.size,
         seed=config.eval.seed,
         true_cfg_scale=config.rollout.cfg,
+        prompts=config.eval.prompts,
     )
-    if config.eval.prompts:
-        request.prompts[:] = request.prompts[: config.eval.prompts]
     requests = {TRAINING: request, DEFAULTS: at_server_defaults(request)}
     evals = {name: functools.partial(evaluate_policy, client, r) for name, r in requests.items()}
     if config.eval.search:
