@@ -2,12 +2,16 @@
 
 import json
 import logging
+import random
+from collections import Counter
+from itertools import pairwise
 
 import pytest
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
+from rollout_server.families.common import tokenizers
 from rollout_server.families.common.build import TOKENIZER_LENGTH
 from rollout_server.families.common.published import CLIP_L, FLUX_1_VAE, T5_XXL
 from rollout_server.families.flux.published import FLUX_1_DEV, TINY
@@ -134,6 +138,46 @@ def test_t5_tokenizer_round_trips_unseen_text(pipe):
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
     assert ids[-1] == tokenizer.pad_token_id
     assert tokenizer.decode(ids, skip_special_tokens=True) == UNSEEN_TEXT
+
+
+def merged(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    symbols, i = [], 0
+    while i < len(word):
+        if word[i : i + 2] == pair:
+            symbols.append(pair[0] + pair[1])
+            i += 2
+        else:
+            symbols.append(word[i])
+            i += 1
+    return tuple(symbols)
+
+
+def reference_bpe_merges(counts: Counter, num_merges: int) -> list[tuple[str, str]]:
+    """BPE training as its definition reads: count every adjacent pair of every word, merge the most
+    frequent (the smallest pair on a tie) left to right in every word, and again."""
+    words, merges = dict(counts), []
+    while len(merges) < num_merges:
+        pairs = Counter()
+        for word, freq in words.items():
+            for pair in pairwise(word):
+                pairs[pair] += freq
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        words = {merged(word, best): freq for word, freq in words.items()}
+    return merges
+
+
+def test_the_tokenizers_bpe_training_is_the_definitions():
+    """The presets' BPE trainer updates pair counts incrementally; its merges are the recount-everything
+    definition's, on the CLIP corpus and on random words of three letters (runs like "aaaa" whose pairs
+    overlap, ties, and symbols one string makes by several merges)."""
+    rng = random.Random(0)
+    letters = Counter(tuple(rng.choices("abc", k=rng.randint(1, 8))) for _ in range(300))
+    clip = tokenizers._clip_word_counts(tokenizers.CORPUS.splitlines())
+    for counts, num_merges in ((letters, 10_000), (letters, 7), (clip, 300)):
+        assert tokenizers._train_bpe_merges(counts, num_merges) == reference_bpe_merges(counts, num_merges)
 
 
 def test_resolve_model_accepts_folders_and_rejects_unknown_names(tiny_flux, tmp_path):

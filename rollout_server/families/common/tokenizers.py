@@ -6,10 +6,11 @@ unigram for T5) on the caption-like text below. Training is deterministic, so th
 across builds.
 """
 
+import heapq
 import io
 import json
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 from itertools import pairwise
 from pathlib import Path
 
@@ -101,30 +102,52 @@ def _clip_word_counts(lines: list[str]) -> Counter[tuple[str, ...]]:
 
 
 def _train_bpe_merges(counts: Counter[tuple[str, ...]], num_merges: int) -> list[tuple[str, str]]:
-    """Classic BPE training; ties are broken on the pair itself so the result never depends on hash order."""
-    words = dict(counts)
+    """Classic BPE training: merge the most frequent adjacent pair, ties broken on the pair itself so the
+    result never depends on hash order, until ``num_merges`` or no pair is left.
+
+    A merge rewrites only the words that hold its pair, left to right as a tokenizer applies it, and
+    moves only their pairs' counts; the next pair comes off a heap of (-count, pair), an entry whose
+    count is no longer the pair's own being dropped when it surfaces."""
+    words = [list(word) for word in counts]
+    freqs = list(counts.values())
+    pair_counts: Counter[tuple[str, str]] = Counter()
+    holders: defaultdict[tuple[str, str], set[int]] = defaultdict(set)
+    for index, word in enumerate(words):
+        for pair in pairwise(word):
+            pair_counts[pair] += freqs[index]
+            holders[pair].add(index)
+    heap = [(-count, pair) for pair, count in pair_counts.items()]
+    heapq.heapify(heap)
     merges: list[tuple[str, str]] = []
-    while len(merges) < num_merges:
-        pairs: Counter[tuple[str, str]] = Counter()
-        for word, freq in words.items():
-            for pair in pairwise(word):
-                pairs[pair] += freq
-        if not pairs:
-            break
-        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+    while len(merges) < num_merges and heap:
+        negative_count, best = heapq.heappop(heap)
+        if pair_counts.get(best, 0) != -negative_count:
+            continue  # a stale entry: the pair's count moved after it was pushed
         merges.append(best)
-        merged_words = {}
-        for word, freq in words.items():
+        moved = set()
+        for index in holders.pop(best):
+            word, freq = words[index], freqs[index]
             symbols, i = [], 0
             while i < len(word):
-                if word[i : i + 2] == best:
+                if word[i] == best[0] and i + 1 < len(word) and word[i + 1] == best[1]:
                     symbols.append(best[0] + best[1])
                     i += 2
                 else:
                     symbols.append(word[i])
                     i += 1
-            merged_words[tuple(symbols)] = freq
-        words = merged_words
+            for pair in pairwise(word):
+                pair_counts[pair] -= freq
+                moved.add(pair)
+            for pair in pairwise(symbols):
+                pair_counts[pair] += freq
+                holders[pair].add(index)
+                moved.add(pair)
+            words[index] = symbols
+        for pair in moved:
+            if pair_counts[pair] > 0:
+                heapq.heappush(heap, (-pair_counts[pair], pair))
+            else:
+                del pair_counts[pair]
     return merges
 
 
