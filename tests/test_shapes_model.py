@@ -34,8 +34,9 @@ TRAINING = [
 ]  # fmt: skip
 # Two train prompts the base model draws right only sometimes (a single shape it often draws twice),
 # anchored DiffusionNFT's fix of them, and the held fixed rollout that measures the policy before and
-# after: the trainer's own rollout shape. Single shapes are what a short run lifts most: in as many
-# iterations beside one, "two red squares" moved by -0.01 and "a red circle and a blue square" by +0.00.
+# after: the trainer's own rollout shape. Single shapes are what a short run lifts most: each trained
+# as long beside one of these, "two red squares" moved by -0.01 and "a red circle and a blue square" by
+# +0.00 on the held seeds.
 NFT_PROMPTS = ["a purple circle", "a blue circle"]
 NFT_TRAINING = [
     *(flag for prompt in NFT_PROMPTS for flag in ("--prompt", prompt)),
