@@ -21,7 +21,7 @@ from support.families import family_request
 from support.servers import at_server_threads
 
 from rollout.v1 import rollout_pb2
-from rollout_client import Collector, Preview, Step, Trajectory
+from rollout_client import Collector, Preview, Step, collect
 from rollout_client.events import Audio, Image, Started
 from rollout_core.solvers import data_prediction
 from rollout_core.transformer_call import TransformerCall
@@ -107,17 +107,10 @@ def test_image_previews_are_the_pipelines_decode_of_x0_hat(family_client, family
             (png,) = preview_frames(events, step, k)
             np.testing.assert_array_equal(rgb(png), *pil_rgb(expected))
     # The collector gives each trajectory its own; the last step's x0_hat is not the final image.
-    for k, trajectory in enumerate(_collect(events)):
+    for k, trajectory in enumerate(collect(events)):
         assert sorted(trajectory.previews) == [1, 3]
         assert trajectory.previews[3] == preview_frames(events, 3, k)
         assert trajectory.preview(1).size == (64, 64)
-
-
-def _collect(events: list) -> list[Trajectory]:
-    collector = Collector()
-    for event in events:
-        collector.add(event)
-    return collector.trajectories()
 
 
 @pytest.mark.parametrize("family", ["wan"])
@@ -222,7 +215,7 @@ def test_each_tree_node_previews_its_own_x0_hat(family_client, family_pipeline):
     assert not np.array_equal(decoded[1, 1], decoded[1, 2])  # each node its own
     assert not np.array_equal(decoded[3, 3], decoded[3, 4])
     # A leaf's trajectory carries the previews of the nodes on its path.
-    for leaf in _collect(events):
+    for leaf in collect(events):
         assert leaf.previews[1] == preview_frames(events, 1, leaf.node_path[1])
         assert leaf.previews[3] == preview_frames(events, 3, leaf.sample_index)
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 from PIL import Image as PILImage
 from support.families import family_request
+from support.requests import collected
 
 from rollout.v1 import rollout_pb2
-from rollout_client import Collector, Preview, Step
+from rollout_client import Preview, Step
 from rollout_client.cli import main
 from rollout_client.events import Finished, Pruned
 from rollout_client.preview_rewards import score_previews
@@ -64,9 +65,7 @@ def request(**fields) -> rollout_pb2.RolloutRequest:
 def test_each_node_is_rewarded_on_its_own_preview_once_per_distinct_state(shapes_client):
     branches = [rollout_pb2.Branch(step=1, factor=2), rollout_pb2.Branch(step=3, factor=3)]
     events = list(shapes_client.stream(request(branches=branches, preview_steps=[1, 2, 3, 5])))
-    collector = Collector()
-    for event in events:
-        collector.add(event)
+    collector = collected(events)
     reward = CountingReward()
     scored = score_previews(collector, reward)
     tree, prompts = collector.tree, collector.started.message.resolved.prompts
@@ -92,9 +91,7 @@ def test_each_node_is_rewarded_on_its_own_preview_once_per_distinct_state(shapes
 
 def test_a_flat_rollouts_samples_are_rewarded_on_their_previews(shapes_client):
     events = list(shapes_client.stream(request(samples_per_prompt=2, preview_steps=[2])))
-    collector = Collector()
-    for event in events:
-        collector.add(event)
+    collector = collected(events)
     scored = score_previews(collector, geneval_reward)[2]
     for trajectory in collector.trajectories():
         image = trajectory.preview(2)

@@ -11,13 +11,13 @@ import torch
 from support.errors import field_violations, grpcurl, grpcurl_exit, health_status
 from support.families import family_request
 from support.parity import TOLERANCE, assert_replays
-from support.requests import HOLDING_OPTIONS, split_events
+from support.requests import HOLDING_OPTIONS, collected, split_events
 from support.servers import start_server
 
 from rollout.v1 import rollout_pb2
 from rollout_client import RolloutClient, grpo
 from rollout_client.events import Image, Pruned, Step
-from rollout_client.trajectory import Collector, Trajectory
+from rollout_client.trajectory import Trajectory
 from rollout_core import noise
 
 EPS = rollout_pb2.DEBUG_TENSOR_EPS
@@ -61,13 +61,6 @@ def replaced(request: rollout_pb2.RolloutRequest, **fields) -> rollout_pb2.Rollo
         else:
             setattr(copy, name, value)
     return copy
-
-
-def collected(events) -> Collector:
-    collector = Collector()
-    for event in events:
-        collector.add(event)
-    return collector
 
 
 @pytest.mark.parametrize("cfg", [False, True], ids=["cfg-off", "cfg-on"])

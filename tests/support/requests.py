@@ -8,7 +8,7 @@ import numpy as np
 import PIL.Image
 
 from rollout.v1 import rollout_pb2
-from rollout_client import Finished, Image, RolloutClient, Started, Step, Trajectory, collect
+from rollout_client import Collector, Finished, Image, RolloutClient, Started, Step, Trajectory, collect
 
 SAMPLERS = {
     "FLOW_SDE": rollout_pb2.SAMPLER_TYPE_FLOW_SDE,
@@ -55,6 +55,14 @@ def split_events(events: Iterable) -> Rollout:
     images = [event for event in middle if isinstance(event, Image)]
     assert [type(event) for event in middle] == [Step] * len(steps) + [Image] * len(images), kinds
     return Rollout(events, started, steps, images, finished)
+
+
+def collected(events: Iterable) -> Collector:
+    """A Collector fed ``events``: its tree, previews and log-prob tables, not only its trajectories."""
+    collector = Collector()
+    for event in events:
+        collector.add(event)
+    return collector
 
 
 def stream_events(client: RolloutClient, *fields: dict, **more) -> Rollout:
